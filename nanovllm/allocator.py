@@ -1,0 +1,76 @@
+"""The memory seam. A ``BlockAllocator`` owns the KV blocks: their ids, reference counts and free lists, and
+(optionally) which blocks hold which prompt prefixes. It writes a request's ``block_table``; the model runner
+reads it; nothing else touches the allocator's internals.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from nanovllm.registry import Registry
+from nanovllm.request import Request
+
+
+class BlockAllocator(ABC):
+    """Hands out ``num_blocks`` blocks of ``block_size`` token slots each."""
+
+    registered_name: str = "custom"
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks ``request`` lacks to hold its computed tokens plus ``num_new_tokens`` more."""
+        needed = self.blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(request.block_table))
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (evictable cached blocks included)."""
+
+    def can_allocate(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
+        """Could ``allocate(request, num_new_tokens)`` succeed while leaving ``reserve`` blocks free?"""
+        return self.num_new_blocks(request, num_new_tokens) + reserve <= self.num_free_blocks()
+
+    @abstractmethod
+    def allocate(self, request: Request, num_new_tokens: int) -> None:
+        """Extend ``request.block_table`` to cover ``num_new_tokens`` more tokens. Raises ``MemoryError`` if
+        blocks are short (the scheduler checks ``can_allocate`` first)."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release all of ``request``'s blocks and clear its block table."""
+
+    def match_prefix(self, request: Request) -> int:
+        """Attach cached blocks holding a prefix of ``request``'s tokens; return how many tokens they cover
+        (a multiple of ``block_size``, always fewer than the request's tokens). Default: no prefix cache."""
+        return 0
+
+    def on_tokens_computed(self, request: Request) -> None:
+        """``request.num_computed_tokens`` advanced; a prefix cache may now publish its full blocks."""
+
+    def num_cached_blocks(self) -> int:
+        """Free blocks still holding reusable content (a prefix cache's evictable blocks)."""
+        return 0
+
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks()
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests."""
+        return self.num_used_blocks() / self.num_blocks
+
+
+ALLOCATORS: Registry[BlockAllocator] = Registry("allocator", base=BlockAllocator, builtin_packages=("allocators",))
+
+
+def register_allocator(name: str):
+    """Class decorator registering a ``BlockAllocator`` subclass under ``name`` (``allocator.name=<name>``)."""
+    return ALLOCATORS.register(name)

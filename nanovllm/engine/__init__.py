@@ -1,0 +1,1 @@
+"""The engine: scheduler mechanics, model runner, KV cache, and the step loop that ties them together."""

@@ -1,0 +1,217 @@
+"""The engine loop: add requests, then ``step()`` until none is unfinished. One step = schedule, run the
+model once over the flat batch, append sampled tokens, finish requests, record what happened."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from nanovllm.allocator import ALLOCATORS, BlockAllocator
+from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend
+from nanovllm.config import EngineConfig
+from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
+from nanovllm.engine.model_runner import TORCH_DTYPES, ModelRunner
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.models.loader import resolve_model
+from nanovllm.policy import POLICIES, Policy
+from nanovllm.records import StepRecord
+from nanovllm.request import Request, RequestStatus
+from nanovllm.sampling import SamplingParams
+
+PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
+
+
+def build_plugin(registry, spec: PluginSpec, *args: Any) -> Any:
+    """An instance from a name, a ``{"name": ..., **options}`` mapping, or an instance (returned as is)."""
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None)
+        if not name:
+            raise ValueError(f"{registry.kind} config needs a 'name'; registered: {', '.join(registry.names())}")
+        return registry.get(name)(*args, **options)
+    return registry.build(spec, *args)
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler (with its policy and allocator) and the step records."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: PluginSpec = "fcfs",
+        allocator: PluginSpec = "paged",
+        attention: PluginSpec = "torch",
+    ) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+        self.model_dir = resolve_model(config.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
+                             f"got {config.max_model_len}")
+        self.max_model_len = config.max_model_len or model_max
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
+            )
+        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device,
+                                  self.max_model_len, config.seed)
+        runner = self.runner
+        block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
+                                      TORCH_DTYPES[config.dtype])
+        self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
+        scale = runner.head_dim ** -0.5
+        backend: AttentionBackend = build_plugin(
+            ATTENTION_BACKENDS, attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
+        )
+        if not backend.is_available(device):
+            raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}")
+        runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend)
+        self.allocator: BlockAllocator = build_plugin(ALLOCATORS, allocator, self.num_kv_blocks, config.block_size)
+        self.policy: Policy = build_plugin(POLICIES, scheduler)
+        self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        eos = self.hf_config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.vocab_size = self.hf_config.vocab_size
+        self._ids = itertools.count()
+        self.t0 = time.perf_counter()
+        self.step_records: list[StepRecord] = []
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def make_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client_id: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Tokenize and validate a request without adding it (raises ``ValueError`` naming the bad field)."""
+        params = sampling_params or SamplingParams()
+        params.validate()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_tokens(token_ids, params)
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt_token_ids=token_ids, sampling_params=params,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            priority=priority, client_id=client_id, prompt=text, eos_token_ids=self.eos_token_ids,
+        )
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        return request
+
+    def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        total = len(token_ids) + params.max_tokens
+        if len(token_ids) > self.max_model_len or total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but the whole cache has "
+                f"num_kv_blocks={self.num_kv_blocks}; raise num_kv_blocks/kv_cache_memory or lower max_tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request, time.perf_counter())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one engine step; return the requests that finished in it."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule(start)
+        layout = _BatchLayout.of(out.scheduled)
+        finished: list[Request] = []
+        num_sampled = 0
+        if out.scheduled:
+            next_tokens = self.runner.execute(out.scheduled)
+            now = time.perf_counter()
+            for (request, num_new), token in zip(out.scheduled, next_tokens):
+                request.num_computed_tokens += num_new
+                self.allocator.on_tokens_computed(request)
+                if token is None:
+                    continue
+                num_sampled += 1
+                request.append_token(token, now)
+                reason = request.check_stop(self.max_model_len)
+                if reason is not None:
+                    request.finish_reason = reason
+                    request.status = RequestStatus.FINISHED
+                    request.finish_time = now
+                    self.scheduler.finish(request, now)
+                    finished.append(request)
+            self.scheduler._ask("on_step", out.scheduled, now)
+        self._record_step(start, out, layout, num_sampled)
+        return finished
+
+    def _record_step(self, start: float, out: SchedulerOutput, layout: "_BatchLayout", num_sampled: int) -> None:
+        self.step_records.append(StepRecord(
+            step=len(self.step_records),
+            start_time=start - self.t0,
+            duration=time.perf_counter() - start,
+            num_prefill_tokens=layout.prefill_tokens,
+            num_decode_tokens=layout.decode_seqs,
+            num_prefill_seqs=layout.prefill_seqs,
+            num_decode_seqs=layout.decode_seqs,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(out.preempted),
+            kv_blocks_used=self.allocator.num_used_blocks(),
+            kv_blocks_cached=self.allocator.num_cached_blocks(),
+            kv_blocks_free=self.allocator.num_free_blocks(),
+            kv_blocks_total=self.allocator.num_blocks,
+            context_tokens=layout.context_tokens,
+            attn_pairs=layout.attn_pairs,
+            num_sampled=num_sampled,
+        ))
+
+
+@dataclass
+class _BatchLayout:
+    """What a scheduled batch is made of, taken before it runs (for the step record)."""
+
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
+    attn_pairs: int = 0
+
+    @classmethod
+    def of(cls, scheduled: list[tuple[Request, int]]) -> "_BatchLayout":
+        layout = cls()
+        for request, n in scheduled:
+            cached = request.num_computed_tokens
+            # A decode computes the newest output token; anything else (prompt chunks, recompute) is prefill.
+            if n == 1 and request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0:
+                layout.decode_seqs += 1
+            else:
+                layout.prefill_seqs += 1
+                layout.prefill_tokens += n
+            layout.context_tokens += cached + n
+            # Query-key pairs under the causal mask: new token i sees the cached tokens and i + 1 new ones.
+            layout.attn_pairs += n * cached + n * (n + 1) // 2
+        return layout

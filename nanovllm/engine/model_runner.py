@@ -1,0 +1,84 @@
+"""The model runner: turns a scheduled batch into flat tensors once, runs the model over the paged cache,
+computes logits only for the rows that sample, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm.attention.base import AttentionBackend, AttentionMetadata
+from nanovllm.engine.kv_cache import allocate_kv_cache
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.loader import load_weights
+from nanovllm.request import Request
+from nanovllm.sampling import Sampler
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, hf_config, model_dir, dtype: str, device: str, max_model_len: int, seed: int) -> None:
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[dtype]
+        self.hf_config = hf_config
+        with torch.device(self.device):
+            model = LlamaForCausalLM(hf_config, max_positions=max_model_len)
+        load_weights(model, model_dir)
+        self.model = model.to(self.dtype).eval()
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = 0
+        self.backend: AttentionBackend | None = None
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
+        self.block_size = block_size
+        self.kv_cache, views = allocate_kv_cache(
+            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+        backend.bind_kv_caches(views)
+        self.model.bind_attention(backend)
+        self.backend = backend
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for request, num_new in scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            table = request.block_table
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            if end == request.num_tokens:  # the chunk reaches the newest token: this row samples
+                sample_rows.append(len(input_ids) - 1)
+        to = dict(device=self.device, dtype=torch.long)
+        meta = AttentionMetadata(
+            query_lens=query_lens, seq_lens=seq_lens, block_tables=[r.block_table for r, _ in scheduled],
+            slot_mapping=torch.tensor(slots, **to), block_size=bs,
+        )
+        return torch.tensor(input_ids, **to), torch.tensor(positions, **to), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
+        """Run one step. Returns, per scheduled request, its next token, or None for a partial prefill chunk."""
+        input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        self.backend.plan(meta)
+        hidden = self.model(input_ids, positions)
+        sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+        tokens: list[int] = []
+        if sampling:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            generators = [r.generator or self.generator for r in sampling]
+            tokens = self.sampler(logits, [r.sampling_params for r in sampling], generators)
+        next_tokens = iter(tokens)
+        return [next(next_tokens) if r.num_computed_tokens + n == r.num_tokens else None for r, n in scheduled]

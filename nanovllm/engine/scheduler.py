@@ -1,0 +1,201 @@
+"""Scheduler mechanics: budgets, block allocation, preemption by recompute.
+
+Each step the running requests get their next tokens first (a decode, or the next prefill chunk), most urgent
+first; when blocks run out the policy names a victim among those not yet scheduled, which loses its blocks and
+goes back to waiting. Then, if nothing was preempted, waiting requests are admitted in the policy's order until
+a budget or memory says stop. All decisions of *order* come from the ``Policy``; all *state* changes happen here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanovllm.allocator import BlockAllocator
+from nanovllm.policy import Policy, SchedulerView
+from nanovllm.request import Request, RequestStatus
+
+
+class PolicyError(RuntimeError):
+    """A policy method raised or returned something the scheduler cannot use."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)   # request, tokens to compute now
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: Policy,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        self.policy = policy
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Admission keeps a few blocks spare so newly admitted requests do not immediately force preemptions.
+        self.watermark_blocks = int(watermark * allocator.num_blocks)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    # -- queue management ------------------------------------------------------------------------------------
+    def add(self, request: Request, now: float) -> None:
+        self.waiting.append(request)
+        self._ask("on_arrival", request, now)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, now: float) -> None:
+        """Release a finished request's blocks and drop it from the running batch."""
+        self.allocator.free(request)
+        self.running.remove(request)
+        self._ask("on_finish", request, now)
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._sort(self.waiting, now)
+        self._preempt_for_waiting(out, now)
+        self._sort(self.running, now)
+        num_policy_preemptions = len(out.preempted)
+        budget = self._schedule_running(out, now)
+        # After a preemption for memory, admitting new work would only thrash the cache (vLLM does the same).
+        if len(out.preempted) == num_policy_preemptions:
+            self._admit_waiting(out, budget, now)
+        for request, _ in out.scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if not self._make_room(request, num_new, self.running[index:], out, now):
+                continue  # ``request`` itself was preempted; the list shrank under ``index``
+            self.allocator.allocate(request, num_new)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _make_room(self, request: Request, num_new: int, candidates: list[Request], out: SchedulerOutput,
+                   now: float) -> bool:
+        """Preempt policy-chosen victims until ``request`` can grow; False if ``request`` became the victim."""
+        while not self.allocator.can_allocate(request, num_new):
+            victim = self._ask("select_victim", list(candidates), now)
+            if victim not in candidates:
+                raise PolicyError(f"policy {self.policy.registered_name!r}: select_victim returned a request "
+                                  "that is not among the candidates")
+            self._preempt(victim, out)
+            candidates.remove(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            allowed = self._ask("should_expand_batch", request, self._view(out, budget), now)
+            if not allowed and self.running:  # a veto over an empty batch is ignored: the engine never stalls
+                break
+            if not request.block_table:
+                cached = self.allocator.match_prefix(request)
+                request.num_computed_tokens = cached
+                request.num_cached_tokens = cached
+            num_new = request.num_uncomputed_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                self._undo_prefix_match(request)
+                break
+            num_new = min(num_new, budget)
+            # An empty batch always admits its head request (validation guarantees it fits the whole cache).
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.allocator.can_allocate(request, num_new, reserve=reserve):
+                self._undo_prefix_match(request)
+                break
+            self.allocator.allocate(request, num_new)
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _preempt_for_waiting(self, out: SchedulerOutput, now: float) -> None:
+        """Let the policy swap the most urgent waiting request in for running ones when it cannot be admitted."""
+        if not self.waiting:
+            return
+        request = self.waiting[0]
+        while self.running and self._blocked(request):
+            victim = self._ask("preempt_for", request, list(self.running), now)
+            if victim is None:
+                return
+            if victim not in self.running:
+                raise PolicyError(f"policy {self.policy.registered_name!r}: preempt_for returned a request "
+                                  "that is not running")
+            self._preempt(victim, out)
+        # The victims joined the waiting queue behind ``request``; keep the policy's order.
+        self._sort(self.waiting, now)
+
+    def _blocked(self, request: Request) -> bool:
+        """Could ``request`` not be admitted now for lack of a free slot or free blocks?"""
+        needed = self.allocator.blocks_for(request.num_tokens) + self.watermark_blocks
+        return len(self.running) >= self.max_num_seqs or needed > self.allocator.num_free_blocks()
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: free every block, forget computed tokens, go back to waiting."""
+        self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        if request in self.running:
+            self.running.remove(request)
+        self.waiting.append(request)
+        out.preempted.append(request)
+
+    def _undo_prefix_match(self, request: Request) -> None:
+        if request.block_table:
+            self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _sort(self, requests: list[Request], now: float) -> None:
+        keys = {id(r): self._ask("priority", r, now) for r in requests}
+        try:
+            requests.sort(key=lambda r: keys[id(r)])
+        except TypeError as exc:
+            raise PolicyError(f"policy {self.policy.registered_name!r}: priority keys are not comparable: {exc}")
+
+    def _view(self, out: SchedulerOutput, budget: int) -> SchedulerView:
+        return SchedulerView(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_scheduled_tokens=out.num_tokens, token_budget_left=budget, max_num_seqs=self.max_num_seqs,
+            num_free_blocks=self.allocator.num_free_blocks(), num_total_blocks=self.allocator.num_blocks,
+            block_size=self.allocator.block_size,
+        )
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """Call a policy method; any exception becomes a PolicyError naming the policy and the method."""
+        try:
+            return getattr(self.policy, method)(*args)
+        except PolicyError:
+            raise
+        except Exception as exc:
+            raise PolicyError(
+                f"policy {self.policy.registered_name!r} raised in {method}(): {type(exc).__name__}: {exc}"
+            ) from exc

@@ -1,0 +1,114 @@
+"""The offline facade: ``LLM(...).generate(prompts)`` and ``.chat(messages)``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.engine import LLMEngine, PluginSpec
+from nanovllm.outputs import RequestMetrics, RequestOutput
+from nanovllm.request import Request
+from nanovllm.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine on one model. ``engine_options`` are ``EngineConfig`` fields (dtype, device, block_size,
+    num_kv_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_chunked_prefill, seed, ...). ``scheduler``, ``allocator`` and ``attention`` take a registered name,
+    an instance, or ``{"name": ..., **options}``."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        scheduler: PluginSpec = "fcfs",
+        allocator: PluginSpec = "paged",
+        attention: PluginSpec = "torch",
+        **engine_options,
+    ) -> None:
+        config = EngineConfig.from_options(model=model, **engine_options)
+        self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priorities: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order. Every request is
+        validated before any runs: one bad prompt raises ``ValueError`` and nothing is generated."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params") if sampling_params is not None \
+            else [SamplingParams() for _ in prompts]
+        priorities = _per_prompt(list(priorities), len(prompts), "priorities") if priorities is not None \
+            else [0] * len(prompts)
+        requests = []
+        for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
+            try:
+                requests.append(self.engine.make_request(prompt, p, priority=prio))
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}``) or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        for request in requests:
+            self.engine.add_request(request)
+        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2,
+                   unit="req", dynamic_ncols=True)
+        output_tokens = 0
+        while self.engine.has_unfinished():
+            for request in self.engine.step():
+                output_tokens += request.num_output_tokens
+                bar.update(1)
+            bar.set_postfix(out_tok_s=f"{output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}", refresh=False)
+        bar.close()
+        return [self._output(r) for r in requests]
+
+    def _output(self, r: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+            text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+            token_ids=r.output_token_ids, finish_reason=r.finish_reason,
+            metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
+                                   r.num_preemptions, r.num_cached_tokens),
+        )
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts must not be empty: give a string, a list of token ids, or a list of those")
+    return prompts
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, SamplingParams):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} must be one value or one per prompt ({n}), got {len(value)}")
+    return value

@@ -1,0 +1,316 @@
+"""The serving summary of a run, computed from its plain records (``nanovllm.records``).
+
+Key names and definitions follow ``vllm bench serve`` so numbers can be compared side by side:
+
+* TTFT  = first_token_time - arrival_time
+* TPOT  = (E2EL - TTFT) / (num_output_tokens - 1), only for requests with more than one output token
+* ITL   = every gap between consecutive token times, pooled over all requests
+* E2EL  = finish_time - arrival_time
+
+Conventions: only *completed* requests (no error, a finish time) enter latency and token statistics;
+failed ones (error set) are only counted. A statistic over an empty sample (e.g. TPOT when every request
+produced one token) or a ratio with a zero denominator is ``None`` -- never a misleading 0. Throughputs over
+a zero-length run are 0.0. Nothing here raises or warns on empty input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from nanovllm.records import RequestRecord, StepRecord
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+_LATENCY_STATS = ("mean", "median", "std", "p90", "p99")
+_QUEUE_STATS = ("mean", "median", "p99")
+
+
+@dataclass
+class SLO:
+    """Per-request latency targets in milliseconds; ``None`` means no target for that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-request latencies (seconds)
+# --------------------------------------------------------------------------------------------------------------
+
+def _is_completed(r: RequestRecord) -> bool:
+    return r["error"] is None and r["finish_time"] is not None
+
+
+def _ttft(r: RequestRecord) -> float | None:
+    return None if r["first_token_time"] is None else r["first_token_time"] - r["arrival_time"]
+
+
+def _e2el(r: RequestRecord) -> float:
+    return r["finish_time"] - r["arrival_time"]
+
+
+def _tpot(r: RequestRecord) -> float | None:
+    """Mean time per output token after the first; undefined for a single-token output."""
+    ttft = _ttft(r)
+    if ttft is None or r["num_output_tokens"] <= 1:
+        return None
+    return (_e2el(r) - ttft) / (r["num_output_tokens"] - 1)
+
+
+def _itls(r: RequestRecord) -> list[float]:
+    times = r["token_times"]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _queue_time(r: RequestRecord) -> float | None:
+    return None if r["first_scheduled_time"] is None else r["first_scheduled_time"] - r["arrival_time"]
+
+
+def _latencies_s(done: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """Each latency metric's sample in seconds (ITL pooled over requests, as vLLM does)."""
+    return {
+        "ttft": [t for t in map(_ttft, done) if t is not None],
+        "tpot": [t for t in map(_tpot, done) if t is not None],
+        "itl": [gap for r in done for gap in _itls(r)],
+        "e2el": [_e2el(r) for r in done],
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------------------------
+
+def _stat(values_ms: np.ndarray, stat: str) -> float | None:
+    if values_ms.size == 0:
+        return None  # checked first: numpy would warn and return nan on an empty sample
+    if stat == "mean":
+        return float(np.mean(values_ms))
+    if stat == "median":
+        return float(np.median(values_ms))
+    if stat == "std":
+        return float(np.std(values_ms))  # population std (ddof=0), like vLLM
+    return float(np.percentile(values_ms, float(stat[1:])))  # "p90" -> 90th percentile, linear interpolation
+
+
+def _stats_ms(values_s: Iterable[float], name: str, stats: Sequence[str]) -> dict[str, float | None]:
+    values_ms = np.asarray(list(values_s), dtype=np.float64) * 1000.0
+    return {f"{stat}_{name}_ms": _stat(values_ms, stat) for stat in stats}
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def run_duration(requests: Sequence[RequestRecord]) -> float:
+    """Seconds from the first arrival to the last finish over all requests (0.0 when nothing finished)."""
+    finishes = [r["finish_time"] for r in requests if r["finish_time"] is not None]
+    if not finishes:
+        return 0.0
+    return max(0.0, max(finishes) - min(r["arrival_time"] for r in requests))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------------------------
+
+def _meets_slo(r: RequestRecord, slo: SLO) -> bool:
+    """DistServe's goodput test: every SLO that is set holds."""
+    ttft, tpot = _ttft(r), _tpot(r)
+    if slo.ttft_ms is not None and (ttft is None or ttft * 1000.0 > slo.ttft_ms):
+        return False
+    # A one-token output has no TPOT: it had no decode steps to be slow in, so it meets any TPOT target.
+    if slo.tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo.tpot_ms:
+        return False
+    return slo.e2el_ms is None or _e2el(r) * 1000.0 <= slo.e2el_ms
+
+
+def _goodput(done: Sequence[RequestRecord], total: int, duration: float, slo: SLO | None) -> dict[str, Any]:
+    """Good requests per second, and the fraction of *all* requests that were good (failed ones miss)."""
+    if slo is None or not slo.is_set():
+        return {"request_goodput": None, "goodput_fraction": None}
+    good = sum(_meets_slo(r, slo) for r in done)
+    return {"request_goodput": good / duration if duration > 0 else 0.0,
+            "goodput_fraction": _ratio(good, total)}
+
+
+def _counts(requests: Sequence[RequestRecord], done: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
+    failed = sum(r["error"] is not None for r in requests)
+    total_in = sum(r["num_prompt_tokens"] for r in done)
+    total_out = sum(r["num_output_tokens"] for r in done)
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    return {
+        "completed": len(done),
+        "failed": failed,
+        "unfinished": len(requests) - len(done) - failed,  # neither finished nor failed (a run cut short)
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(total_out),
+        "total_token_throughput": per_s(total_in + total_out),
+    }
+
+
+def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]) -> dict[str, Any]:
+    queue = [q for q in map(_queue_time, done) if q is not None]
+    out: dict[str, Any] = _stats_ms(queue, "queue_time", _QUEUE_STATS)
+    # Preemptions cost work whether or not the request later finished, so count them over every request.
+    out["num_preemptions"] = sum(r["num_preemptions"] for r in requests)
+    out["prefix_cache_hit_rate"] = _ratio(sum(r["num_cached_tokens"] for r in done),
+                                          sum(r["num_prompt_tokens"] for r in done))
+    return out
+
+
+def _step_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+    usage = [s["kv_blocks_used"] / s["kv_blocks_total"] for s in steps if s["kv_blocks_total"] > 0]
+    durations = [s["duration"] for s in steps]
+    return {
+        "peak_kv_usage": max(usage) if usage else None,
+        "mean_kv_usage": float(np.mean(usage)) if usage else None,
+        "num_steps": len(steps),
+        "mean_step_ms": float(np.mean(durations)) * 1000.0 if durations else None,
+    }
+
+
+def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (),
+              duration: float | None = None, slo: SLO | None = None) -> dict[str, Any]:
+    """The flat serving summary of a run, with ``vllm bench serve`` key names (see the module docstring).
+
+    ``duration`` defaults to last finish - first arrival; pass the wall time of the run to match a
+    benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``).
+    """
+    requests = list(requests)
+    done = [r for r in requests if _is_completed(r)]
+    duration = run_duration(requests) if duration is None else float(duration)
+    summary = _counts(requests, done, duration)
+    summary.update(_goodput(done, len(requests), duration, slo))
+    for name, values in _latencies_s(done).items():
+        summary.update(_stats_ms(values, name, _LATENCY_STATS))
+    summary.update(_scheduling(requests, done))
+    summary.update(_step_stats(steps))
+    return summary
+
+
+def _group_key(value: Any) -> tuple:
+    """Sort groups by value, numbers before strings, None last."""
+    return (value is None, isinstance(value, str), value if value is not None else 0)
+
+
+def breakdown(requests: Sequence[RequestRecord], by: str, **kw: Any) -> dict[str, dict[str, Any]]:
+    """``summarize`` per value of a request field (``"priority"`` or ``"client_id"``), keyed by ``str(value)``.
+
+    Every group shares the whole run's duration (unless ``duration`` is given), so per-group throughputs add
+    up to the run's. Step statistics are global, so they are left out unless ``steps`` is passed in ``kw``.
+    """
+    if requests and by not in requests[0]:
+        raise ValueError(f"breakdown(by={by!r}): not a request record field; try 'priority' or 'client_id'")
+    kw.setdefault("duration", run_duration(requests))
+    kw.setdefault("steps", ())
+    groups: dict[Any, list[RequestRecord]] = {}
+    for r in requests:
+        groups.setdefault(r[by], []).append(r)
+    return {str(value): summarize(groups[value], **kw) for value in sorted(groups, key=_group_key)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Console output
+# --------------------------------------------------------------------------------------------------------------
+
+_WIDTH = 50
+
+# (section title or None for the top block, [(label, key)]) -- the order vLLM prints them in.
+_LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
+    (None, [
+        ("Successful requests", "completed"), ("Failed requests", "failed"),
+        ("Unfinished requests", "unfinished"), ("Benchmark duration (s)", "duration"),
+        ("Total input tokens", "total_input_tokens"), ("Total generated tokens", "total_output_tokens"),
+        ("Request throughput (req/s)", "request_throughput"),
+        ("Request goodput (req/s)", "request_goodput"), ("Goodput fraction", "goodput_fraction"),
+        ("Output token throughput (tok/s)", "output_throughput"),
+        ("Total token throughput (tok/s)", "total_token_throughput"),
+    ]),
+    *[(title, [(f"{label} {metric.upper()} (ms)", f"{label.lower()}_{metric}_ms")
+               for label in ("Mean", "Median", "Std", "P90", "P99")])
+      for title, metric in (("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"),
+                            ("Inter-token Latency", "itl"), ("End-to-end Latency", "e2el"))],
+    ("Scheduling", [
+        ("Mean queue time (ms)", "mean_queue_time_ms"), ("Median queue time (ms)", "median_queue_time_ms"),
+        ("P99 queue time (ms)", "p99_queue_time_ms"), ("Preemptions", "num_preemptions"),
+        ("Prefix cache hit rate", "prefix_cache_hit_rate"), ("Peak KV cache usage", "peak_kv_usage"),
+        ("Mean KV cache usage", "mean_kv_usage"), ("Engine steps", "num_steps"),
+        ("Mean step time (ms)", "mean_step_ms"),
+    ]),
+]
+_KNOWN_KEYS = {key for _, rows in _LAYOUT for _, key in rows}
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _line(label: str, value: Any) -> str:
+    return f"{label + ':':<40} {_fmt(value):<10}".rstrip()
+
+
+def _header(title: str, fill: str) -> str:
+    return f"{title:{fill}^{_WIDTH}}"
+
+
+def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
+    """A console block in the style of ``vllm bench serve``'s result; keys the summary lacks are skipped,
+    goodput only shows when an SLO was given, and keys it does not know go under "Other"."""
+    lines = [_header(f" {title} ", "=")]
+    for section, rows in _LAYOUT:
+        present = [(label, key) for label, key in rows if key in summary
+                   and not (key in ("request_goodput", "goodput_fraction") and summary[key] is None)]
+        if section is not None and present:
+            lines.append(_header(section, "-"))
+        lines += [_line(label, summary[key]) for label, key in present]
+    extra = [key for key in summary if key not in _KNOWN_KEYS]
+    if extra:
+        lines.append(_header("Other", "-"))
+        lines += [_line(key, summary[key]) for key in extra]
+    lines.append("=" * _WIDTH)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Run files
+# --------------------------------------------------------------------------------------------------------------
+
+def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_run_files(run_dir: str | Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
+                    summary: dict[str, Any]) -> Path:
+    """Write ``metrics.json`` (the summary), ``requests.jsonl`` and ``steps.jsonl`` into ``run_dir``."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    _write_jsonl(run_dir / "requests.jsonl", requests)
+    _write_jsonl(run_dir / "steps.jsonl", steps)
+    return run_dir
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_run_files(run_dir: str | Path) -> tuple[list[RequestRecord], list[StepRecord], dict[str, Any]]:
+    """The inverse of :func:`write_run_files`: ``(requests, steps, summary)`` of a finished run."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+    return _read_jsonl(run_dir / "requests.jsonl"), _read_jsonl(run_dir / "steps.jsonl"), summary

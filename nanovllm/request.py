@@ -1,0 +1,128 @@
+"""A request's life in the engine: its tokens, its status, and when things happened to it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.records import RequestRecord
+from nanovllm.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # never run yet
+    RUNNING = "running"      # holds KV blocks, scheduled every step
+    PREEMPTED = "preempted"  # lost its blocks; waits to be recomputed
+    FINISHED = "finished"
+    FAILED = "failed"        # rejected by the engine; ``error`` says why
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Policies may read every field; only the scheduler and engine write them.
+
+    ``token_ids`` holds the prompt followed by the output so far; ``num_computed_tokens`` counts the tokens whose
+    K/V are in the cache (prefix-cache hits included), so the next step computes ``token_ids[num_computed:]``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    client_id: str | None = None
+    prompt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    token_ids: list[int] = field(init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    block_table: list[int] = field(default_factory=list, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    finish_time: float | None = field(default=None, init=False)
+    token_times: list[float] = field(default_factory=list, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the newest token is still to be computed (a prompt, or a recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """The finish reason once the newest token ends the request, else None."""
+        last = self.token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def to_record(self, t0: float = 0.0) -> RequestRecord:
+        """This request as a plain record, times relative to ``t0``."""
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else t - t0
+
+        return RequestRecord(
+            request_id=self.request_id,
+            client_id=self.client_id,
+            priority=self.priority,
+            arrival_time=self.arrival_time - t0,
+            first_scheduled_time=rel(self.first_scheduled_time),
+            first_token_time=rel(self.first_token_time),
+            finish_time=rel(self.finish_time),
+            token_times=[t - t0 for t in self.token_times],
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_preemptions=self.num_preemptions,
+            finish_reason=self.finish_reason,
+            error=self.error,
+        )

@@ -1,0 +1,91 @@
+"""Sampling parameters and the sampler that turns logits into next tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop (vLLM's names and meanings).
+
+    ``temperature=0`` is greedy; ``top_k=-1`` and ``top_p=1`` disable those filters. ``seed`` gives the request
+    its own random stream, so its output does not depend on what it was batched with.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = field(default=None)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field and what is allowed."""
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints), got {self.stop_token_ids!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Batched sampling: greedy rows take the argmax; the others are scaled by temperature, filtered by top-k
+    and top-p, and drawn with their request's generator (or the engine's)."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+    ) -> list[int]:
+        logits = logits.float()
+        next_tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = self._probabilities(logits[rows], [params[i] for i in random_rows])
+            for j, i in enumerate(random_rows):
+                next_tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+        return next_tokens.tolist()
+
+    @staticmethod
+    def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        logits = logits / temperature
+        top_k = [p.top_k for p in params]
+        if any(k > 0 for k in top_k):
+            # Keep, per row, the logits at least as large as that row's k-th largest.
+            k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
+            k = k.clamp(max=logits.shape[1])
+            sorted_logits = logits.sort(dim=-1, descending=True).values
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        if (top_p < 1).any():
+            # Nucleus: drop tokens once the probability mass before them already reaches top_p.
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop_sorted = mass_before >= top_p.unsqueeze(1)
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits.softmax(dim=-1)

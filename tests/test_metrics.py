@@ -1,0 +1,188 @@
+"""The serving summary on hand-built records, with every expected number worked out here by hand."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from nanovllm.metrics import SLO, breakdown, format_summary, read_run_files, summarize, write_run_files
+
+
+def _req(request_id: str, arrival: float, scheduled: float | None, token_times: list[float], *,
+         prompt: int = 10, cached: int = 0, preemptions: int = 0, priority: int = 0,
+         client_id: str | None = None, error: str | None = None) -> dict:
+    return {
+        "request_id": request_id, "client_id": client_id, "priority": priority, "arrival_time": arrival,
+        "first_scheduled_time": scheduled, "first_token_time": token_times[0] if token_times else None,
+        "finish_time": token_times[-1] if token_times else (arrival if error else None),
+        "token_times": token_times, "num_prompt_tokens": prompt, "num_cached_tokens": cached,
+        "num_output_tokens": len(token_times), "num_preemptions": preemptions,
+        "finish_reason": None if error or not token_times else "length", "error": error,
+    }
+
+
+def _step(i: int, duration: float, used: int, total: int = 10) -> dict:
+    return {"step": i, "start_time": float(i), "duration": duration, "num_prefill_tokens": 0,
+            "num_decode_tokens": 0, "num_prefill_seqs": 0, "num_decode_seqs": 0, "num_running": 0,
+            "num_waiting": 0, "num_preempted": 0, "kv_blocks_used": used, "kv_blocks_cached": 0,
+            "kv_blocks_free": total - used, "kv_blocks_total": total, "context_tokens": 0}
+
+
+# A: arrives 0.0, scheduled 0.05, tokens at 0.1, 0.3, 0.5  -> TTFT 100, TPOT (500-100)/2 = 200, E2EL 500
+# B: arrives 0.2, scheduled 0.4, tokens at 0.5 .. 1.2      -> TTFT 300, TPOT (1000-300)/4 = 175, E2EL 1000
+# C: rejected at 0.3
+A = _req("A", 0.0, 0.05, [0.1, 0.3, 0.5], prompt=100, cached=50, priority=0, client_id="alice")
+B = _req("B", 0.2, 0.4, [0.5, 0.6, 0.7, 0.8, 1.2], prompt=60, preemptions=2, priority=1, client_id="bob")
+C = _req("C", 0.3, None, [], prompt=5000, priority=1, client_id="bob", error="prompt longer than max_model_len")
+STEPS = [_step(0, 0.01, 2), _step(1, 0.03, 5)]
+
+
+def test_counts_and_throughput():
+    s = summarize([A, B, C], STEPS)
+    assert (s["completed"], s["failed"], s["unfinished"]) == (2, 1, 0)
+    assert s["total_input_tokens"] == 160 and s["total_output_tokens"] == 8  # failed C not counted
+    assert s["duration"] == pytest.approx(1.2)  # last finish 1.2 - first arrival 0.0
+    assert s["request_throughput"] == pytest.approx(2 / 1.2)
+    assert s["output_throughput"] == pytest.approx(8 / 1.2)
+    assert s["total_token_throughput"] == pytest.approx(168 / 1.2)
+
+
+def test_latency_statistics():
+    s = summarize([A, B, C], STEPS)
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_ttft_ms"] == pytest.approx(200)
+    assert s["std_ttft_ms"] == pytest.approx(100)  # population std of {100, 300}
+    assert s["p90_ttft_ms"] == pytest.approx(100 + 0.90 * 200)  # linear interpolation between the two
+    assert s["p99_ttft_ms"] == pytest.approx(100 + 0.99 * 200)
+    assert s["mean_tpot_ms"] == pytest.approx(187.5) and s["std_tpot_ms"] == pytest.approx(12.5)
+    # ITL pooled over requests: A {200, 200}, B {100, 100, 100, 400}
+    assert s["mean_itl_ms"] == pytest.approx(1100 / 6)
+    assert s["median_itl_ms"] == pytest.approx(150)
+    assert s["p99_itl_ms"] == pytest.approx(200 + 0.95 * 200)  # rank 0.99*5 = 4.95 between 200 and 400
+    assert s["mean_e2el_ms"] == pytest.approx(750) and s["p90_e2el_ms"] == pytest.approx(950)
+
+
+def test_scheduling_and_steps():
+    s = summarize([A, B, C], STEPS)
+    assert s["mean_queue_time_ms"] == pytest.approx(125) and s["p99_queue_time_ms"] == pytest.approx(198.5)
+    assert s["num_preemptions"] == 2
+    assert s["prefix_cache_hit_rate"] == pytest.approx(50 / 160)
+    assert s["peak_kv_usage"] == pytest.approx(0.5) and s["mean_kv_usage"] == pytest.approx(0.35)
+    assert s["num_steps"] == 2 and s["mean_step_ms"] == pytest.approx(20)
+
+
+@pytest.mark.parametrize("slo,good", [
+    (SLO(ttft_ms=250), 1),              # B's TTFT 300 misses
+    (SLO(tpot_ms=190), 1),              # A's TPOT 200 misses
+    (SLO(ttft_ms=250, tpot_ms=190), 0),  # each misses one
+    (SLO(e2el_ms=2000), 2),
+])
+def test_goodput(slo, good):
+    s = summarize([A, B, C], STEPS, slo=slo)
+    assert s["request_goodput"] == pytest.approx(good / 1.2)
+    assert s["goodput_fraction"] == pytest.approx(good / 3)  # the failed request counts as not good
+
+
+def test_no_slo_no_goodput():
+    s = summarize([A, B], STEPS)
+    assert s["request_goodput"] is None and s["goodput_fraction"] is None
+    assert summarize([A, B], STEPS, slo=SLO())["request_goodput"] is None
+    assert "goodput" not in format_summary(s)
+
+
+def test_duration_override():
+    s = summarize([A, B], [], duration=4.0)
+    assert s["duration"] == 4.0 and s["request_throughput"] == pytest.approx(0.5)
+
+
+def test_single_token_output_has_no_tpot_and_meets_tpot_slo():
+    one = _req("D", 0.0, 0.0, [0.2])
+    s = summarize([one], [], slo=SLO(tpot_ms=1.0))
+    assert s["mean_tpot_ms"] is None and s["mean_itl_ms"] is None
+    assert s["mean_ttft_ms"] == pytest.approx(200)
+    assert s["goodput_fraction"] == 1.0
+
+
+def test_unfinished_request_counts_in_neither():
+    cut = _req("E", 0.1, 0.2, [])
+    s = summarize([A, cut], [])
+    assert (s["completed"], s["failed"], s["unfinished"]) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("requests", [[], [C]])
+def test_empty_input_is_quiet(requests):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "mean of empty slice" would fail the test
+        s = summarize(requests, [], slo=SLO(ttft_ms=100))
+        text = format_summary(s)
+    assert s["completed"] == 0 and s["request_throughput"] == 0.0 and s["num_steps"] == 0
+    assert s["mean_ttft_ms"] is None and s["p99_e2el_ms"] is None and s["peak_kv_usage"] is None
+    assert s["prefix_cache_hit_rate"] is None and s["mean_step_ms"] is None
+    assert "n/a" in text
+
+
+def test_vllm_key_names_present():
+    s = summarize([A, B], STEPS)
+    for key in ("completed", "failed", "total_input_tokens", "total_output_tokens", "duration",
+                "request_throughput", "output_throughput", "total_token_throughput", "num_preemptions",
+                "prefix_cache_hit_rate", "peak_kv_usage", "mean_kv_usage", "request_goodput",
+                "goodput_fraction", "num_steps", "mean_step_ms", "median_queue_time_ms"):
+        assert key in s
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            assert f"{stat}_{metric}_ms" in s
+
+
+def test_breakdown_by_priority_shares_duration():
+    groups = breakdown([A, B, C], "priority", slo=SLO(ttft_ms=250))
+    assert list(groups) == ["0", "1"]
+    low, high = groups["0"], groups["1"]
+    assert low["duration"] == high["duration"] == pytest.approx(1.2)
+    assert (low["completed"], high["completed"], high["failed"]) == (1, 1, 1)
+    assert low["mean_ttft_ms"] == pytest.approx(100) and high["mean_ttft_ms"] == pytest.approx(300)
+    assert low["request_throughput"] + high["request_throughput"] == pytest.approx(2 / 1.2)
+    assert low["goodput_fraction"] == 1.0 and high["goodput_fraction"] == 0.0
+    assert low["num_steps"] == 0  # steps are global: not attributed to a group
+
+
+def test_breakdown_by_client_with_none_last():
+    anon = _req("F", 0.0, 0.0, [0.1, 0.2])
+    groups = breakdown([A, B, anon], "client_id")
+    assert list(groups) == ["alice", "bob", "None"]
+    assert groups["bob"]["num_preemptions"] == 2
+
+
+def test_breakdown_unknown_field():
+    with pytest.raises(ValueError, match="colour"):
+        breakdown([A], "colour")
+    assert breakdown([], "priority") == {}
+
+
+def test_format_summary_layout():
+    text = format_summary(summarize([A, B, C], STEPS, slo=SLO(ttft_ms=250)))
+    lines = text.splitlines()
+    assert lines[0] == "============ Serving Benchmark Result ============"
+    assert lines[-1] == "=" * 50
+    assert "---------------Time to First Token----------------" in lines
+    assert "Successful requests:                     2" in lines
+    assert "Request goodput (req/s):                 0.83" in lines
+    assert "Mean TTFT (ms):                          200.00" in lines
+    rows = [line for line in lines if ":" in line]
+    assert all(line[40] == " " and line[41] != " " for line in rows)  # every value starts in column 41
+
+
+def test_format_summary_extra_keys_and_title():
+    text = format_summary({"completed": 3, "my_metric": 1.5}, title="Run 7")
+    assert text.splitlines()[0].strip("=") == " Run 7 "
+    assert "Other" in text and "my_metric:" in text and "1.50" in text
+
+
+def test_run_files_round_trip(tmp_path):
+    summary = summarize([A, B, C], STEPS, slo=SLO(ttft_ms=250))
+    run_dir = write_run_files(tmp_path / "run" / "0", [A, B, C], STEPS, summary)
+    assert json.loads((run_dir / "metrics.json").read_text()) == summary
+    assert len((run_dir / "requests.jsonl").read_text().splitlines()) == 3
+    requests, steps, loaded = read_run_files(run_dir)
+    assert requests == [A, B, C] and steps == STEPS and loaded == summary
+    assert summarize(requests, steps, slo=SLO(ttft_ms=250)) == summary  # files alone reproduce the summary
