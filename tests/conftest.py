@@ -13,3 +13,74 @@ def tokenizer():
     from nanovllm.models.loader import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model())
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine on the default model for the whole session (float32, small cache). Other engines built in
+    the session reuse its loaded weights (the loader caches models while any engine holds them)."""
+    from nanovllm import LLM
+
+    return LLM(num_kv_blocks=1024, max_model_len=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_model(llm):
+    """The transformers reference on the same weights, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+PARITY_MAX_TOKENS = 24
+
+
+def _parity_prompts(tokenizer) -> list[list[int]]:
+    """16 varied prompts as token ids: chat-templated questions, raw text, code, and several longer than
+    four 16-token blocks."""
+    from nanovllm.workload import load_chat_prompts
+
+    chat_ids = []
+    for messages in load_chat_prompts():
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        chat_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    by_length = sorted(chat_ids, key=len)
+    chat_ids = by_length[:4] + by_length[-4:]  # four short chats and the four longest (well over 4 blocks)
+    short_answer = [{"role": "user", "content": "What is the capital of France?"}]  # ends on EOS quickly
+    ids = tokenizer.apply_chat_template(short_answer, add_generation_prompt=True, tokenize=True)
+    chat_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    raw = [
+        "The quick brown fox",
+        "def fibonacci(n):\n    ",
+        "1, 2, 3, 5, 8, 13,",
+        "In 1905, Albert Einstein published four papers that",
+        "Paris is the capital of France. Berlin is the capital of Germany. Madrid is the capital of",
+        "Q: What is the boiling point of water at sea level?\nA:",
+        "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+        "who had never once left the valley. Every morning he opened his shop, wound every clock, and",
+        "A",
+    ]
+    return chat_ids + [tokenizer.encode(text) for text in raw]
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(tokenizer) -> list[list[int]]:
+    return _parity_prompts(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, parity_prompts) -> list[list[int]]:
+    """transformers `generate` greedy outputs, one prompt at a time (no padding), EOS-terminated."""
+    import torch
+
+    outputs = []
+    with torch.inference_mode():
+        for ids in parity_prompts:
+            out = hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=PARITY_MAX_TOKENS, do_sample=False, pad_token_id=hf_model.config.eos_token_id,
+            )
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs

@@ -64,8 +64,7 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
-        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device,
-                                  self.max_model_len, config.seed)
+        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed)
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       TORCH_DTYPES[config.dtype])
@@ -150,9 +149,8 @@ class LLMEngine:
         if out.scheduled:
             next_tokens = self.runner.execute(out.scheduled)
             now = time.perf_counter()
-            for (request, num_new), token in zip(out.scheduled, next_tokens):
-                request.num_computed_tokens += num_new
-                self.allocator.on_tokens_computed(request)
+            self.scheduler.commit(out, now)
+            for (request, _), token in zip(out.scheduled, next_tokens):
                 if token is None:
                     continue
                 num_sampled += 1
@@ -164,7 +162,6 @@ class LLMEngine:
                     request.finish_time = now
                     self.scheduler.finish(request, now)
                     finished.append(request)
-            self.scheduler._ask("on_step", out.scheduled, now)
         self._record_step(start, out, layout, num_sampled)
         return finished
 

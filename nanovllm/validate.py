@@ -1,0 +1,123 @@
+"""``validate_output``: run nano-vllm and transformers on the same prompts (greedy, float32) and compare token
+by token. The check a user runs before trusting any timing on a new model or a new plugin.
+
+    python -m nanovllm.validate [--model PATH] [--prompts FILE] [--max-tokens N] [--scheduler NAME] ...
+
+FILE holds one prompt per line (``.txt``) or a JSON list of strings or chat conversations (``.json``).
+Exits non-zero when any prompt's tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "def quicksort(items):",
+    "Write a short poem about the sea.",
+    "In a distant future, humanity has spread across the stars, and",
+]
+
+
+@dataclass
+class PromptAgreement:
+    prompt: str
+    ours: list[int]
+    reference: list[int]
+
+    @property
+    def matching_prefix(self) -> int:
+        n = 0
+        for a, b in zip(self.ours, self.reference):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    @property
+    def identical(self) -> bool:
+        return self.ours == self.reference
+
+
+def load_prompts(path: str | Path | None, tokenizer) -> list[tuple[str, list[int]]]:
+    """(label, token ids) per prompt from a .txt (one per line) or .json (strings or chat conversations)."""
+    if path is None:
+        items: list = DEFAULT_PROMPTS
+    else:
+        path = Path(path)
+        text = path.read_text()
+        items = json.loads(text) if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append((item, tokenizer.encode(item)))
+        else:
+            messages = item["messages"] if isinstance(item, dict) else item
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            prompts.append((messages[-1]["content"], list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+    return prompts
+
+
+def validate_output(
+    model: str | None = None,
+    prompts: str | Path | None = None,
+    max_tokens: int = 32,
+    **llm_options,
+) -> list[PromptAgreement]:
+    """Greedy float32 generation from nano-vllm (all prompts in one batch) and from transformers ``generate``
+    (one prompt at a time, unpadded); returns the per-prompt comparison."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", **llm_options)
+    pairs = load_prompts(prompts, llm.tokenizer)
+    outputs = llm.generate([ids for _, ids in pairs], SamplingParams(temperature=0, max_tokens=max_tokens),
+                           use_tqdm=False)
+    reference_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for (label, ids), output in zip(pairs, outputs):
+            generated = reference_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_tokens, do_sample=False, pad_token_id=reference_model.config.eos_token_id,
+            )
+            results.append(PromptAgreement(label, output.token_ids, generated[0, len(ids):].tolist()))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.validate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--prompts", default=None, help=".txt (one per line) or .json file of prompts")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--scheduler", default="fcfs")
+    parser.add_argument("--allocator", default="paged")
+    parser.add_argument("--attention", default="torch")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        results = validate_output(
+            args.model, args.prompts, args.max_tokens, scheduler=args.scheduler, allocator=args.allocator,
+            attention=args.attention, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        )
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for i, r in enumerate(results):
+        status = "OK  " if r.identical else "DIFF"
+        print(f"{status} prompt {i}: {r.matching_prefix}/{max(len(r.ours), len(r.reference))} tokens agree  "
+              f"{r.prompt[:60]!r}")
+    bad = sum(not r.identical for r in results)
+    print(f"{len(results) - bad}/{len(results)} prompts token-identical to transformers")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

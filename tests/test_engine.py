@@ -1,0 +1,101 @@
+"""The public engine API on the real model: outputs, chat, bad input, options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+
+def test_generate_returns_outputs_in_prompt_order_with_metrics(llm):
+    prompts = ["Hello, my name is", [1, 9690, 198], "The sky is"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["Hello, my name is", None, "The sky is"]
+    assert outputs[1].prompt_token_ids == [1, 9690, 198]
+    for o in outputs:
+        assert 1 <= len(o.token_ids) <= 5 and o.finish_reason in ("stop", "length")
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_chat_uses_the_template_and_stops_on_eos(llm):
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] == llm.engine.hf_config.eos_token_id
+    both = llm.chat([[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Say bye."}]],
+                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(both) == 2
+
+
+def test_stop_token_ids_and_ignore_eos(llm):
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    [free] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(free.token_ids) == 12 and free.finish_reason == "length"
+    stop_at = free.token_ids[3]
+    [stopped] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+                             use_tqdm=False)
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "prompts, params, field",
+    [([""], None, "empty"), ([[]], None, "empty"), (["x " * 2000], None, "max_model_len"),
+     ([[10**9]], None, "token ids")],
+    ids=["empty-text", "empty-ids", "too-long", "bad-token-id"],
+)
+def test_bad_prompts_raise_and_nothing_runs(llm, prompts, params, field):
+    steps_before = len(llm.engine.step_records)
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["A fine prompt"] + prompts, params, use_tqdm=False)
+    assert len(llm.engine.step_records) == steps_before and not llm.engine.has_unfinished()
+
+
+def test_a_request_larger_than_the_whole_cache_is_rejected():
+    small = LLM(num_kv_blocks=4, block_size=16, max_model_len=1024)
+    with pytest.raises(ValueError, match="num_kv_blocks=4"):
+        small.generate(["hello " * 40], SamplingParams(max_tokens=32), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [({"dtype": "float64"}, "dtype"), ({"device": "tpu"}, "device"), ({"dtype": "float16"}, "float16"),
+     ({"block_size": 0}, "block_size"), ({"max_num_seqs": -1}, "max_num_seqs"), ({"blok_size": 16}, "blok_size"),
+     ({"kv_cache_fraction": 2.0}, "kv_cache_fraction")],
+)
+def test_bad_engine_options_name_the_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(**options)
+
+
+def test_unknown_plugin_names_list_the_registered_ones():
+    with pytest.raises(KeyError, match=r"unknown policy 'fcsf'.*fcfs.*Did you mean 'fcfs'"):
+        LLM(scheduler="fcsf", num_kv_blocks=8)
+
+
+def test_bfloat16_runs_and_mostly_agrees_with_float32(llm):
+    bf16 = LLM(dtype="bfloat16", num_kv_blocks=256, max_model_len=512)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(temperature=0, max_tokens=8)
+    [a] = llm.generate([prompt], params, use_tqdm=False)
+    [b] = bf16.generate([prompt], params, use_tqdm=False)
+    assert "Paris" in b.text
+    assert a.token_ids[:3] == b.token_ids[:3]
+
+
+def test_validate_command_reports_agreement(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\nOne, two, three,\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "nanovllm.validate", "--prompts", str(prompts), "--max-tokens", "8",
+         "--num-kv-blocks", "64"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2/2 prompts token-identical to transformers" in result.stdout
+    assert result.stdout.count("OK   prompt") == 2
