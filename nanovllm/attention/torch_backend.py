@@ -2,8 +2,8 @@
 
 Sequences are split into two groups, decodes (one query token) and prefills (chunks, possibly on top of cached
 tokens), so that a long prefill does not pad every decode to its length. Each group is padded to a rectangle
-once per step in ``plan``: query rows are gathered from the flat batch, keys and values from the cache through
-the block tables, and a boolean mask encodes both causality (query ``i`` of a sequence with ``c`` cached tokens
+once per step in ``plan``: query rows are gathered from the flat batch, keys and values from the cache whole
+blocks at a time through the block tables (large contiguous copies), and a boolean mask encodes both causality (query ``i`` of a sequence with ``c`` cached tokens
 sees keys ``0..c+i``) and padding. Every layer then runs one SDPA call per group.
 """
 
@@ -21,9 +21,9 @@ from nanovllm.attention.base import AttentionBackend, AttentionMetadata, registe
 class _Group:
     token_index: torch.Tensor   # [n_valid] flat-batch rows of this group's real queries, in order
     query_index: torch.Tensor   # [B, max_q] flat-batch row of each padded query slot
-    query_valid: torch.Tensor   # [B, max_q] bool
-    key_slots: torch.Tensor     # [B, max_kv] cache slot of each padded key position
-    mask: torch.Tensor          # [B, 1, max_q, max_kv] bool, True = attend
+    valid_rows: torch.Tensor | None  # rows of the flattened [B * max_q] padded queries that are real (None: all)
+    blocks: torch.Tensor        # [B, max_blocks] cache block of each padded block position
+    mask: torch.Tensor          # [B, 1, max_q, max_blocks * block_size] bool, True = attend
 
 
 @register_attention("torch")
@@ -54,41 +54,47 @@ class TorchAttention(AttentionBackend):
         query_valid = q_pos[None, :] < q_lens[:, None]
         query_index = torch.where(query_valid, q_start[:, None] + q_pos[None, :], 0)
         max_blocks = -(-max_kv // bs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        blocks = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
         for row, i in enumerate(seqs):
             table = meta.block_tables[i][:max_blocks]
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        k_pos = torch.arange(max_kv)
-        key_slots = tables[:, k_pos // bs] * bs + (k_pos % bs)[None, :]
+            blocks[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        k_pos = torch.arange(max_blocks * bs)
         key_valid = k_pos[None, :] < kv_lens[:, None]
         # Absolute position of each query = tokens already cached + its index in the chunk.
         q_abs = (kv_lens - q_lens)[:, None] + q_pos[None, :]
         mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
         # Padded query rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
         mask = mask | (~query_valid[:, :, None] & (k_pos == 0)[None, None, :])
-        key_slots = torch.where(key_valid, key_slots, 0)
         return _Group(
             token_index=query_index[query_valid].to(device),
             query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            key_slots=key_slots.to(device),
+            valid_rows=None if bool(query_valid.all()) else query_valid.view(-1).nonzero().view(-1).to(device),
+            blocks=blocks.to(device),
             mask=mask[:, None].to(device),
         )
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
+        num_blocks, block_size = k_cache.shape[:2]
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, self._slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, self._slot_mapping, v.to(flat_v.dtype))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for g in self._groups:
-            qg = q[g.query_index].transpose(1, 2)                 # [B, H, max_q, D]
-            kg = flat_k[g.key_slots].transpose(1, 2)              # [B, H_kv, max_kv, D]
-            vg = flat_v[g.key_slots].transpose(1, 2)
+            # index_select, not advanced indexing: the same gather runs several times faster on CPU.
+            batch, max_q = g.query_index.shape
+            max_blocks = g.blocks.shape[1]
+            qg = q.index_select(0, g.query_index.view(-1)).view(batch, max_q, self.num_heads, self.head_dim)
+            kg = k_cache.index_select(0, g.blocks.view(-1))
+            vg = v_cache.index_select(0, g.blocks.view(-1))
+            shape = (batch, max_blocks * block_size, self.num_kv_heads, self.head_dim)
             og = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+                qg.transpose(1, 2), kg.view(shape).transpose(1, 2), vg.view(shape).transpose(1, 2),
+                attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            og = og.transpose(1, 2)[g.query_valid]               # [n_valid, H, D]
-            out[g.token_index] = og.reshape(og.shape[0], -1)
+            og = og.transpose(1, 2).reshape(batch * max_q, -1)
+            if g.valid_rows is not None:
+                og = og.index_select(0, g.valid_rows)
+            out.index_copy_(0, g.token_index, og)
         return out

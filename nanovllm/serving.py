@@ -1,0 +1,193 @@
+"""The online serving loop: each request enters the engine when its arrival time comes, as it would from a
+client, and the run comes out as plain records plus their summary. ``python -m nanovllm.run`` drives it; from
+Python::
+
+    engine = LLM(scheduler="priority").engine
+    result = serve(engine, generate_workload(ChatWorkloadConfig(num_requests=8), engine.tokenizer))
+    print(format_summary(result.summary))
+    print(format_breakdown(result.by_priority, "priority"))
+
+The clock is the wall clock: a workload's ``arrival_time`` is seconds after ``serve`` starts, and a request
+that arrives while a step runs joins before the next step (steps are atomic, as in any engine). Its recorded
+arrival is the workload's time, not the moment the loop noticed it, so queueing behind a long step counts in
+its latency, as a client would see it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from nanovllm.engine.engine import LLMEngine
+from nanovllm.loggers import RunLogger, RunProgress
+from nanovllm.metrics import SLO, breakdown, summarize
+from nanovllm.monitor import Monitor
+from nanovllm.records import RequestRecord
+from nanovllm.request import Request
+from nanovllm.sampling import SamplingParams
+from nanovllm.workload import WorkloadRequest
+
+
+@dataclass
+class RunResult:
+    """What one ``serve`` produced. Times in records are seconds since the run started."""
+
+    requests: list[RequestRecord]                 # every request, finished or failed, in the order they ended
+    steps: list[dict[str, Any]]                   # StepRecords, with flops/bytes/mfu/mbu when monitored
+    summary: dict[str, Any]                       # metrics.summarize (+ run-level mfu/mbu when monitored)
+    breakdowns: dict[str, dict[str, dict[str, Any]]]  # {"priority": {class: summary}, "client_id": {...}}
+    output_token_ids: dict[str, list[int]]        # request_id -> generated tokens (finished requests)
+    wall_time: float                              # seconds from serve() start to its end
+
+    @property
+    def by_priority(self) -> dict[str, dict[str, Any]]:
+        return self.breakdowns["priority"]
+
+    @property
+    def by_client(self) -> dict[str, dict[str, Any]]:
+        return self.breakdowns["client_id"]
+
+
+def serve(
+    engine: LLMEngine,
+    workload: Sequence[WorkloadRequest],
+    *,
+    progress: bool = True,
+    loggers: Sequence[RunLogger] = (),
+    monitor: Monitor | None = None,
+    slo: SLO | None = None,
+    temperature: float = 0.0,
+) -> RunResult:
+    """Serve ``workload`` on ``engine`` in real time and return the run's records and summary.
+
+    A request the engine rejects (prompt too long, ...) is recorded as failed with the reason in ``error``
+    and the others go on. ``loggers`` get every step and request as it happens and the summary at the end
+    (their ``start``/``finish`` are the caller's: it knows the run directory). The engine's step records are
+    cleared first, so the run's steps are numbered from 0.
+    """
+    run = _Run(engine, loggers, monitor, temperature, RunProgress(len(workload), disable=not progress))
+    try:
+        run.loop(workload)
+    finally:
+        run.progress.close()
+    run.check_all_ended(len(workload))
+
+    summary = summarize(run.records, run.steps, slo=slo)
+    if monitor is not None:
+        overall = monitor.overall(run.steps)
+        summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
+    breakdowns = {by: breakdown(run.records, by, slo=slo) for by in ("priority", "client_id")}
+    for logger in loggers:
+        logger.log_summary(summary, breakdowns)
+    return RunResult(
+        requests=run.records, steps=run.steps, summary=summary, breakdowns=breakdowns,
+        output_token_ids={r.request_id: r.output_token_ids for r in run.submitted},
+        wall_time=time.perf_counter() - run.t0,
+    )
+
+
+class _Run:
+    """The state of one ``serve`` call: what was submitted, what has ended, what was logged."""
+
+    def __init__(self, engine: LLMEngine, loggers: Sequence[RunLogger], monitor: Monitor | None,
+                 temperature: float, progress: RunProgress) -> None:
+        self.engine = engine
+        self.loggers = loggers
+        self.monitor = monitor
+        self.temperature = temperature
+        self.progress = progress
+        self.submitted: list[Request] = []
+        self.records: list[RequestRecord] = []
+        self.steps: list[dict[str, Any]] = []
+        self.output_tokens = 0
+        self.t0 = 0.0
+
+    def loop(self, workload: Sequence[WorkloadRequest]) -> None:
+        engine = self.engine
+        # Keep each request's index in the caller's list: it is the id of requests that bring none.
+        pending = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
+        engine.step_records.clear()
+        self.t0 = engine.t0 = time.perf_counter()
+        while pending or engine.has_unfinished():
+            now = time.perf_counter()
+            while pending and self.t0 + pending[0][1].arrival_time <= now:
+                self._submit(*pending.popleft())
+            if engine.has_unfinished():
+                for request in engine.step():
+                    self._ended(request.to_record(self.t0))
+                    self.output_tokens += request.num_output_tokens
+                self._log_new_steps()
+            elif pending:
+                # Idle until the next arrival: sleep, do not spin (a spinning loop would steal a CPU core
+                # from the model on small machines and distort the very timings being measured).
+                time.sleep(max(0.0, self.t0 + pending[0][1].arrival_time - time.perf_counter()))
+            self.progress.update(len(self.records), self.output_tokens)
+
+    def _submit(self, index: int, w: WorkloadRequest) -> None:
+        request_id = w.request_id if w.request_id is not None else str(index)
+        params = SamplingParams(temperature=self.temperature, max_tokens=w.max_tokens, ignore_eos=w.ignore_eos)
+        try:
+            request = self.engine.make_request(
+                w.prompt, params, arrival_time=self.t0 + w.arrival_time, priority=w.priority,
+                client_id=w.client_id, request_id=request_id,
+            )
+        except ValueError as exc:
+            self._ended(self._failed_record(w, request_id, str(exc)))
+            return
+        self.engine.add_request(request)
+        self.submitted.append(request)
+
+    def _failed_record(self, w: WorkloadRequest, request_id: str, error: str) -> RequestRecord:
+        prompt_len = len(w.prompt) if not isinstance(w.prompt, str) else len(self.engine.tokenizer.encode(w.prompt))
+        return RequestRecord(
+            request_id=request_id, client_id=w.client_id, priority=w.priority, arrival_time=w.arrival_time,
+            first_scheduled_time=None, first_token_time=None, finish_time=time.perf_counter() - self.t0,
+            token_times=[], num_prompt_tokens=prompt_len, num_cached_tokens=0, num_output_tokens=0,
+            num_preemptions=0, finish_reason=None, error=error,
+        )
+
+    def _ended(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        for logger in self.loggers:
+            logger.log_request(record)
+
+    def _log_new_steps(self) -> None:
+        for step in self.engine.step_records[len(self.steps):]:
+            step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
+            self.steps.append(step)
+            for logger in self.loggers:
+                logger.log_step(step)
+
+    def check_all_ended(self, total: int) -> None:
+        """Every request must end finished or failed; anything else is an engine bug, not a slow run."""
+        stuck = [r.request_id for r in self.submitted if not r.is_finished]
+        if stuck or len(self.records) != total:
+            raise RuntimeError(f"serve ended with {len(self.records)} of {total} requests recorded; "
+                               f"unfinished: {', '.join(stuck) or 'none'}")
+
+
+# -- console ------------------------------------------------------------------------------------------------------
+
+_BREAKDOWN_COLUMNS = [
+    ("requests", None), ("done", "completed"), ("failed", "failed"),
+    ("mean TTFT ms", "mean_ttft_ms"), ("p99 TTFT ms", "p99_ttft_ms"), ("mean TPOT ms", "mean_tpot_ms"),
+    ("mean E2EL ms", "mean_e2el_ms"), ("mean queue ms", "mean_queue_time_ms"), ("preempt", "num_preemptions"),
+]
+
+
+def format_breakdown(groups: dict[str, dict[str, Any]], by: str) -> str:
+    """A small console table, one row per group of a ``RunResult.breakdowns`` entry (e.g. per priority)."""
+
+    def cell(summary: dict[str, Any], key: str | None) -> str:
+        if key is None:
+            return str(summary["completed"] + summary["failed"] + summary["unfinished"])
+        value = summary.get(key)
+        return "n/a" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    header = [by] + [label for label, _ in _BREAKDOWN_COLUMNS]
+    rows = [[group] + [cell(s, key) for _, key in _BREAKDOWN_COLUMNS] for group, s in groups.items()]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(text.rjust(w) for text, w in zip(row, widths)) for row in [header, *rows]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
