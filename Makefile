@@ -25,6 +25,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python experiments/bench_vs_hf.py $(ARGS)
+	$(BIN)/python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-group-by=group -q
+
+study: setup
+	$(BIN)/python experiments/priority_vs_rate.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info

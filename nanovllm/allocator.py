@@ -41,8 +41,13 @@ class BlockAllocator(ABC):
 
     @abstractmethod
     def allocate(self, request: Request, num_new_tokens: int) -> None:
-        """Extend ``request.block_table`` to cover ``num_new_tokens`` more tokens. Raises ``MemoryError`` if
-        blocks are short (the scheduler checks ``can_allocate`` first)."""
+        """Admission: extend ``request.block_table`` to cover ``num_new_tokens`` more tokens (after any prefix
+        match). Raises ``MemoryError`` if blocks are short (the scheduler checks ``can_allocate`` first)."""
+
+    def append(self, request: Request, num_new_tokens: int) -> None:
+        """Grow a running request by ``num_new_tokens`` (its next decode token or prefill chunk). Separate from
+        ``allocate`` (admission) for allocators that treat growth differently; by default the same."""
+        self.allocate(request, num_new_tokens)
 
     @abstractmethod
     def free(self, request: Request) -> None:

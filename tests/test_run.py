@@ -352,7 +352,7 @@ def test_full_traceback_with_hydra_full_error(tmp_path: Path) -> None:
 # -- from an installed wheel ----------------------------------------------------------------------------------------
 
 def test_runs_from_an_installed_wheel(tmp_path: Path) -> None:
-    wheel_dir, site, src = tmp_path / "wheel", tmp_path / "site", tmp_path / "src"
+    wheel_dir, src = tmp_path / "wheel", tmp_path / "src"
     # Build from a copy: pip builds in the source tree (build/, *.egg-info), which must not touch the checkout.
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("nanovllm", "conf", "policies", "allocators"):
@@ -368,18 +368,28 @@ def test_runs_from_an_installed_wheel(tmp_path: Path) -> None:
     shipped = set(zipfile.ZipFile(wheel).namelist())
     for path in (REPO / "conf").rglob("*.yaml"):
         assert f"nanovllm/conf/{path.relative_to(REPO / 'conf').as_posix()}" in shipped
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+    # A fresh venv holding only the wheel; its dependencies (torch, transformers, ...) come from the
+    # project's environment through a .pth file, so nothing is downloaded. The .pth adds a plain path:
+    # the project's own editable install of nanovllm is not visible from it.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "project_deps.pth").write_text("\n".join(deps) + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q",
                               str(wheel)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert install.returncode == 0, install.stderr[-3000:]
 
-    env = _env(tmp_path, pythonpath=site)
-    where = subprocess.run([sys.executable, "-c", "import nanovllm.run as r; print(r.__file__); print(r.config_dir())"],
+    env = {k: v for k, v in _env(tmp_path).items() if k != "PYTHONPATH"}
+    where = subprocess.run([python, "-c", "import nanovllm.run as r; print(r.__file__); print(r.config_dir())"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     module_file, conf = where.stdout.split()
     assert Path(module_file).is_relative_to(site) and Path(conf) == site / "nanovllm" / "conf"
 
     run_dir = tmp_path / "run"
-    proc = run_cli(tmp_path, *TINY, "progress=false", f"hydra.run.dir={run_dir}", env=env)
+    proc = run_cli(tmp_path, *TINY, "progress=false", f"hydra.run.dir={run_dir}", env=env, python=python)
     _ok(proc)
     assert json.loads((run_dir / "metrics.json").read_text())["completed"] == 3
     hydra_yaml = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml")

@@ -95,7 +95,7 @@ class Scheduler:
             num_new = min(request.num_uncomputed_tokens, budget)
             if not self._make_room(request, num_new, self.running[index:], out, now):
                 continue  # ``request`` itself was preempted; the list shrank under ``index``
-            self.allocator.allocate(request, num_new)
+            self.allocator.append(request, num_new)
             out.scheduled.append((request, num_new))
             budget -= num_new
             index += 1

@@ -1,0 +1,60 @@
+"""Our Llama-family implementation against transformers on small random-weight models of each supported
+architecture (Llama with Llama-3 rope scaling, Qwen2 with qkv bias, Qwen3 with q/k norm), loaded from a local HF
+directory of safetensors: greedy float32 tokens must be identical."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from nanovllm import LLM, SamplingParams
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, vocab_size=49152, tie_word_embeddings=False)
+
+ARCHITECTURES = {
+    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def tiny_model_dir(request, tmp_path_factory, llm):
+    config_cls, model_cls, extra = ARCHITECTURES[request.param]
+    torch.manual_seed(0)
+    config = config_cls(**SMALL, **extra, bos_token_id=1, eos_token_id=2)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger weights than the init's, so logits are decisive and attention is not flat
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # borrow the default model's tokenizer
+        shutil.copy(llm.engine.model_dir / name, path / name)
+    return path, model
+
+
+def test_architecture_matches_transformers(tiny_model_dir):
+    path, reference = tiny_model_dir
+    prompts = [[1, 500, 600, 700], list(range(3, 90)), [42] * 20]
+    ours = LLM(model=str(path), num_kv_blocks=64, block_size=8).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    with torch.inference_mode():
+        for ids, out in zip(prompts, ours):
+            expected = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert out.token_ids == expected[0, len(ids):].tolist()
+    assert len(set(ours[1].token_ids)) > 1  # not a degenerate constant output
+
+
+def test_a_model_path_that_is_not_a_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(model=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="expected a local HF directory"):
+        LLM(model=str(tmp_path / "missing"))
