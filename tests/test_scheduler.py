@@ -142,3 +142,25 @@ def test_a_veto_on_an_empty_batch_cannot_stall_the_engine():
         scheduler.add(_request(f"r{i}", 4, max_tokens=2), 0.0)
     steps, _ = _drive(scheduler)
     assert steps >= 3 * 2  # one request at a time
+
+
+def test_mlfq_demotes_long_jobs_so_short_ones_finish_first():
+    scheduler = _scheduler("mlfq", max_num_seqs=1, budget=64)
+    scheduler.policy.quantum = 4
+    long_job = _request("long", 4, max_tokens=40, arrival=0.0)
+    scheduler.add(long_job, 0.0)
+    # The long job runs alone for a while and is demoted as its service grows...
+    for step in range(12):
+        out = scheduler.schedule(float(step))
+        scheduler.commit(out, float(step))
+        if long_job.num_computed_tokens == long_job.num_tokens:
+            long_job.append_token(7, float(step))
+    assert scheduler.policy.level(long_job) >= 2
+    # ...so newly arrived short jobs (level 0) go ahead of it whenever a seat frees up.
+    shorts = [_request(f"short{i}", 4, max_tokens=2, arrival=1.0 + i) for i in range(3)]
+    for r in shorts:
+        scheduler.add(r, 12.0)
+    scheduler.policy.preempt = True
+    _drive(scheduler)
+    finished_order = sorted(shorts + [long_job], key=lambda r: r.finish_time)
+    assert finished_order[-1] is long_job
