@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -64,11 +64,19 @@ class Registry(Generic[T]):
         )
 
     def build(self, spec: Any, *args: Any, **kwargs: Any) -> T:
-        """An instance from a name (constructed with ``args``/``kwargs``) or an existing instance (returned)."""
+        """An instance from a registered name, a ``{"name": ..., **options}`` mapping (a config node), or an
+        existing instance (returned as is). ``args``/``kwargs`` go to the constructor before the options."""
+        if isinstance(spec, Mapping):
+            options = dict(spec)
+            name = options.pop("name", None)
+            if not name:
+                raise ValueError(f"{self.kind} config needs a 'name'; registered: {', '.join(self.names())}")
+            return self.get(name)(*args, **kwargs, **options)
         if isinstance(spec, str):
             return self.get(spec)(*args, **kwargs)
         if self.base is not None and not isinstance(spec, self.base):
-            raise TypeError(f"{self.kind} must be a registered name or a {self.base.__name__} instance, got {spec!r}")
+            raise TypeError(f"{self.kind} must be a registered name, a {{'name': ...}} mapping or a "
+                            f"{self.base.__name__} instance, got {spec!r}")
         return spec
 
     def __contains__(self, name: str) -> bool:

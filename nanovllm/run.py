@@ -212,7 +212,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     multirun = hc.mode == RunMode.MULTIRUN
 
     # The slow part: torch, transformers and the model.
-    from nanovllm.engine.engine import LLMEngine, build_plugin
+    from nanovllm.engine.engine import LLMEngine
     from nanovllm.engine.model_runner import TORCH_DTYPES
     from nanovllm.monitor import ModelCost, Monitor
     from nanovllm.serving import format_breakdown, serve
@@ -226,7 +226,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     cost = ModelCost.from_hf_config(engine.hf_config, dtype)
     monitor = Monitor.from_config(cost, checked.monitor, dtype, checked.engine.device)
 
-    loggers: list[RunLogger] = [build_plugin(LOGGERS, checked.logger)]
+    loggers: list[RunLogger] = [LOGGERS.build(checked.logger)]
     if not isinstance(loggers[0], JsonlLogger):
         loggers.append(JsonlLogger())  # the run's files are always written, whatever else logs it
     # Jobs of one sweep share a W&B group: the configured one, else the sweep directory's name.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -24,17 +24,6 @@ from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import SamplingParams
 
 PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
-
-
-def build_plugin(registry, spec: PluginSpec, *args: Any) -> Any:
-    """An instance from a name, a ``{"name": ..., **options}`` mapping, or an instance (returned as is)."""
-    if isinstance(spec, Mapping):
-        options = dict(spec)
-        name = options.pop("name", None)
-        if not name:
-            raise ValueError(f"{registry.kind} config needs a 'name'; registered: {', '.join(registry.names())}")
-        return registry.get(name)(*args, **options)
-    return registry.build(spec, *args)
 
 
 class LLMEngine:
@@ -70,14 +59,14 @@ class LLMEngine:
                                       TORCH_DTYPES[config.dtype])
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         scale = runner.head_dim ** -0.5
-        backend: AttentionBackend = build_plugin(
-            ATTENTION_BACKENDS, attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
+        backend: AttentionBackend = ATTENTION_BACKENDS.build(
+            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
         if not backend.is_available(device):
             raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}")
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend)
-        self.allocator: BlockAllocator = build_plugin(ALLOCATORS, allocator, self.num_kv_blocks, config.block_size)
-        self.policy: Policy = build_plugin(POLICIES, scheduler)
+        self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)
+        self.policy: Policy = POLICIES.build(scheduler)
         self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         eos = self.hf_config.eos_token_id
