@@ -11,6 +11,7 @@ from nanovllm.engine.engine import LLMEngine, PluginSpec
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
+from nanovllm.workload import chat_token_ids
 
 Prompt = str | list[int]
 
@@ -67,8 +68,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_token_ids(self.tokenizer, messages)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for request in requests:

@@ -45,24 +45,24 @@ class SLO:
 # Per-request latencies (seconds)
 # --------------------------------------------------------------------------------------------------------------
 
-def _is_completed(r: RequestRecord) -> bool:
+def is_completed(r: RequestRecord) -> bool:
     return r["error"] is None and r["finish_time"] is not None
 
 
-def _ttft(r: RequestRecord) -> float | None:
+def ttft_s(r: RequestRecord) -> float | None:
     return None if r["first_token_time"] is None else r["first_token_time"] - r["arrival_time"]
 
 
-def _e2el(r: RequestRecord) -> float:
+def e2el_s(r: RequestRecord) -> float:
     return r["finish_time"] - r["arrival_time"]
 
 
-def _tpot(r: RequestRecord) -> float | None:
+def tpot_s(r: RequestRecord) -> float | None:
     """Mean time per output token after the first; undefined for a single-token output."""
-    ttft = _ttft(r)
+    ttft = ttft_s(r)
     if ttft is None or r["num_output_tokens"] <= 1:
         return None
-    return (_e2el(r) - ttft) / (r["num_output_tokens"] - 1)
+    return (e2el_s(r) - ttft) / (r["num_output_tokens"] - 1)
 
 
 def _itls(r: RequestRecord) -> list[float]:
@@ -77,10 +77,10 @@ def _queue_time(r: RequestRecord) -> float | None:
 def _latencies_s(done: Sequence[RequestRecord]) -> dict[str, list[float]]:
     """Each latency metric's sample in seconds (ITL pooled over requests, as vLLM does)."""
     return {
-        "ttft": [t for t in map(_ttft, done) if t is not None],
-        "tpot": [t for t in map(_tpot, done) if t is not None],
+        "ttft": [t for t in map(ttft_s, done) if t is not None],
+        "tpot": [t for t in map(tpot_s, done) if t is not None],
         "itl": [gap for r in done for gap in _itls(r)],
-        "e2el": [_e2el(r) for r in done],
+        "e2el": [e2el_s(r) for r in done],
     }
 
 
@@ -123,13 +123,13 @@ def run_duration(requests: Sequence[RequestRecord]) -> float:
 
 def _meets_slo(r: RequestRecord, slo: SLO) -> bool:
     """DistServe's goodput test: every SLO that is set holds."""
-    ttft, tpot = _ttft(r), _tpot(r)
+    ttft, tpot = ttft_s(r), tpot_s(r)
     if slo.ttft_ms is not None and (ttft is None or ttft * 1000.0 > slo.ttft_ms):
         return False
     # A one-token output has no TPOT: it had no decode steps to be slow in, so it meets any TPOT target.
     if slo.tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo.tpot_ms:
         return False
-    return slo.e2el_ms is None or _e2el(r) * 1000.0 <= slo.e2el_ms
+    return slo.e2el_ms is None or e2el_s(r) * 1000.0 <= slo.e2el_ms
 
 
 def _goodput(done: Sequence[RequestRecord], total: int, duration: float, slo: SLO | None) -> dict[str, Any]:
@@ -188,7 +188,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (
     benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``).
     """
     requests = list(requests)
-    done = [r for r in requests if _is_completed(r)]
+    done = [r for r in requests if is_completed(r)]
     duration = run_duration(requests) if duration is None else float(duration)
     summary = _counts(requests, done, duration)
     summary.update(_goodput(done, len(requests), duration, slo))
@@ -305,7 +305,10 @@ def write_run_files(run_dir: str | Path, requests: Sequence[RequestRecord], step
     return run_dir
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, missing_ok: bool = False) -> list[dict]:
+    """The records of a ``.jsonl`` file; ``missing_ok``: none for a missing file (a run cut short)."""
+    if missing_ok and not path.exists():
+        return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -313,4 +316,4 @@ def read_run_files(run_dir: str | Path) -> tuple[list[RequestRecord], list[StepR
     """The inverse of :func:`write_run_files`: ``(requests, steps, summary)`` of a finished run."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
-    return _read_jsonl(run_dir / "requests.jsonl"), _read_jsonl(run_dir / "steps.jsonl"), summary
+    return read_jsonl(run_dir / "requests.jsonl"), read_jsonl(run_dir / "steps.jsonl"), summary

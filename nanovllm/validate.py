@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm.workload import chat_token_ids
+
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "def quicksort(items):",
@@ -57,9 +59,25 @@ def load_prompts(path: str | Path | None, tokenizer) -> list[tuple[str, list[int
             prompts.append((item, tokenizer.encode(item)))
         else:
             messages = item["messages"] if isinstance(item, dict) else item
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            prompts.append((messages[-1]["content"], list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+            prompts.append((messages[-1]["content"], chat_token_ids(tokenizer, messages)))
     return prompts
+
+
+def reference_greedy(model, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+    """transformers ``generate``, greedy, one prompt at a time (no padding, so nothing perturbs its arithmetic):
+    the reference every parity check compares against. Outputs end with EOS when generation stopped on it."""
+    import torch
+
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            generated = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_tokens, min_new_tokens=max_tokens if ignore_eos else None, do_sample=False,
+                pad_token_id=model.config.eos_token_id if model.config.eos_token_id is not None else 0,
+            )
+            outputs.append(generated[0, len(ids):].tolist())
+    return outputs
 
 
 def validate_output(
@@ -80,14 +98,9 @@ def validate_output(
     outputs = llm.generate([ids for _, ids in pairs], SamplingParams(temperature=0, max_tokens=max_tokens),
                            use_tqdm=False)
     reference_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
-    results = []
-    with torch.inference_mode():
-        for (label, ids), output in zip(pairs, outputs):
-            generated = reference_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_tokens, do_sample=False, pad_token_id=reference_model.config.eos_token_id,
-            )
-            results.append(PromptAgreement(label, output.token_ids, generated[0, len(ids):].tolist()))
+    references = reference_greedy(reference_model, [ids for _, ids in pairs], max_tokens)
+    results = [PromptAgreement(label, output.token_ids, reference)
+               for (label, _), output, reference in zip(pairs, outputs, references)]
     return results
 
 

@@ -449,8 +449,9 @@ def _text_tokens(tokenizer: Any, n: int, rng: np.random.Generator) -> list[int]:
         count *= 2
 
 
-def _chat_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Templated prompt ids; transformers 5 may return a BatchEncoding/dict instead of a list."""
+def chat_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """A conversation's prompt ids through the tokenizer's chat template, ready for the assistant's turn
+    (transformers 5 may return a BatchEncoding/dict instead of a list)."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(out, "keys"):
         out = out["input_ids"]
@@ -507,7 +508,7 @@ def _chat_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     priorities = _sample_priorities(cfg, n, _rng(cfg.seed, "priority"))
     clients = _sample_clients(cfg, n, _rng(cfg.seed, "client"))
     return [
-        WorkloadRequest(arrival_time=float(arrivals[i]), prompt=_chat_token_ids(tokenizer, convs[j]),
+        WorkloadRequest(arrival_time=float(arrivals[i]), prompt=chat_token_ids(tokenizer, convs[j]),
                         max_tokens=int(cfg.max_tokens), priority=priorities[i], client_id=clients[i],
                         ignore_eos=False, messages=convs[j])
         for i, j in enumerate(order)

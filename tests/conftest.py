@@ -40,17 +40,13 @@ PARITY_MAX_TOKENS = 24
 def _parity_prompts(tokenizer) -> list[list[int]]:
     """16 varied prompts as token ids: chat-templated questions, raw text, code, and several longer than
     four 16-token blocks."""
-    from nanovllm.workload import load_chat_prompts
+    from nanovllm.workload import chat_token_ids, load_chat_prompts
 
-    chat_ids = []
-    for messages in load_chat_prompts():
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        chat_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    chat_ids = [chat_token_ids(tokenizer, messages) for messages in load_chat_prompts()]
     by_length = sorted(chat_ids, key=len)
     chat_ids = by_length[:4] + by_length[-4:]  # four short chats and the four longest (well over 4 blocks)
     short_answer = [{"role": "user", "content": "What is the capital of France?"}]  # ends on EOS quickly
-    ids = tokenizer.apply_chat_template(short_answer, add_generation_prompt=True, tokenize=True)
-    chat_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    chat_ids.append(chat_token_ids(tokenizer, short_answer))
     raw = [
         "The quick brown fox",
         "def fibonacci(n):\n    ",
@@ -73,14 +69,6 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model, parity_prompts) -> list[list[int]]:
     """transformers `generate` greedy outputs, one prompt at a time (no padding), EOS-terminated."""
-    import torch
+    from nanovllm.validate import reference_greedy
 
-    outputs = []
-    with torch.inference_mode():
-        for ids in parity_prompts:
-            out = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=PARITY_MAX_TOKENS, do_sample=False, pad_token_id=hf_model.config.eos_token_id,
-            )
-            outputs.append(out[0, len(ids):].tolist())
-    return outputs
+    return reference_greedy(hf_model, parity_prompts, PARITY_MAX_TOKENS)

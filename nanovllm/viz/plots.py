@@ -18,6 +18,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from nanovllm.metrics import e2el_s, is_completed, read_jsonl, tpot_s, ttft_s
+
 QUEUED, PREFILL, DECODE = "#bbbbbb", "#e4572e", "#4c72b0"
 MAX_TIMELINE_REQUESTS = 400  # beyond this the bars are sub-pixel; the first ones still show the pattern
 
@@ -38,13 +40,6 @@ class RunData:
         return {key: value for key, value in self.metrics.items() if key != "breakdowns"}
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
     """Read a run directory; missing files give empty records rather than errors (a run cut short)."""
     run_dir = Path(run_dir)
@@ -53,8 +48,8 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
     metrics_path = run_dir / "metrics.json"
     return RunData(
         path=run_dir,
-        requests=_read_jsonl(run_dir / "requests.jsonl"),
-        steps=_read_jsonl(run_dir / "steps.jsonl"),
+        requests=read_jsonl(run_dir / "requests.jsonl", missing_ok=True),
+        steps=read_jsonl(run_dir / "steps.jsonl", missing_ok=True),
         metrics=json.loads(metrics_path.read_text()) if metrics_path.exists() else {},
         label=label or run_dir.resolve().name,
     )
@@ -76,28 +71,22 @@ def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
 
 
 def _completed(requests: Iterable[dict]) -> list[dict]:
-    return [r for r in requests if r.get("error") is None and r.get("finish_time") is not None]
+    return [r for r in requests if is_completed(r)]
 
 
 def ttfts(requests: Iterable[dict]) -> list[float]:
     """Time to first token (s) of each completed request."""
-    return [
-        r["first_token_time"] - r["arrival_time"] for r in _completed(requests) if r["first_token_time"] is not None
-    ]
+    return [t for t in map(ttft_s, _completed(requests)) if t is not None]
 
 
 def tpots(requests: Iterable[dict]) -> list[float]:
     """Time per output token after the first (s), for completed requests with at least two tokens."""
-    return [
-        (r["finish_time"] - r["first_token_time"]) / (r["num_output_tokens"] - 1)
-        for r in _completed(requests)
-        if r["num_output_tokens"] > 1 and r["first_token_time"] is not None
-    ]
+    return [t for t in map(tpot_s, _completed(requests)) if t is not None]
 
 
 def e2els(requests: Iterable[dict]) -> list[float]:
     """End-to-end latency (s) of each completed request."""
-    return [r["finish_time"] - r["arrival_time"] for r in _completed(requests)]
+    return [e2el_s(r) for r in _completed(requests)]
 
 
 # -- figures ----------------------------------------------------------------------------------------------------
