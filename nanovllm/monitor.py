@@ -21,6 +21,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from nanovllm.models.llama import head_dim_of
+
 _MIB = 1 << 20
 
 
@@ -46,7 +48,7 @@ class ModelCost:
     def from_hf_config(cls, config: Any, dtype: torch.dtype) -> "ModelCost":
         """Build from a transformers config; ``dtype`` is the dtype weights and KV cache are held in."""
         num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_dim = head_dim_of(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         model_type = getattr(config, "model_type", "")
         return cls(

@@ -75,7 +75,7 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
-        num_blocks, block_size = k_cache.shape[:2]
+        block_size = k_cache.shape[1]
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, self._slot_mapping, k.to(flat_k.dtype))

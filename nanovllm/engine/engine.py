@@ -109,12 +109,12 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         total = len(token_ids) + params.max_tokens
-        if len(token_ids) > self.max_model_len or total > self.max_model_len:
+        if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
-        blocks = -(-total // self.config.block_size)
+        blocks = self.allocator.blocks_for(total)
         if blocks > self.num_kv_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but the whole cache has "

@@ -7,6 +7,7 @@ import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.engine.kv_cache import allocate_kv_cache
+from nanovllm.models.llama import head_dim_of
 from nanovllm.models.loader import load_model
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler
@@ -23,7 +24,7 @@ class ModelRunner:
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(hf_config)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.kv_cache: torch.Tensor | None = None
@@ -39,14 +40,17 @@ class ModelRunner:
         self.backend = backend
 
     def _prepare(self, scheduled: list[tuple[Request, int]]):
+        """Flat tensors for the step, and which scheduled requests sample (their chunk reaches the newest
+        token) with the flat row of their last token."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        samplers: list[int] = []
         sample_rows: list[int] = []
         bs = self.block_size
-        for request, num_new in scheduled:
+        for i, (request, num_new) in enumerate(scheduled):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             table = request.block_table
             input_ids.extend(request.token_ids[start:end])
@@ -54,28 +58,31 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-            if end == request.num_tokens:  # the chunk reaches the newest token: this row samples
+            if end == request.num_tokens:
+                samplers.append(i)
                 sample_rows.append(len(input_ids) - 1)
         to = dict(device=self.device, dtype=torch.long)
         meta = AttentionMetadata(
             query_lens=query_lens, seq_lens=seq_lens, block_tables=[r.block_table for r, _ in scheduled],
             slot_mapping=torch.tensor(slots, **to), block_size=bs,
         )
-        return torch.tensor(input_ids, **to), torch.tensor(positions, **to), meta, sample_rows
+        return (torch.tensor(input_ids, **to), torch.tensor(positions, **to), meta, samplers,
+                torch.tensor(sample_rows, **to))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
         """Run one step. Returns, per scheduled request, its next token, or None for a partial prefill chunk."""
-        input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        input_ids, positions, meta, samplers, sample_rows = self._prepare(scheduled)
         # The model may be shared by several engines in one process (it is cached): bind our backend each step.
         self.model.bind_attention(self.backend)
         self.backend.plan(meta)
         hidden = self.model(input_ids, positions)
-        sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
-        tokens: list[int] = []
-        if sampling:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            generators = [r.generator or self.generator for r in sampling]
-            tokens = self.sampler(logits, [r.sampling_params for r in sampling], generators)
-        next_tokens = iter(tokens)
-        return [next(next_tokens) if r.num_computed_tokens + n == r.num_tokens else None for r, n in scheduled]
+        next_tokens: list[int | None] = [None] * len(scheduled)
+        if samplers:
+            requests = [scheduled[i][0] for i in samplers]
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+            tokens = self.sampler(logits, [r.sampling_params for r in requests],
+                                  [r.generator or self.generator for r in requests])
+            for i, token in zip(samplers, tokens):
+                next_tokens[i] = token
+        return next_tokens

@@ -155,8 +155,8 @@ class Scheduler:
                 raise PolicyError(f"policy {self.policy.registered_name!r}: preempt_for returned a request "
                                   "that is not running")
             self._preempt(victim, out)
-        # The victims joined the waiting queue behind ``request``; keep the policy's order.
-        self._sort(self.waiting, now)
+            # The victim joined the waiting queue behind ``request``; keep the policy's order.
+            self._sort(self.waiting, now)
 
     def _blocked(self, request: Request) -> bool:
         """Could ``request`` not be admitted now for lack of a free slot or free blocks?"""
@@ -169,8 +169,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        if request in self.running:
-            self.running.remove(request)
+        self.running.remove(request)
         self.waiting.append(request)
         out.preempted.append(request)
 
@@ -182,9 +181,8 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _sort(self, requests: list[Request], now: float) -> None:
-        keys = {id(r): self._ask("priority", r, now) for r in requests}
-        try:
-            requests.sort(key=lambda r: keys[id(r)])
+        try:  # sort calls the key once per request
+            requests.sort(key=lambda r: self._ask("priority", r, now))
         except TypeError as exc:
             raise PolicyError(f"policy {self.policy.registered_name!r}: priority keys are not comparable: {exc}")
 

@@ -58,6 +58,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def head_dim_of(config) -> int:
+    """Per-head width: ``head_dim`` when the config sets it (Qwen3), else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _rope_parameters(config) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return dict(params)
@@ -69,7 +74,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
@@ -131,8 +136,7 @@ class LlamaForCausalLM(nn.Module):
                 f"model_type {config.model_type!r} is not supported; supported: {', '.join(self.SUPPORTED_MODEL_TYPES)}"
             )
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
