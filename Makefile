@@ -25,7 +25,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python experiments/bench_vs_hf.py $(ARGS)
-	$(BIN)/python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-group-by=group -q
+	$(BIN)/python -m pytest tests/benchmarks --benchmark-only --benchmark-group-by=group -q
 
 study: setup
 	$(BIN)/python experiments/priority_vs_rate.py $(ARGS)

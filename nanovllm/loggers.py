@@ -56,11 +56,8 @@ def register_logger(name: str):
 def _json_default(value: Any) -> Any:
     # numpy / torch scalars become numbers; anything else (a Policy instance handed to LLM(...) ends up in the
     # config) becomes its repr, because a logger must never crash the run it records.
-    if hasattr(value, "item"):
-        try:
-            return value.item()
-        except (TypeError, ValueError):
-            pass
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalars
+        return value.item()
     if isinstance(value, (set, tuple, frozenset)):
         return list(value)
     return str(value) if isinstance(value, Path) else repr(value)

@@ -51,7 +51,7 @@ def test_registry_knows_builtins_and_plugins() -> None:
 
     @register_logger("test_null")
     class NullLogger(RunLogger):
-        pass
+        """Logs nothing: every RunLogger method has a do-nothing default."""
 
     assert LOGGERS.get("test_null") is NullLogger
     with pytest.raises(TypeError):

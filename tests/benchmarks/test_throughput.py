@@ -1,7 +1,7 @@
 """pytest-benchmark: nano-vllm next to transformers on the same batch, in one run (compare the two rows of the
-``throughput`` group). Skipped in the normal suite; run with
+``throughput`` group). Not collected by the normal suite (pyproject's norecursedirs); run with
 
-    python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-group-by=group
+    python -m pytest tests/benchmarks --benchmark-only --benchmark-group-by=group
 """
 
 from __future__ import annotations
