@@ -59,3 +59,9 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def head_dim_of(model_config) -> int:
+    """A transformers model config's per-head width: ``head_dim`` when set (Qwen3), else hidden / heads.
+    Here rather than with the model so that config-time code (the monitor's cost model) stays light."""
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads

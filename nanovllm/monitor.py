@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from nanovllm.models.llama import head_dim_of
+from nanovllm.config import head_dim_of
 
 _MIB = 1 << 20
 

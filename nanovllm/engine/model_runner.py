@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.engine.kv_cache import allocate_kv_cache
-from nanovllm.models.llama import head_dim_of
+from nanovllm.config import head_dim_of
 from nanovllm.models.loader import load_model
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm.attention.base import AttentionBackend
+from nanovllm.config import head_dim_of
 
 
 class RMSNorm(nn.Module):
@@ -56,11 +57,6 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def head_dim_of(config) -> int:
-    """Per-head width: ``head_dim`` when the config sets it (Qwen3), else hidden_size / num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _rope_parameters(config) -> dict:
