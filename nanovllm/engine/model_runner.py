@@ -73,10 +73,8 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
         """Run one step. Returns, per scheduled request, its next token, or None for a partial prefill chunk."""
         input_ids, positions, meta, samplers, sample_rows = self._prepare(scheduled)
-        # The model may be shared by several engines in one process (it is cached): bind our backend each step.
-        self.model.bind_attention(self.backend)
         self.backend.plan(meta)
-        hidden = self.model(input_ids, positions)
+        hidden = self.model(input_ids, positions, self.backend)
         next_tokens: list[int | None] = [None] * len(scheduled)
         if samplers:
             requests = [scheduled[i][0] for i in samplers]

@@ -83,16 +83,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.backend: AttentionBackend | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.backend.forward(self.layer, q, k, v))
+        return self.o_proj(attention.forward(self.layer, q, k, v))
 
 
 class MLP(nn.Module):
@@ -114,8 +113,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,15 +140,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
 
-    def bind_attention(self, backend: AttentionBackend) -> None:
-        for layer in self.layers:
-            layer.self_attn.backend = backend
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm. ``attention`` is the backend planned for
+        this step; it is passed down explicitly (never stored on the layers), so two engines can share one
+        cached model without touching each other's KV caches."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(positions, x, attention)
         return self.norm(x)
 
     # Vocabulary rows per LM-head matmul. One [rows, 49152] GEMM runs ~1.5x slower on CPU than the same work in
