@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/python -m nanovllm.run $(ARGS)
 
+# lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) before the suite runs.
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup

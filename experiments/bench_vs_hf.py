@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.workload import load_chat_prompts
+from nanovllm.harness.workload import load_chat_prompts
 
 
 def chat_prompts(llm: LLM, n: int) -> list[list[int]]:

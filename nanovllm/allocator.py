@@ -73,7 +73,9 @@ class BlockAllocator(ABC):
         return self.num_used_blocks() / self.num_blocks
 
 
-ALLOCATORS: Registry[BlockAllocator] = Registry("allocator", base=BlockAllocator, builtin_packages=("allocators",))
+ALLOCATORS: Registry[BlockAllocator] = Registry(
+    "allocator", base=BlockAllocator, builtin_packages=("allocators",), engine_args=("num_blocks", "block_size")
+)
 
 
 def register_allocator(name: str):

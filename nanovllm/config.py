@@ -61,6 +61,33 @@ class EngineConfig:
         return asdict(self)
 
 
+# Context length assumed for a model config that does not state ``max_position_embeddings``.
+FALLBACK_MAX_POSITIONS = 4096
+
+
+def max_positions_of(model_config) -> int:
+    """How many positions the model supports: ``max_position_embeddings``, else ``FALLBACK_MAX_POSITIONS``."""
+    return getattr(model_config, "max_position_embeddings", None) or FALLBACK_MAX_POSITIONS
+
+
+def attention_biases(model_config) -> tuple[bool, bool]:
+    """``(qkv_bias, o_bias)`` of a Llama-family config, the one rule the model builder and the cost model share:
+    Qwen2 always biases q/k/v (never o); otherwise ``attention_bias`` biases all four, as transformers does."""
+    if getattr(model_config, "model_type", "") == "qwen2":
+        return True, False
+    bias = bool(getattr(model_config, "attention_bias", False))
+    return bias, bias
+
+
+def torch_dtype(name: str):
+    """The torch dtype named by one of ``DTYPES`` (imported here lazily: config-time code stays torch-free)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
 def head_dim_of(model_config) -> int:
     """A transformers model config's per-head width: ``head_dim`` when set (Qwen3), else hidden / heads.
     Here rather than with the model so that config-time code (the monitor's cost model) stays light."""

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tqdm.auto import tqdm
-
+from nanovllm.chat_template import chat_token_ids
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
-from nanovllm.outputs import RequestMetrics, RequestOutput
+from nanovllm.outputs import RequestMetrics, RequestOutput, StepRecord
+from nanovllm.progress import RequestProgress
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
-from nanovllm.workload import chat_token_ids
 
 Prompt = str | list[int]
 
@@ -33,6 +32,8 @@ class LLM:
         config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
         self.tokenizer = self.engine.tokenizer
+        # The step records of the latest generate() call only: an LLM serving many calls keeps no history.
+        self.last_steps: list[StepRecord] = []
 
     def generate(
         self,
@@ -73,15 +74,15 @@ class LLM:
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for request in requests:
             self.engine.add_request(request)
-        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2,
-                   unit="req", dynamic_ncols=True)
-        output_tokens = 0
-        while self.engine.has_unfinished():
-            for request in self.engine.step():
-                output_tokens += request.num_output_tokens
-                bar.update(1)
-            bar.set_postfix(out_tok_s=f"{output_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}", refresh=False)
-        bar.close()
+        self.last_steps = []
+        finished = output_tokens = 0
+        with RequestProgress(len(requests), disable=not use_tqdm or len(requests) < 2, desc="generate") as bar:
+            while self.engine.has_unfinished():
+                result = self.engine.step()
+                self.last_steps.append(result.record)
+                finished += len(result.finished)
+                output_tokens += sum(r.num_output_tokens for r in result.finished)
+                bar.update(finished, output_tokens)
         return [self._output(r) for r in requests]
 
     def _output(self, r: Request) -> RequestOutput:

@@ -1,8 +1,33 @@
-"""What ``LLM.generate`` returns."""
+"""What the engine hands out: ``RequestOutput`` (what ``LLM.generate`` returns) and ``StepRecord`` (what one
+``LLMEngine.step()`` did, the raw material of every serving metric and plot)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
+
+
+class StepRecord(TypedDict):
+    """One engine step. ``start_time`` is the step's ``time.perf_counter()`` as the engine returns it; the
+    harness makes it relative to its run's start when it writes ``steps.jsonl``."""
+
+    step: int
+    start_time: float
+    duration: float                     # seconds spent in this step (schedule + forward + sample + update)
+    num_prefill_tokens: int             # prompt tokens computed this step (chunks included)
+    num_decode_tokens: int              # one per decoding request
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_running: int                    # requests holding KV blocks after the step
+    num_waiting: int                    # requests waiting (preempted ones included) after the step
+    num_preempted: int                  # preemptions made while scheduling this step
+    kv_blocks_used: int
+    kv_blocks_cached: int               # free blocks still holding reusable prefix-cache content
+    kv_blocks_free: int
+    kv_blocks_total: int
+    context_tokens: int                 # sum over scheduled requests of their context length after the step
+    attn_pairs: int                     # (query, key) pairs attended this step, causal mask respected
+    num_sampled: int                    # sequences that produced logits (and a token) this step
 
 
 @dataclass
@@ -19,6 +44,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's result, in the order of the prompts given to ``generate``. ``finish_reason`` is
+    ``"stop"`` (EOS or a stop token, which ends ``token_ids``), ``"length"`` (``max_tokens`` or the model's
+    context reached); ``metrics`` says when things happened to it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

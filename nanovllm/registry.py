@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import pkgutil
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
@@ -15,12 +16,18 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Name -> class for one kind of plugin (``kind`` is used in error messages, e.g. "policy")."""
+    """Name -> class for one kind of plugin (``kind`` is used in error messages, e.g. "policy").
 
-    def __init__(self, kind: str, base: type | None = None, builtin_packages: tuple[str, ...] = ()) -> None:
+    ``engine_args`` names the constructor arguments the engine passes itself, positionally, before a config's
+    options (an allocator gets ``num_blocks, block_size``); ``check`` needs them to validate the options alone.
+    """
+
+    def __init__(self, kind: str, base: type | None = None, builtin_packages: tuple[str, ...] = (),
+                 engine_args: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self.base = base
         self.builtin_packages = builtin_packages
+        self.engine_args = engine_args
         self._entries: dict[str, type[T]] = {}
         self._builtins_loaded = False
 
@@ -63,15 +70,37 @@ class Registry(Generic[T]):
             f"unknown {self.kind} {name!r}. Registered {self.kind} names: {', '.join(self.names())}.{hint}"
         )
 
+    def check(self, spec: Any, where: str | None = None) -> Any:
+        """Validate a plugin spec without building it: a registered name, or ``{"name": ..., **options}`` whose
+        options the class's constructor accepts after the engine's own arguments. Returns the spec (a mapping
+        as a plain dict); an instance passes as is. Errors name ``where`` (e.g. ``allocator``, as the Hydra
+        override is spelt) and what is allowed. ``LLM(...)`` and ``python -m nanovllm.run`` both come here."""
+        where = where or self.kind
+        if isinstance(spec, str):
+            self.get(spec)
+            return spec
+        if not isinstance(spec, Mapping):
+            return spec
+        spec = dict(spec)
+        name = spec.get("name")
+        if not name:
+            raise ValueError(f"{where}.name is not set; registered {self.kind} names: {', '.join(self.names())}")
+        cls = self.get(name)  # UnknownPluginError lists the names and the closest match
+        options = {k: v for k, v in spec.items() if k != "name"}
+        try:
+            inspect.signature(cls).bind(*([None] * len(self.engine_args)), **options)
+        except TypeError as exc:
+            raise ValueError(f"{where}={name!r} does not take options {sorted(options)}: {exc}") from None
+        return spec
+
     def build(self, spec: Any, *args: Any, **kwargs: Any) -> T:
         """An instance from a registered name, a ``{"name": ..., **options}`` mapping (a config node), or an
-        existing instance (returned as is). ``args``/``kwargs`` go to the constructor before the options."""
+        existing instance (returned as is). ``args``/``kwargs`` are the engine's arguments (``engine_args``),
+        passed to the constructor before the options; the spec is ``check``-ed first."""
+        spec = self.check(spec)
         if isinstance(spec, Mapping):
             options = dict(spec)
-            name = options.pop("name", None)
-            if not name:
-                raise ValueError(f"{self.kind} config needs a 'name'; registered: {', '.join(self.names())}")
-            return self.get(name)(*args, **kwargs, **options)
+            return self.get(options.pop("name"))(*args, **kwargs, **options)
         if isinstance(spec, str):
             return self.get(spec)(*args, **kwargs)
         if self.base is not None and not isinstance(spec, self.base):

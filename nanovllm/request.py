@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.records import RequestRecord
 from nanovllm.sampling import SamplingParams
 
 
@@ -16,7 +15,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"      # holds KV blocks, scheduled every step
     PREEMPTED = "preempted"  # lost its blocks; waits to be recomputed
     FINISHED = "finished"
-    FAILED = "failed"        # rejected by the engine; ``error`` says why
+    FAILED = "failed"        # refused by the engine (``LLMEngine.add_request(request, error=...)``); ``error`` says why
 
 
 @dataclass(eq=False)
@@ -103,26 +102,3 @@ class Request:
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
-
-    def to_record(self, t0: float = 0.0) -> RequestRecord:
-        """This request as a plain record, times relative to ``t0``."""
-
-        def rel(t: float | None) -> float | None:
-            return None if t is None else t - t0
-
-        return RequestRecord(
-            request_id=self.request_id,
-            client_id=self.client_id,
-            priority=self.priority,
-            arrival_time=self.arrival_time - t0,
-            first_scheduled_time=rel(self.first_scheduled_time),
-            first_token_time=rel(self.first_token_time),
-            finish_time=rel(self.finish_time),
-            token_times=[t - t0 for t in self.token_times],
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            num_output_tokens=self.num_output_tokens,
-            num_preemptions=self.num_preemptions,
-            finish_reason=self.finish_reason,
-            error=self.error,
-        )

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanovllm.workload import chat_token_ids
+from nanovllm.chat_template import chat_token_ids
 
 DEFAULT_PROMPTS = [
     "The capital of France is",

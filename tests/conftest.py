@@ -40,7 +40,8 @@ PARITY_MAX_TOKENS = 24
 def _parity_prompts(tokenizer) -> list[list[int]]:
     """16 varied prompts as token ids: chat-templated questions, raw text, code, and several longer than
     four 16-token blocks."""
-    from nanovllm.workload import chat_token_ids, load_chat_prompts
+    from nanovllm.chat_template import chat_token_ids
+    from nanovllm.harness.workload import load_chat_prompts
 
     chat_ids = [chat_token_ids(tokenizer, messages) for messages in load_chat_prompts()]
     by_length = sorted(chat_ids, key=len)

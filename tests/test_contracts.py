@@ -31,7 +31,7 @@ def _serve(prompts, **options):
         engine.add_request(r)
     finished = []
     while engine.has_unfinished():
-        finished.extend(engine.step())
+        finished.extend(engine.step().finished)
     return engine, requests, finished
 
 

@@ -50,10 +50,10 @@ def test_stop_token_ids_and_ignore_eos(llm):
     ids=["empty-text", "empty-ids", "too-long", "bad-token-id"],
 )
 def test_bad_prompts_raise_and_nothing_runs(llm, prompts, params, field):
-    steps_before = len(llm.engine.step_records)
+    steps_before = llm.engine.num_steps
     with pytest.raises(ValueError, match=field):
         llm.generate(["A fine prompt"] + prompts, params, use_tqdm=False)
-    assert len(llm.engine.step_records) == steps_before and not llm.engine.has_unfinished()
+    assert llm.engine.num_steps == steps_before and not llm.engine.has_unfinished()
 
 
 def test_a_request_larger_than_the_whole_cache_is_rejected():
@@ -99,3 +99,69 @@ def test_validate_command_reports_agreement(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "2/2 prompts token-identical to transformers" in result.stdout
     assert result.stdout.count("OK   prompt") == 2
+
+
+def _retained_sizes(engine) -> dict[str, int]:
+    """How many items every container the engine, its scheduler and its allocator hold right now."""
+    sizes = {}
+    for owner_name, owner in (("engine", engine), ("scheduler", engine.scheduler), ("allocator", engine.allocator)):
+        for name, value in vars(owner).items():
+            if isinstance(value, (list, dict, set, tuple)) or hasattr(value, "__len__") and not hasattr(value, "shape"):
+                try:
+                    sizes[f"{owner_name}.{name}"] = len(value)
+                except TypeError:
+                    continue
+    return sizes
+
+
+def test_an_llm_serving_many_generate_calls_retains_a_bounded_amount(llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    prompts = ["Hello", "The sky is", "One, two,"]
+    for _ in range(3):
+        llm.generate(prompts, params, use_tqdm=False)
+    after_few = _retained_sizes(llm.engine)
+    for _ in range(12):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert _retained_sizes(llm.engine) == after_few      # nothing grows with the number of calls
+    assert len(llm.last_steps) <= 3 * 4 + 1              # only the latest call's steps are kept
+    assert llm.engine.num_steps > len(llm.last_steps)    # the engine counts steps but keeps none
+
+
+def test_a_request_rejected_at_run_time_fails_with_its_reason_and_the_others_finish(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3)
+    good = [engine.make_request(p, params, request_id=f"good{i}") for i, p in enumerate(["Hi", "The sky"])]
+    try:
+        engine.make_request([10**9], params)
+    except ValueError as exc:
+        bad, reason = engine.rejected_request([10**9], params, request_id="bad"), str(exc)
+    engine.add_request(good[0])
+    engine.add_request(bad, error=reason)
+    engine.add_request(good[1])
+    ended = []
+    while engine.has_unfinished():
+        ended.extend(engine.step().finished)
+    assert sorted(r.request_id for r in ended) == ["bad", "good0", "good1"]
+    assert bad.status.value == "failed" and "token ids" in bad.error and bad.finish_time is not None
+    assert bad.num_output_tokens == 0 and bad.finish_reason is None
+    assert all(r.status.value == "finished" and r.num_output_tokens == 3 for r in good)
+
+
+def test_two_engines_sharing_one_cached_model_do_not_interfere(llm):
+    other = LLM(num_kv_blocks=64, max_model_len=1024)        # same weights object (the loader's cache)
+    assert other.engine.runner.model is llm.engine.runner.model
+    params = SamplingParams(temperature=0, max_tokens=6)
+    a_prompts, b_prompts = ["The capital of France is", "def add(a, b):"], ["Once upon a time", "1, 2, 3,"]
+    alone_a = [o.token_ids for o in llm.generate(a_prompts, params, use_tqdm=False)]
+    alone_b = [o.token_ids for o in other.generate(b_prompts, params, use_tqdm=False)]
+    requests = {}
+    for name, engine, prompts in (("a", llm.engine, a_prompts), ("b", other.engine, b_prompts)):
+        requests[name] = [engine.make_request(p, params) for p in prompts]
+        for r in requests[name]:
+            engine.add_request(r)
+    while llm.engine.has_unfinished() or other.engine.has_unfinished():  # interleave their steps
+        for engine in (llm.engine, other.engine):
+            if engine.has_unfinished():
+                engine.step()
+    assert [r.output_token_ids for r in requests["a"]] == alone_a
+    assert [r.output_token_ids for r in requests["b"]] == alone_b

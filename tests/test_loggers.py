@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm.loggers import LOGGERS, JsonlLogger, RunLogger, RunProgress, WandbLogger, register_logger
+from nanovllm.harness.loggers import (
+    LOGGERS,
+    JsonlLogger,
+    RunLogger,
+    WandbLogger,
+    register_logger,
+)
+from nanovllm.progress import RequestProgress as RunProgress
 
 STEPS = [
     {"step": 0, "start_time": 0.0, "duration": 0.05, "num_prefill_tokens": 12, "num_decode_tokens": 0,

@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 
-from nanovllm.metrics import SLO, breakdown, format_summary, read_run_files, summarize, write_run_files
+from nanovllm.harness.metrics import SLO, breakdown, format_summary, summarize
+from nanovllm.harness.records import RunWriter, read_run
 
 
 def _req(request_id: str, arrival: float, scheduled: float | None, token_times: list[float], *,
@@ -180,9 +181,17 @@ def test_format_summary_extra_keys_and_title():
 
 def test_run_files_round_trip(tmp_path):
     summary = summarize([A, B, C], STEPS, slo=SLO(ttft_ms=250))
-    run_dir = write_run_files(tmp_path / "run" / "0", [A, B, C], STEPS, summary)
-    assert json.loads((run_dir / "metrics.json").read_text()) == summary
+    run_dir = tmp_path / "run" / "0"
+    writer = RunWriter(run_dir)
+    for record in [A, B, C]:
+        writer.write_request(record)
+    for step in STEPS:
+        writer.write_step(step)
+    writer.write_metrics(summary)
+    writer.close()
+    assert json.loads((run_dir / "metrics.json").read_text()) == {**summary, "breakdowns": {}}
     assert len((run_dir / "requests.jsonl").read_text().splitlines()) == 3
-    requests, steps, loaded = read_run_files(run_dir)
+    run = read_run(run_dir)
+    requests, steps, loaded = run.requests, run.steps, run.summary
     assert requests == [A, B, C] and steps == STEPS and loaded == summary
     assert summarize(requests, steps, slo=SLO(ttft_ms=250)) == summary  # files alone reproduce the summary

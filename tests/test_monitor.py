@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from nanovllm.monitor import (
+from nanovllm.harness.monitor import (
     ModelCost,
     Monitor,
     MonitorConfig,
@@ -52,6 +52,21 @@ def test_parameter_counts_match_transformers(name: str) -> None:
     assert cost.linear_params == layer_linear
     assert cost.lm_head_params == model.lm_head.weight.numel()
     assert cost.total_params == sum(p.numel() for p in model.parameters())  # tied weights counted once
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cost_of_the_built_model_counts_what_it_holds(name: str) -> None:
+    """The monitor's cost comes from the engine's own built model, and agrees with transformers' count."""
+    from nanovllm.models.llama import LlamaForCausalLM
+
+    config = CONFIGS[name]()
+    ours = LlamaForCausalLM(config, max_positions=64).to(torch.bfloat16)
+    cost = ModelCost.from_model(ours)
+    reference = transformers.AutoModelForCausalLM.from_config(config)
+    assert cost.total_params == sum(p.numel() for p in ours.parameters()) == \
+        sum(p.numel() for p in reference.parameters())
+    assert cost == ModelCost.from_hf_config(config, torch.bfloat16)  # one bias rule for builder and cost
+    assert cost.bytes_per_element == 2
 
 
 def test_head_dim_missing_falls_back_and_bytes_follow_dtype() -> None:

@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=PARITY_MAX_TOKENS)
 
 def _run(llm: LLM, prompts):
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return [o.token_ids for o in outputs], llm.engine.step_records
+    return [o.token_ids for o in outputs], llm.last_steps
 
 
 def _assert_same(ours, reference):

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from nanovllm.allocator import ALLOCATORS
 from nanovllm.config import EngineConfig
 from nanovllm.policy import POLICIES
-from nanovllm.run import config_dir
+from nanovllm.harness.run import config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 POLICY_EXAMPLE = REPO / "experiments" / "my_policy.py"
@@ -70,7 +70,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def compose_cfg():
-    from nanovllm.conf_schema import register_configs
+    from nanovllm.harness.conf_schema import register_configs
 
     register_configs()
 
@@ -213,7 +213,7 @@ def test_multirun_with_failing_jobs_runs_them_all_and_exits_non_zero(tmp_path: P
 
 
 def test_sweep_summary_of_a_failed_job(tmp_path: Path) -> None:
-    from nanovllm.sweep import summarize_sweep
+    from nanovllm.harness.sweep import summarize_sweep
 
     for job, overrides, outcome in (("0", ["scheduler=fcfs", "seed=1"], {"completed": 3, "mean_ttft_ms": 1.5}),
                                     ("1", ["scheduler=nope", "seed=1"], None)):
@@ -300,10 +300,10 @@ def test_bad_input_fails_before_the_model_loads_with_one_line(tmp_path: Path, ov
 
 
 def test_pre_model_checks_name_what_is_wrong(tmp_path: Path, compose_cfg, monkeypatch) -> None:
-    from nanovllm.run import PluginImportError, _check_missing, _engine_field_errors, import_plugins, plugin_spec
+    from nanovllm.harness.run import PluginImportError, _check_missing, _engine_field_errors, import_plugins, plugin_spec
 
     with pytest.raises(ValueError, match=r"unknown allocator 'nope'.*contiguous, paged, prefix"):
-        plugin_spec(ALLOCATORS, {"name": "nope"}, "allocator", num_engine_args=2)
+        plugin_spec(ALLOCATORS, {"name": "nope"}, "allocator")
     with pytest.raises(ValueError, match=r"scheduler='priority' does not take options \['nonsense'\]"):
         plugin_spec(POLICIES, {"name": "priority", "nonsense": 1}, "scheduler")
     assert plugin_spec(POLICIES, {"name": "priority", "preempt_for_priority": False}, "scheduler")["name"]
@@ -382,7 +382,7 @@ def test_runs_from_an_installed_wheel(tmp_path: Path) -> None:
     assert install.returncode == 0, install.stderr[-3000:]
 
     env = {k: v for k, v in _env(tmp_path).items() if k != "PYTHONPATH"}
-    where = subprocess.run([python, "-c", "import nanovllm.run as r; print(r.__file__); print(r.config_dir())"],
+    where = subprocess.run([python, "-c", "import nanovllm.harness.run as r; print(r.__file__); print(r.config_dir())"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     module_file, conf = where.stdout.split()
     assert Path(module_file).is_relative_to(site) and Path(conf) == site / "nanovllm" / "conf"

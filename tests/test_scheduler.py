@@ -24,15 +24,17 @@ def _drive(scheduler: Scheduler, max_steps: int = 10_000):
         assert out.scheduled, "the scheduler stalled with unfinished requests"
         assert out.num_tokens <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
-        scheduler.commit(out, float(step))
-        for request, n in out.scheduled:
-            if request.num_computed_tokens == request.num_tokens:
-                request.append_token(7, float(step))
+        tokens = _sampled(out)
+        for (request, _), token in zip(out.scheduled, tokens):
+            if token is not None:
                 first_token_step.setdefault(request.request_id, step)
-                if request.num_output_tokens >= request.max_tokens:
-                    request.finish_time = float(step)
-                    scheduler.finish(request, float(step))
+        scheduler.update_from_output(out, tokens, float(step), max_model_len=10**9)
     raise AssertionError("did not finish")
+
+
+def _sampled(out, token: int = 7) -> list[int | None]:
+    """What the model runner would return: a token for each request whose chunk reaches its newest token."""
+    return [token if r.num_computed_tokens + n == r.num_tokens else None for r, n in out.scheduled]
 
 
 def _scheduler(policy="fcfs", allocator="paged", num_blocks=64, block_size=4, max_num_seqs=4, budget=64):
@@ -61,7 +63,7 @@ def test_chunked_prefill_splits_a_long_prompt_over_steps():
     while r.num_computed_tokens < 30:
         out = scheduler.schedule(0.0)
         chunks.append(out.scheduled[0][1])
-        scheduler.commit(out, 0.0)
+        scheduler.update_from_output(out, [None] * len(out.scheduled), 0.0, max_model_len=10**9)
     assert chunks == [8, 8, 8, 6]
 
 
@@ -152,9 +154,7 @@ def test_mlfq_demotes_long_jobs_so_short_ones_finish_first():
     # The long job runs alone for a while and is demoted as its service grows...
     for step in range(12):
         out = scheduler.schedule(float(step))
-        scheduler.commit(out, float(step))
-        if long_job.num_computed_tokens == long_job.num_tokens:
-            long_job.append_token(7, float(step))
+        scheduler.update_from_output(out, _sampled(out), float(step), max_model_len=10**9)
     assert scheduler.policy.level(long_job) >= 2
     # ...so newly arrived short jobs (level 0) go ahead of it whenever a seat frees up.
     shorts = [_request(f"short{i}", 4, max_tokens=2, arrival=1.0 + i) for i in range(3)]

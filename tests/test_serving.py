@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from nanovllm.loggers import RunLogger
-from nanovllm.metrics import SLO
-from nanovllm.monitor import ModelCost, Monitor
-from nanovllm.serving import RunResult, format_breakdown, serve
-from nanovllm.workload import WorkloadRequest
+from nanovllm.harness.loggers import RunLogger
+from nanovllm.harness.metrics import SLO
+from nanovllm.harness.monitor import ModelCost, Monitor
+from nanovllm.harness.serving import RunResult, format_breakdown, serve
+from nanovllm.harness.workload import WorkloadRequest
 
 MAX_MODEL_LEN = 64
 
@@ -106,7 +106,7 @@ class RecordingLogger(RunLogger):
 
 
 def test_loggers_monitor_slo_and_breakdowns(engine) -> None:
-    cost = ModelCost.from_hf_config(engine.hf_config, torch.float32)
+    cost = ModelCost.from_model(engine.runner.model)
     monitor = Monitor(cost, peak_flops=1e12, peak_bandwidth=1e10)
     logger = RecordingLogger()
     workload = [_request(0.0, priority=0, client_id="x"), _request(0.0, priority=1, client_id="y"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm.viz.plots import e2els, load_run, run_labels, tpots, ttfts
+from nanovllm.harness.viz.plots import e2els, load_run, run_labels, tpots, ttfts
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -106,7 +106,7 @@ def test_cli_compares_runs_into_out_dir(tmp_path: Path) -> None:
 
 
 def test_empty_run_still_plots(tmp_path: Path) -> None:
-    from nanovllm.viz import write_report
+    from nanovllm.harness.viz import write_report
 
     run_dir = tmp_path / "empty"
     run_dir.mkdir()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from nanovllm.workload import (
+from nanovllm.harness.workload import (
     ChatWorkloadConfig,
     LengthDist,
     SyntheticWorkloadConfig,
@@ -346,7 +346,7 @@ def test_jsonl_malformed_line_names_file_and_line(tokenizer, tmp_path, bad, mess
         {"arrival_time": 0.0, "prompt": "fine"}, "", bad, {"arrival_time": 2.0, "prompt": "fine"}])
     with pytest.raises(ValueError) as e:
         generate_workload(TraceWorkloadConfig(path=path), tokenizer)
-    assert f"bad.jsonl:3: " in str(e.value) and message in str(e.value)
+    assert "bad.jsonl:3: " in str(e.value) and message in str(e.value)
 
 
 def test_sharegpt(tokenizer, tmp_path):

@@ -13,10 +13,14 @@ from nanovllm.registry import Registry
 
 @dataclass
 class AttentionMetadata:
-    """The flat batch of one step. Sequence ``i`` contributes tokens ``query_start_loc[i]:query_start_loc[i+1]``
-    of the flat batch, at positions ``num_computed[i] .. seq_lens[i]-1`` of its sequence.
+    """The flat batch of one step, built once by the model runner and handed to the backend's ``plan``.
 
-    Python lists and CPU tensors are both kept: backends build what they need in ``plan``.
+    Sequences are concatenated in batch order: sequence ``i`` contributes ``query_lens[i]`` consecutive rows
+    of the flat batch (its rows start at ``sum(query_lens[:i])``), which are the tokens at positions
+    ``num_computed[i] .. seq_lens[i]-1`` of that sequence; its keys and values for positions
+    ``0 .. seq_lens[i]-1`` live in the paged cache at the blocks ``block_tables[i]`` (position ``p`` in block
+    ``block_tables[i][p // block_size]``, offset ``p % block_size``). ``slot_mapping`` is the one tensor
+    (on the model's device); the rest are Python lists so each backend builds the index tensors it needs.
     """
 
     query_lens: list[int]
@@ -66,7 +70,8 @@ class AttentionBackend(ABC):
 
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
-    "attention backend", base=AttentionBackend, builtin_packages=("nanovllm.attention",)
+    "attention backend", base=AttentionBackend, builtin_packages=("nanovllm.attention",),
+    engine_args=("num_heads", "num_kv_heads", "head_dim", "scale"),
 )
 
 

@@ -1,5 +1,7 @@
 """The engine loop: add requests, then ``step()`` until none is unfinished. One step = schedule, run the
-model once over the flat batch, append sampled tokens, finish requests, record what happened."""
+model once over the flat batch, hand the sampled tokens to the scheduler (which appends them and finishes
+requests), and return what happened: the requests that ended and the step's record. The engine keeps no
+history of its own: whoever drives it (``LLM``, the serving loop, the simulator) keeps what it needs."""
 
 from __future__ import annotations
 
@@ -13,21 +15,34 @@ from transformers import AutoConfig, AutoTokenizer
 
 from nanovllm.allocator import ALLOCATORS, BlockAllocator
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend
-from nanovllm.config import EngineConfig
+from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
-from nanovllm.engine.model_runner import TORCH_DTYPES, ModelRunner
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.models.loader import resolve_model
+from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
-from nanovllm.records import StepRecord
-from nanovllm.request import Request, RequestStatus
+from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
 
 PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
 
 
+@dataclass
+class StepOutput:
+    """What one ``LLMEngine.step()`` did: the requests that ended in it (finished, or failed on arrival) and
+    its record (``start_time`` is the step's ``time.perf_counter()``; callers make it relative to their run)."""
+
+    finished: list[Request]
+    record: StepRecord
+
+
 class LLMEngine:
-    """Owns the model runner, the scheduler (with its policy and allocator) and the step records."""
+    """Owns the model runner and the scheduler (with its policy and allocator). Requests go in through
+    ``make_request`` + ``add_request``; ``step()`` runs one step and returns what ended in it. One request's
+    path: ``LLM.generate`` -> ``make_request`` (tokenize, validate) -> ``add_request`` (waiting queue) ->
+    ``step``: ``Scheduler.schedule`` -> ``ModelRunner.execute`` -> ``Scheduler.update_from_output`` (tokens
+    appended, stop checked, blocks freed) -> ``LLM`` turns the finished ``Request`` into a ``RequestOutput``."""
 
     def __init__(
         self,
@@ -43,7 +58,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        model_max = max_positions_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
                              f"got {config.max_model_len}")
@@ -56,7 +71,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed)
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
-                                      TORCH_DTYPES[config.dtype])
+                                      runner.dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         scale = runner.head_dim ** -0.5
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
@@ -73,8 +88,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
-        self.t0 = time.perf_counter()
-        self.step_records: list[StepRecord] = []
+        self._num_steps = 0
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(
@@ -121,43 +135,58 @@ class LLMEngine:
                 f"num_kv_blocks={self.num_kv_blocks}; raise num_kv_blocks/kv_cache_memory or lower max_tokens"
             )
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add(request, time.perf_counter())
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        """Queue ``request`` for scheduling (it joins the waiting queue and the policy hears ``on_arrival``).
+
+        With ``error`` (the reason ``make_request`` refused it), the request is not run: it ends with status
+        failed and that reason, and the next ``step()`` reports it among the finished, so a caller that serves a
+        stream of requests sees every one of them end through ``step()``."""
+        if error is not None:
+            self.scheduler.reject(request, error, time.perf_counter())
+        else:
+            self.scheduler.add(request, time.perf_counter())
+
+    def rejected_request(self, prompt: str | list, sampling_params: SamplingParams, **fields: Any) -> Request:
+        """A ``Request`` carrying what is known of a prompt that ``make_request`` refused, to pass to
+        ``add_request(request, error=...)`` (its token ids are kept only when they are a plain list)."""
+        token_ids = self._best_effort_tokens(prompt)
+        fields.setdefault("arrival_time", time.perf_counter())
+        fields.setdefault("request_id", str(next(self._ids)))
+        return Request(prompt_token_ids=token_ids, sampling_params=sampling_params,
+                       prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
+                       **fields)
+
+    def _best_effort_tokens(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt) if isinstance(prompt, (list, tuple)) else []
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_steps(self) -> int:
+        """Steps this engine has run (a counter, not a history)."""
+        return self._num_steps
+
     # -- the step --------------------------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one engine step; return the requests that finished in it."""
+    def step(self) -> StepOutput:
+        """Run one engine step: schedule, run the model over the batch, let the scheduler append the sampled
+        tokens and finish requests. Returns the requests that ended in this step and the step's record."""
         start = time.perf_counter()
         out = self.scheduler.schedule(start)
         layout = _BatchLayout.of(out.scheduled)
-        finished: list[Request] = []
-        num_sampled = 0
-        if out.scheduled:
-            next_tokens = self.runner.execute(out.scheduled)
-            now = time.perf_counter()
-            self.scheduler.commit(out, now)
-            for (request, _), token in zip(out.scheduled, next_tokens):
-                if token is None:
-                    continue
-                num_sampled += 1
-                request.append_token(token, now)
-                reason = request.check_stop(self.max_model_len)
-                if reason is not None:
-                    request.finish_reason = reason
-                    request.status = RequestStatus.FINISHED
-                    request.finish_time = now
-                    self.scheduler.finish(request, now)
-                    finished.append(request)
-        self._record_step(start, out, layout, num_sampled)
-        return finished
+        next_tokens = self.runner.execute(out.scheduled) if out.scheduled else []
+        finished = self.scheduler.update_from_output(out, next_tokens, time.perf_counter(), self.max_model_len)
+        num_sampled = sum(token is not None for token in next_tokens)
+        return StepOutput(finished, self._step_record(start, out, layout, num_sampled))
 
-    def _record_step(self, start: float, out: SchedulerOutput, layout: "_BatchLayout", num_sampled: int) -> None:
-        self.step_records.append(StepRecord(
-            step=len(self.step_records),
-            start_time=start - self.t0,
+    def _step_record(self, start: float, out: SchedulerOutput, layout: "_BatchLayout",
+                     num_sampled: int) -> StepRecord:
+        self._num_steps += 1
+        return StepRecord(
+            step=self._num_steps - 1,
+            start_time=start,
             duration=time.perf_counter() - start,
             num_prefill_tokens=layout.prefill_tokens,
             num_decode_tokens=layout.decode_seqs,
@@ -173,7 +202,7 @@ class LLMEngine:
             context_tokens=layout.context_tokens,
             attn_pairs=layout.attn_pairs,
             num_sampled=num_sampled,
-        ))
+        )
 
 
 @dataclass

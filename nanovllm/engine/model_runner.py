@@ -6,19 +6,21 @@ from __future__ import annotations
 import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
+from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.kv_cache import allocate_kv_cache
-from nanovllm.config import head_dim_of
 from nanovllm.models.loader import load_model
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class ModelRunner:
+    """Runs the model for the scheduler's batches: owns the loaded model, the paged KV cache tensor and the
+    attention backend bound to it, and the engine's sampling generator. ``execute(scheduled)`` builds the
+    step's flat tensors and ``AttentionMetadata`` once, plans the backend, runs the forward pass with the
+    backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token."""
+
     def __init__(self, hf_config, model_dir, dtype: str, device: str, seed: int) -> None:
         self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         self.hf_config = hf_config
         self.model = load_model(hf_config, model_dir, self.dtype, self.device)
         self.num_layers = hf_config.num_hidden_layers

@@ -1,15 +1,17 @@
-"""Scheduler mechanics: budgets, block allocation, preemption by recompute.
+"""Scheduler mechanics: budgets, block allocation, preemption by recompute, and every request state change.
 
 Each step the running requests get their next tokens first (a decode, or the next prefill chunk), most urgent
 first; when blocks run out the policy names a victim among those not yet scheduled, which loses its blocks and
 goes back to waiting. Then, if nothing was preempted, waiting requests are admitted in the policy's order until
-a budget or memory says stop. All decisions of *order* come from the ``Policy``; all *state* changes happen here.
+a budget or memory says stop. All decisions of *order* come from the ``Policy``; all *state* changes happen here:
+status (waiting, running, preempted, finished, failed), ``finish_reason``, ``finish_time`` and ``error`` are
+written by this module alone (``update_from_output`` after a step, ``reject`` for a request the engine refuses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from nanovllm.allocator import BlockAllocator
 from nanovllm.policy import Policy, SchedulerView
@@ -22,6 +24,9 @@ class PolicyError(RuntimeError):
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: each scheduled request with how many of its uncomputed tokens to compute now (a decode
+    is 1; a prefill chunk or a recompute may be many), in batch order, and the requests preempted to make room."""
+
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # request, tokens to compute now
     preempted: list[Request] = field(default_factory=list)
 
@@ -31,6 +36,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Owns the waiting and running queues, the block allocator and every request state transition.
+
+    The engine calls ``add``/``reject`` as requests come, ``schedule`` to plan a step, and
+    ``update_from_output`` with the step's sampled tokens; the policy is consulted for every decision of order.
+    """
+
     def __init__(
         self,
         policy: Policy,
@@ -49,30 +60,64 @@ class Scheduler:
         self.watermark_blocks = int(watermark * allocator.num_blocks)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._rejected: list[Request] = []   # failed on arrival; reported by the next update_from_output
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
         self.waiting.append(request)
         self._ask("on_arrival", request, now)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def reject(self, request: Request, error: str, now: float) -> None:
+        """End ``request`` as failed without running it (the engine refused it); it is reported as finished by
+        the next ``update_from_output`` so every request leaves through the same door."""
+        request.status = RequestStatus.FAILED
+        request.error = error
+        request.finish_time = now
+        self._rejected.append(request)
 
-    def commit(self, out: SchedulerOutput, now: float) -> None:
-        """The step ran: the scheduled tokens are now in the cache. Advance each request and tell the policy."""
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._rejected)
+
+    def update_from_output(self, out: SchedulerOutput, next_tokens: Sequence[int | None], now: float,
+                           max_model_len: int) -> list[Request]:
+        """The step ran: the scheduled tokens are in the cache and ``next_tokens`` (one per scheduled request,
+        None for a partial prefill chunk) were sampled. Advance every request, append its token, finish those
+        that hit a stop condition (freeing their blocks) and tell the policy. Returns the requests that ended,
+        rejected ones included."""
+        finished, self._rejected = self._rejected, []
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
             self.allocator.on_tokens_computed(request)
         self._ask("on_step", out.scheduled, now)
+        for (request, _), token in zip(out.scheduled, next_tokens):
+            if token is None:
+                continue
+            request.append_token(token, now)
+            reason = request.check_stop(max_model_len)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+        return finished
 
-    def finish(self, request: Request, now: float) -> None:
-        """Release a finished request's blocks and drop it from the running batch."""
+    def _finish(self, request: Request, reason: str, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = now
         self.allocator.free(request)
         self.running.remove(request)
         self._ask("on_finish", request, now)
 
     # -- the step --------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        """Plan one step, in this order:
+
+        1. ``preempt_for``: while the most urgent waiting request cannot be admitted, the policy may name a
+           running request to preempt in its favour.
+        2. Running requests, most urgent first, get their next tokens (a decode or the next prefill chunk)
+           within the token budget; when blocks run out the policy's ``select_victim`` gives way.
+        3. Admission: waiting requests join in the policy's order while slots, tokens and blocks last --
+           skipped entirely after a preemption for memory (admitting would only thrash the cache).
+        """
         out = SchedulerOutput()
         self._sort(self.waiting, now)
         self._preempt_for_waiting(out, now)

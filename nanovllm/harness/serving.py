@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from nanovllm.engine.engine import LLMEngine
-from nanovllm.loggers import RunLogger, RunProgress
-from nanovllm.metrics import SLO, breakdown, summarize
-from nanovllm.monitor import Monitor
-from nanovllm.records import RequestRecord
-from nanovllm.request import Request
+from nanovllm.harness.formatting import format_value
+from nanovllm.harness.loggers import RunLogger
+from nanovllm.harness.metrics import SLO, breakdown, summarize
+from nanovllm.harness.monitor import Monitor
+from nanovllm.harness.records import RequestRecord, request_record, step_record
+from nanovllm.harness.workload import WorkloadRequest
+from nanovllm.progress import RequestProgress
+from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import SamplingParams
-from nanovllm.workload import WorkloadRequest
 
 
 @dataclass
@@ -64,10 +66,10 @@ def serve(
 
     A request the engine rejects (prompt too long, ...) is recorded as failed with the reason in ``error``
     and the others go on. ``loggers`` get every step and request as it happens and the summary at the end
-    (their ``start``/``finish`` are the caller's: it knows the run directory). The engine's step records are
-    cleared first, so the run's steps are numbered from 0.
+    (their ``start``/``finish`` are the caller's: it knows the run directory). The run's steps are numbered
+    from 0 and timed from ``serve``'s start, whatever the engine did before.
     """
-    run = _Run(engine, loggers, monitor, temperature, RunProgress(len(workload), disable=not progress))
+    run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress))
     try:
         run.loop(workload)
     finally:
@@ -83,7 +85,8 @@ def serve(
         logger.log_summary(summary, breakdowns)
     return RunResult(
         requests=run.records, steps=run.steps, summary=summary, breakdowns=breakdowns,
-        output_token_ids={r.request_id: r.output_token_ids for r in run.submitted},
+        output_token_ids={r.request_id: r.output_token_ids for r in run.submitted
+                          if r.status is RequestStatus.FINISHED},
         wall_time=time.perf_counter() - run.t0,
     )
 
@@ -92,7 +95,7 @@ class _Run:
     """The state of one ``serve`` call: what was submitted, what has ended, what was logged."""
 
     def __init__(self, engine: LLMEngine, loggers: Sequence[RunLogger], monitor: Monitor | None,
-                 temperature: float, progress: RunProgress) -> None:
+                 temperature: float, progress: RequestProgress) -> None:
         self.engine = engine
         self.loggers = loggers
         self.monitor = monitor
@@ -108,17 +111,17 @@ class _Run:
         engine = self.engine
         # Keep each request's index in the caller's list: it is the id of requests that bring none.
         pending = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
-        engine.step_records.clear()
-        self.t0 = engine.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         while pending or engine.has_unfinished():
             now = time.perf_counter()
             while pending and self.t0 + pending[0][1].arrival_time <= now:
                 self._submit(*pending.popleft())
             if engine.has_unfinished():
-                for request in engine.step():
-                    self._ended(request.to_record(self.t0))
+                result = engine.step()
+                for request in result.finished:
+                    self._ended(request_record(request, self.t0))
                     self.output_tokens += request.num_output_tokens
-                self._log_new_steps()
+                self._log_step(result.record)
             elif pending:
                 # Idle until the next arrival: sleep, do not spin (a spinning loop would steal a CPU core
                 # from the model on small machines and distort the very timings being measured).
@@ -128,37 +131,27 @@ class _Run:
     def _submit(self, index: int, w: WorkloadRequest) -> None:
         request_id = w.request_id if w.request_id is not None else str(index)
         params = SamplingParams(temperature=self.temperature, max_tokens=w.max_tokens, ignore_eos=w.ignore_eos)
+        fields = dict(arrival_time=self.t0 + w.arrival_time, priority=w.priority, client_id=w.client_id,
+                      request_id=request_id)
         try:
-            request = self.engine.make_request(
-                w.prompt, params, arrival_time=self.t0 + w.arrival_time, priority=w.priority,
-                client_id=w.client_id, request_id=request_id,
-            )
+            request, error = self.engine.make_request(w.prompt, params, **fields), None
         except ValueError as exc:
-            self._ended(self._failed_record(w, request_id, str(exc)))
-            return
-        self.engine.add_request(request)
+            # The engine refuses it: it ends failed with the reason, through the same step() as every other.
+            request, error = self.engine.rejected_request(w.prompt, params, **fields), str(exc)
+        self.engine.add_request(request, error=error)
         self.submitted.append(request)
-
-    def _failed_record(self, w: WorkloadRequest, request_id: str, error: str) -> RequestRecord:
-        prompt_len = len(w.prompt) if not isinstance(w.prompt, str) else len(self.engine.tokenizer.encode(w.prompt))
-        return RequestRecord(
-            request_id=request_id, client_id=w.client_id, priority=w.priority, arrival_time=w.arrival_time,
-            first_scheduled_time=None, first_token_time=None, finish_time=time.perf_counter() - self.t0,
-            token_times=[], num_prompt_tokens=prompt_len, num_cached_tokens=0, num_output_tokens=0,
-            num_preemptions=0, finish_reason=None, error=error,
-        )
 
     def _ended(self, record: RequestRecord) -> None:
         self.records.append(record)
         for logger in self.loggers:
             logger.log_request(record)
 
-    def _log_new_steps(self) -> None:
-        for step in self.engine.step_records[len(self.steps):]:
-            step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
-            self.steps.append(step)
-            for logger in self.loggers:
-                logger.log_step(step)
+    def _log_step(self, record: dict) -> None:
+        step = step_record(record, self.t0, len(self.steps))
+        step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
+        self.steps.append(step)
+        for logger in self.loggers:
+            logger.log_step(step)
 
     def check_all_ended(self, total: int) -> None:
         """Every request must end finished or failed; anything else is an engine bug, not a slow run."""
@@ -183,8 +176,7 @@ def format_breakdown(groups: dict[str, dict[str, Any]], by: str) -> str:
     def cell(summary: dict[str, Any], key: str | None) -> str:
         if key is None:
             return str(summary["completed"] + summary["failed"] + summary["unfinished"])
-        value = summary.get(key)
-        return "n/a" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+        return format_value(summary.get(key), ".1f")
 
     header = [by] + [label for label, _ in _BREAKDOWN_COLUMNS]
     rows = [[group] + [cell(s, key) for _, key in _BREAKDOWN_COLUMNS] for group, s in groups.items()]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanovllm.viz.plots import default_out_dir
-from nanovllm.viz.report import write_report
+from nanovllm.harness.viz.plots import default_out_dir
+from nanovllm.harness.viz.report import write_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ of the wrong type fails while Hydra composes the config, with Hydra's own messag
 because each plugin takes its own constructor options; the keys a group file sets are the only ones an
 override may change (add a new one with ``+scheduler.option=...``), and ``run.py`` checks the options
 against the plugin's constructor before the model loads. Each workload file extends its own schema
-(``schema/workload/<name>``, the dataclasses of :mod:`nanovllm.workload`).
+(``schema/workload/<name>``, the dataclasses of :mod:`nanovllm.harness.workload`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ from typing import Any
 from omegaconf import MISSING
 
 from nanovllm.config import EngineConfig
-from nanovllm.metrics import SLO
-from nanovllm.monitor import MonitorConfig
-from nanovllm.workload import ChatWorkloadConfig, SyntheticWorkloadConfig, TraceWorkloadConfig
+from nanovllm.harness.metrics import SLO
+from nanovllm.harness.monitor import MonitorConfig
+from nanovllm.harness.workload import (
+    ChatWorkloadConfig,
+    SyntheticWorkloadConfig,
+    TraceWorkloadConfig,
+)
 
 
 def _engine_schema() -> type:

@@ -5,7 +5,7 @@ choose it with ``logger=name``. The engine calls, in order::
 
     start(run_dir, config, group, name)  ->  log_step(step)* / log_request(record)*  ->  log_summary(...)  ->  finish()
 
-Steps and requests are the plain records of ``nanovllm.records`` (optionally annotated by the monitor), so a
+Steps and requests are the plain records of ``nanovllm.harness.records`` (optionally annotated by the monitor), so a
 logger never sees an engine object.
 """
 
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import Any, Mapping
 
-from tqdm.auto import tqdm
-
+from nanovllm.harness.records import RunWriter, dumps
 from nanovllm.registry import Registry
 
 
@@ -53,20 +51,6 @@ def register_logger(name: str):
 # -- files ------------------------------------------------------------------------------------------------------
 
 
-def _json_default(value: Any) -> Any:
-    # numpy / torch scalars become numbers; anything else (a Policy instance handed to LLM(...) ends up in the
-    # config) becomes its repr, because a logger must never crash the run it records.
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalars
-        return value.item()
-    if isinstance(value, (set, tuple, frozenset)):
-        return list(value)
-    return str(value) if isinstance(value, Path) else repr(value)
-
-
-def _dumps(obj: Any, **kwargs: Any) -> str:
-    return json.dumps(obj, default=_json_default, **kwargs)
-
-
 @register_logger("jsonl")
 class JsonlLogger(RunLogger):
     """Files only: ``steps.jsonl`` and ``requests.jsonl`` streamed as records arrive (line-buffered, so a
@@ -74,35 +58,32 @@ class JsonlLogger(RunLogger):
     ``config.json`` so the run's files are self-describing even without Hydra."""
 
     def __init__(self) -> None:
-        self.run_dir: Path | None = None
-        self._steps: IO[str] | None = None
-        self._requests: IO[str] | None = None
+        self.writer: RunWriter | None = None
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.writer.run_dir if self.writer is not None else None
 
     def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(_dumps(config, indent=2) + "\n")
-        self._steps = open(self.run_dir / "steps.jsonl", "w", buffering=1)
-        self._requests = open(self.run_dir / "requests.jsonl", "w", buffering=1)
+        self.writer = RunWriter(run_dir, config)
 
     def log_step(self, step: dict) -> None:
-        assert self._steps is not None, "log_step before start"
-        self._steps.write(_dumps(step) + "\n")
+        self._open().write_step(step)
 
     def log_request(self, record: dict) -> None:
-        assert self._requests is not None, "log_request before start"
-        self._requests.write(_dumps(record) + "\n")
+        self._open().write_request(record)
 
     def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
-        assert self.run_dir is not None, "log_summary before start"
-        metrics = {**summary, "breakdowns": breakdowns or {}}
-        (self.run_dir / "metrics.json").write_text(_dumps(metrics, indent=2) + "\n")
+        self._open().write_metrics(summary, breakdowns)
 
     def finish(self) -> None:
-        for stream in (self._steps, self._requests):
-            if stream is not None:
-                stream.close()
-        self._steps = self._requests = None
+        if self.writer is not None:
+            self.writer.close()
+
+    def _open(self) -> RunWriter:
+        if self.writer is None:
+            raise RuntimeError("the jsonl logger was used before start()")
+        return self.writer
 
 
 # -- Weights & Biases -------------------------------------------------------------------------------------------
@@ -171,7 +152,7 @@ class WandbLogger(JsonlLogger):
             group=group or options.group,
             name=name,
             tags=options.tags or None,
-            config=json.loads(_dumps(config)),  # the same plain values config.json holds
+            config=json.loads(dumps(config)),  # the same plain values config.json holds
             reinit="create_new",
             settings=_quiet_settings(wandb),
         )
@@ -218,36 +199,3 @@ def _quiet_settings(wandb: Any) -> Any:
         x_disable_meta=True,
         x_disable_machine_info=True,
     )
-
-
-# -- progress -----------------------------------------------------------------------------------------------------
-
-
-class RunProgress:
-    """A tqdm bar of finished requests with output tokens/s in the postfix; silent when ``disable`` (sweeps).
-
-    ``update`` takes running totals, not increments, because that is what the engine has at hand.
-    """
-
-    def __init__(self, total_requests: int, disable: bool = False) -> None:
-        self._bar = tqdm(total=total_requests, disable=disable, unit="req", desc="requests", dynamic_ncols=True)
-        self._start = time.perf_counter()
-        self.output_tokens_per_s = 0.0
-
-    def update(self, finished_requests: int, output_tokens: int) -> None:
-        """Set the bar to ``finished_requests`` done and the rate to ``output_tokens`` over elapsed time."""
-        elapsed = time.perf_counter() - self._start
-        self.output_tokens_per_s = output_tokens / elapsed if elapsed > 0 else 0.0
-        # refresh=False: tqdm redraws at most every mininterval on its own; redrawing on every step would
-        # cost more than a decode step of a tiny model.
-        self._bar.set_postfix_str(f"{self.output_tokens_per_s:.1f} tok/s", refresh=False)
-        self._bar.update(finished_requests - self._bar.n)
-
-    def close(self) -> None:
-        self._bar.close()
-
-    def __enter__(self) -> "RunProgress":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -1,6 +1,6 @@
 """How hard a run drives the hardware: model FLOPs utilisation (MFU) and memory-bandwidth utilisation (MBU).
 
-Both come from a step record alone (``nanovllm.records.StepRecord``) and a cost model of the network, so they
+Both come from a step record alone (``nanovllm.harness.records.StepRecord``) and a cost model of the network, so they
 can be computed live by the engine or long after from ``steps.jsonl``:
 
 * FLOPs per step = dense matmuls on every computed token + the LM head on sampled rows only + attention
@@ -15,13 +15,14 @@ sheet, so MFU near 1 means "as fast as torch matmul gets here".
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from nanovllm.config import head_dim_of
+from nanovllm.config import attention_biases, head_dim_of
 
 _MIB = 1 << 20
 
@@ -45,11 +46,29 @@ class ModelCost:
     qk_norm: bool = False       # Qwen3 normalises q and k per head
 
     @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "ModelCost":
+        """The cost of a built model: sizes from its config, biases and q/k norms from the parameters it
+        really has, bytes per element from its weights' dtype. What the engine runs is what is counted."""
+        names = [name for name, _ in model.named_parameters()]
+
+        def has(*suffixes: str) -> bool:
+            return any(name.endswith(suffix) for name in names for suffix in suffixes)
+
+        dtype = next(model.parameters()).dtype
+        return dataclasses.replace(
+            cls.from_hf_config(model.config, dtype),
+            qkv_bias=has("q_proj.bias", "qkv_proj.bias"), o_bias=has("o_proj.bias"),
+            mlp_bias=has("gate_proj.bias", "gate_up_proj.bias", "down_proj.bias"), qk_norm=has("q_norm.weight"),
+        )
+
+    @classmethod
     def from_hf_config(cls, config: Any, dtype: torch.dtype) -> "ModelCost":
-        """Build from a transformers config; ``dtype`` is the dtype weights and KV cache are held in."""
+        """Build from a transformers config alone (a model that is not built, e.g. for an analytical
+        estimate); ``dtype`` is the dtype weights and KV cache are held in. Biases follow the same rule the
+        model builder uses (``nanovllm.config.attention_biases``)."""
         num_heads = config.num_attention_heads
         head_dim = head_dim_of(config)
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = attention_biases(config)
         model_type = getattr(config, "model_type", "")
         return cls(
             hidden_size=config.hidden_size,
@@ -61,8 +80,8 @@ class ModelCost:
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             bytes_per_element=torch.empty((), dtype=dtype).element_size(),
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
         )
@@ -160,6 +179,13 @@ class MonitorConfig:
     peak_flops: float | None = None
     peak_bandwidth: float | None = None
     calibrate: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops", "peak_bandwidth"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not value > 0):
+                raise ValueError(f"monitor.{key} must be > 0 or null (null: measure it), got {value!r}")
 
 
 # -- calibration ----------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ failed). :func:`summarize_sweep` does the same for any sweep directory, e.g. one
 from __future__ import annotations
 
 import csv
-import json
 import re
 import sys
 from pathlib import Path
@@ -17,6 +16,9 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from nanovllm.harness.formatting import format_value
+from nanovllm.harness.records import read_metrics
 
 # The columns of summary.md, in this order, when the jobs have them (summary.csv keeps every metric).
 HEADLINE_METRICS = (
@@ -63,12 +65,13 @@ def summarize_sweep(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 def _job_row(sweep_dir: Path, job_dir: Path) -> dict[str, Any]:
     overrides = [str(o) for o in OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")]
-    metrics_path, error_path = job_dir / "metrics.json", job_dir / "error.txt"
-    metrics = json.loads(metrics_path.read_text(encoding="utf-8")) if metrics_path.is_file() else {}
+    error_path = job_dir / "error.txt"
+    metrics = read_metrics(job_dir)
     if error_path.is_file():
         error = error_path.read_text(encoding="utf-8").strip()
     else:
-        error = None if metrics_path.is_file() else "no metrics.json (the job did not finish)"
+        error = None if metrics is not None else "no metrics.json (the job did not finish)"
+    metrics = metrics or {}
     return {
         "job": job_dir.relative_to(sweep_dir).as_posix(),
         "overrides": overrides,
@@ -111,15 +114,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> No
         writer.writerows(rows)
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
 def _markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(format_value(row.get(c), missing="", markdown=True) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"

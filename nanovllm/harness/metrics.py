@@ -1,4 +1,4 @@
-"""The serving summary of a run, computed from its plain records (``nanovllm.records``).
+"""The serving summary of a run, computed from its plain records (``nanovllm.harness.records``).
 
 Key names and definitions follow ``vllm bench serve`` so numbers can be compared side by side:
 
@@ -15,14 +15,13 @@ a zero-length run are 0.0. Nothing here raises or warns on empty input.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from nanovllm.records import RequestRecord, StepRecord
+from nanovllm.harness.formatting import format_value
+from nanovllm.harness.records import RequestRecord, StepRecord
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 _LATENCY_STATS = ("mean", "median", "std", "p90", "p99")
@@ -31,11 +30,18 @@ _QUEUE_STATS = ("mean", "median", "p99")
 
 @dataclass
 class SLO:
-    """Per-request latency targets in milliseconds; ``None`` means no target for that metric."""
+    """Per-request latency targets in milliseconds; ``None`` means no target for that metric. Validated on
+    construction: each target is a number > 0 or None."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for key, value in vars(self).items():
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not value > 0):
+                raise ValueError(f"slo.{key} must be a number of milliseconds > 0 or null, got {value!r}")
 
     def is_set(self) -> bool:
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
@@ -252,14 +258,8 @@ _LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
 _KNOWN_KEYS = {key for _, rows in _LAYOUT for _, key in rows}
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-
 def _line(label: str, value: Any) -> str:
-    return f"{label + ':':<40} {_fmt(value):<10}".rstrip()
+    return f"{label + ':':<40} {format_value(value, '.2f'):<10}".rstrip()
 
 
 def _header(title: str, fill: str) -> str:
@@ -282,38 +282,3 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
         lines += [_line(key, summary[key]) for key in extra]
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Run files
-# --------------------------------------------------------------------------------------------------------------
-
-def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def write_run_files(run_dir: str | Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                    summary: dict[str, Any]) -> Path:
-    """Write ``metrics.json`` (the summary), ``requests.jsonl`` and ``steps.jsonl`` into ``run_dir``."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    _write_jsonl(run_dir / "requests.jsonl", requests)
-    _write_jsonl(run_dir / "steps.jsonl", steps)
-    return run_dir
-
-
-def read_jsonl(path: Path, missing_ok: bool = False) -> list[dict]:
-    """The records of a ``.jsonl`` file; ``missing_ok``: none for a missing file (a run cut short)."""
-    if missing_ok and not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def read_run_files(run_dir: str | Path) -> tuple[list[RequestRecord], list[StepRecord], dict[str, Any]]:
-    """The inverse of :func:`write_run_files`: ``(requests, steps, summary)`` of a finished run."""
-    run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
-    return read_jsonl(run_dir / "requests.jsonl"), read_jsonl(run_dir / "steps.jsonl"), summary

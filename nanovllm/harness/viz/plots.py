@@ -1,6 +1,6 @@
 """Plots of one run, or a comparison of several, drawn from the run's files alone.
 
-A run directory holds ``requests.jsonl`` and ``steps.jsonl`` (``nanovllm.records``) and ``metrics.json``
+A run directory holds ``requests.jsonl`` and ``steps.jsonl`` (``nanovllm.harness.records``) and ``metrics.json``
 (summary plus ``breakdowns``). Every plot here is a function from loaded runs to a matplotlib ``Figure``;
 figures are built without pyplot, so nothing touches the global backend or leaks open figures, and saving
 goes through Agg.
@@ -8,9 +8,7 @@ goes through Agg.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -18,41 +16,17 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from nanovllm.metrics import e2el_s, is_completed, read_jsonl, tpot_s, ttft_s
+from nanovllm.harness.metrics import e2el_s, is_completed, tpot_s, ttft_s
+from nanovllm.harness.records import RunData, read_run
 
 QUEUED, PREFILL, DECODE = "#bbbbbb", "#e4572e", "#4c72b0"
 MAX_TIMELINE_REQUESTS = 400  # beyond this the bars are sub-pixel; the first ones still show the pattern
 
 
-@dataclass
-class RunData:
-    """The records of one run, as loaded from its directory."""
-
-    path: Path
-    requests: list[dict] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    label: str = ""
-
-    @property
-    def summary(self) -> dict:
-        """The scalar summary metrics (``metrics.json`` without its breakdowns)."""
-        return {key: value for key, value in self.metrics.items() if key != "breakdowns"}
-
-
 def load_run(run_dir: str | Path, label: str | None = None) -> RunData:
-    """Read a run directory; missing files give empty records rather than errors (a run cut short)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"not a run directory: {run_dir}")
-    metrics_path = run_dir / "metrics.json"
-    return RunData(
-        path=run_dir,
-        requests=read_jsonl(run_dir / "requests.jsonl", missing_ok=True),
-        steps=read_jsonl(run_dir / "steps.jsonl", missing_ok=True),
-        metrics=json.loads(metrics_path.read_text()) if metrics_path.exists() else {},
-        label=label or run_dir.resolve().name,
-    )
+    """Read a run directory (through ``records``, the one reader of run files); missing files give empty
+    records rather than errors (a run cut short)."""
+    return read_run(run_dir, label)
 
 
 def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:

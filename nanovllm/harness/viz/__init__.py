@@ -1,7 +1,7 @@
 """Plots and an HTML report of what happened in a run, drawn from its files (``requests.jsonl``,
 ``steps.jsonl``, ``metrics.json``). From a shell: ``python -m nanovllm.viz RUN_DIR [RUN_DIR ...] [--out DIR]``."""
 
-from nanovllm.viz.plots import (
+from nanovllm.harness.viz.plots import (
     RunData,
     compare_runs,
     load_run,
@@ -12,7 +12,7 @@ from nanovllm.viz.plots import (
     plot_timeline,
     save_figure,
 )
-from nanovllm.viz.report import write_report
+from nanovllm.harness.viz.report import write_report
 
 __all__ = [
     "RunData",

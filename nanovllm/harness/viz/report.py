@@ -10,21 +10,20 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanovllm.viz.plots import RunData, compare_runs, load_run, plot_run, run_labels
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if value is None:
-        return "–"
-    return str(value)
+from nanovllm.harness.formatting import format_value
+from nanovllm.harness.viz.plots import (
+    RunData,
+    compare_runs,
+    load_run,
+    plot_run,
+    run_labels,
+)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(cell))}</td>" for cell in row) + "</tr>" for row in rows
+        "<tr>" + "".join(f"<td>{html.escape(format_value(cell, missing='–'))}</td>" for cell in row) + "</tr>" for row in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

@@ -1,0 +1,171 @@
+"""The plain records a run produces and the one place that writes and reads a run's files.
+
+A run directory holds ``requests.jsonl`` (one ``RequestRecord`` per request, in the order they ended),
+``steps.jsonl`` (one ``StepRecord`` per engine step), ``metrics.json`` (the summary, with its breakdowns) and
+``config.json``. ``RunWriter`` is their only writer (the jsonl logger streams through it) and ``read_run`` their
+only reader (viz, the sweep summary and tests read through it), so the format lives here and nowhere else.
+Metrics, loggers and plots read only these records, never engine objects, so a run can be analysed long after
+the engine is gone. All times are seconds since the run started (``perf_counter`` based).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypedDict
+
+from nanovllm.outputs import StepRecord
+from nanovllm.request import Request
+
+REQUESTS_FILE, STEPS_FILE, METRICS_FILE, CONFIG_FILE = "requests.jsonl", "steps.jsonl", "metrics.json", "config.json"
+
+__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "read_jsonl", "read_metrics", "read_run",
+           "request_record", "step_record"]
+
+
+class RequestRecord(TypedDict):
+    request_id: str
+    client_id: str | None
+    priority: int
+    arrival_time: float                 # when the request entered the engine (its workload arrival time online)
+    first_scheduled_time: float | None  # first step that ran any of its tokens
+    first_token_time: float | None      # when its first output token was sampled
+    finish_time: float | None           # when it finished (or failed)
+    token_times: list[float]            # time of every output token, first token included
+    num_prompt_tokens: int
+    num_cached_tokens: int              # prompt tokens served from the prefix cache at (last) admission
+    num_output_tokens: int
+    num_preemptions: int
+    finish_reason: str | None           # "stop", "length", or None when it failed
+    error: str | None                   # why the engine rejected it; None when it ran
+
+
+def request_record(request: Request, t0: float) -> RequestRecord:
+    """``request`` as a plain record, its times made relative to the run's start ``t0``."""
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else t - t0
+
+    return RequestRecord(
+        request_id=request.request_id,
+        client_id=request.client_id,
+        priority=request.priority,
+        arrival_time=request.arrival_time - t0,
+        first_scheduled_time=rel(request.first_scheduled_time),
+        first_token_time=rel(request.first_token_time),
+        finish_time=rel(request.finish_time),
+        token_times=[t - t0 for t in request.token_times],
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_preemptions=request.num_preemptions,
+        finish_reason=request.finish_reason,
+        error=request.error,
+    )
+
+
+def step_record(record: StepRecord, t0: float, step: int) -> StepRecord:
+    """The engine's step record renumbered as the run's ``step``-th, its start relative to the run's ``t0``."""
+    return StepRecord(**{**record, "step": step, "start_time": record["start_time"] - t0})
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+def _json_default(value: Any) -> Any:
+    # numpy / torch scalars become numbers; anything else (a Policy instance handed to LLM(...) ends up in the
+    # config) becomes its repr, because writing a record must never crash the run it records.
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if isinstance(value, (set, tuple, frozenset)):
+        return list(value)
+    return str(value) if isinstance(value, Path) else repr(value)
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """JSON for a record or summary, tolerant of numpy/torch scalars and odd config values."""
+    return json.dumps(obj, default=_json_default, **kwargs)
+
+
+class RunWriter:
+    """Writes one run directory. Steps and requests are streamed line-buffered as they happen, so a crashed or
+    interrupted run keeps everything up to its last step; ``metrics.json`` is written at the summary."""
+
+    def __init__(self, run_dir: str | Path, config: dict | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            (self.run_dir / CONFIG_FILE).write_text(dumps(config, indent=2) + "\n", encoding="utf-8")
+        self._steps: IO[str] | None = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
+        self._requests: IO[str] | None = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
+
+    def write_step(self, step: dict) -> None:
+        self._write(self._steps, step)
+
+    def write_request(self, record: dict) -> None:
+        self._write(self._requests, record)
+
+    @staticmethod
+    def _write(stream: IO[str] | None, row: dict) -> None:
+        if stream is None:
+            raise RuntimeError("RunWriter is closed")
+        stream.write(dumps(row) + "\n")
+
+    def write_metrics(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
+        metrics = {**summary, "breakdowns": breakdowns or {}}
+        (self.run_dir / METRICS_FILE).write_text(dumps(metrics, indent=2) + "\n", encoding="utf-8")
+
+    def close(self) -> None:
+        for stream in (self._steps, self._requests):
+            if stream is not None:
+                stream.close()
+        self._steps = self._requests = None
+
+
+# -- reading -----------------------------------------------------------------------------------------------------
+
+def read_jsonl(path: Path, missing_ok: bool = False) -> list[dict]:
+    """The records of a ``.jsonl`` file; ``missing_ok``: none for a missing file (a run cut short)."""
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: str | Path) -> dict | None:
+    """A run's ``metrics.json``, or None when the run did not get that far."""
+    path = Path(run_dir) / METRICS_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+@dataclass
+class RunData:
+    """The records of one run, as read from its directory."""
+
+    path: Path
+    requests: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def summary(self) -> dict:
+        """The scalar summary metrics (``metrics.json`` without its breakdowns)."""
+        return {key: value for key, value in self.metrics.items() if key != "breakdowns"}
+
+
+def read_run(run_dir: str | Path, label: str | None = None, missing_ok: bool = True) -> RunData:
+    """Read a run directory. ``missing_ok``: missing files give empty records (a run cut short) instead of
+    ``FileNotFoundError``; a path that is not a directory is always an error."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"not a run directory: {run_dir}")
+    metrics = read_metrics(run_dir)
+    if metrics is None and not missing_ok:
+        raise FileNotFoundError(f"{run_dir / METRICS_FILE} is missing (the run did not finish)")
+    return RunData(
+        path=run_dir,
+        requests=read_jsonl(run_dir / REQUESTS_FILE, missing_ok=missing_ok),
+        steps=read_jsonl(run_dir / STEPS_FILE, missing_ok=missing_ok),
+        metrics=metrics or {},
+        label=label or run_dir.resolve().name,
+    )

@@ -1,0 +1,246 @@
+"""``python -m nanovllm.run``: compose a config with Hydra, build the engine, serve a workload in real time,
+print the serving summary and write the run's files (``metrics.json``, ``requests.jsonl``, ``steps.jsonl``)
+into Hydra's run directory beside ``.hydra/``::
+
+    python -m nanovllm.run scheduler=priority allocator=prefix
+    python -m nanovllm.run workload=synthetic workload.request_rate=4 engine.num_kv_blocks=256
+    python -m nanovllm.run -m scheduler=fcfs,priority          # one job each + summary.csv/.md of the sweep
+    python -m nanovllm.run plugins=[experiments/my_policy.py] scheduler.name=shortest_prompt_first
+
+Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/conf_schema.py``. Mistakes
+in the config itself are reported by Hydra; everything else a user can get wrong (an unknown plugin name, a
+plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with
+one ``error: ...`` line on stderr and exit status 1 -- the traceback only with ``HYDRA_FULL_ERROR=1``.
+Everything that can be checked before the model loads is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from nanovllm.allocator import ALLOCATORS
+from nanovllm.attention.base import ATTENTION_BACKENDS
+from nanovllm.config import EngineConfig
+from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
+from nanovllm.harness.metrics import SLO, format_summary
+from nanovllm.harness.monitor import MonitorConfig
+from nanovllm.harness.workload import validate_workload_config
+from nanovllm.policy import POLICIES
+from nanovllm.registry import Registry
+from nanovllm.sampling import SamplingParams
+
+
+class PluginImportError(ImportError):
+    """A module or file named in ``plugins`` could not be imported."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    # PolicyError lives with the engine, which is imported lazily (it pulls in torch and transformers).
+    from nanovllm.engine.scheduler import PolicyError
+
+    return (ValueError, PolicyError, PluginImportError, FileNotFoundError)
+
+
+# -- where the configs are -----------------------------------------------------------------------------------------
+
+def config_dir() -> Path:
+    """``conf/``: inside the installed package (``nanovllm.conf``), else at the top of a source checkout."""
+    spec = importlib.util.find_spec("nanovllm.conf")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]).resolve()
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").is_file():
+        return checkout
+    raise FileNotFoundError(f"cannot find nanovllm's configs: no package nanovllm.conf and no {checkout}")
+
+
+# -- checks that run before the model loads ------------------------------------------------------------------------
+
+def import_plugins(plugins: list[str]) -> None:
+    """Import each plugin (a module name, or the path of a ``.py`` file) so its ``@register_*`` runs."""
+    for entry in plugins:
+        try:
+            if entry.endswith(".py") or "/" in entry or os.sep in entry:
+                _import_file(Path(entry).expanduser())
+            else:
+                _import_module(entry)
+        except PluginImportError:
+            raise
+        except Exception as exc:
+            raise PluginImportError(f"plugin {entry!r} failed to import: {type(exc).__name__}: {exc}") from exc
+
+
+_imported_files: set[Path] = set()  # each file once per process, however many multirun jobs name it
+
+
+def _import_file(path: Path) -> None:
+    if not path.is_file():
+        raise PluginImportError(f"plugin file {str(path)!r} does not exist (cwd: {os.getcwd()})")
+    if path.resolve() in _imported_files:
+        return
+    # Its own name when free (so reprs and pickles read naturally), else one that cannot clash.
+    name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else f"_nanovllm_plugin_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _imported_files.add(path.resolve())
+
+
+def _import_module(name: str) -> None:
+    # The console script does not put the working directory on sys.path the way `python -m` does.
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        importlib.import_module(name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
+    """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
+    return registry.check(dict(node), where)
+
+
+def _check_missing(cfg: DictConfig) -> None:
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError(f"no value for {', '.join(missing)}; set it on the command line, e.g. {missing[0]}=...")
+
+
+@contextlib.contextmanager
+def _engine_field_errors() -> Iterator[None]:
+    """EngineConfig's messages start with the field's name; say it as the override is spelt (engine.X)."""
+    try:
+        yield
+    except ValueError as exc:
+        field_names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        if str(exc).split(" ", 1)[0] in field_names:
+            raise ValueError(f"engine.{exc}") from exc
+        raise
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Checked:
+    """The config turned into checked, plain arguments: everything that can be wrong is found before the
+    model loads."""
+
+    engine: EngineConfig
+    scheduler: dict[str, Any]
+    allocator: dict[str, Any]
+    attention: dict[str, Any]
+    logger: dict[str, Any]
+    slo: SLO
+    monitor: MonitorConfig
+
+
+def check_config(cfg: DictConfig) -> _Checked:
+    _check_missing(cfg)
+    import_plugins(list(cfg.plugins))  # first: a plugin may register the names checked below
+    validate_workload_config(cfg.workload)
+    with _engine_field_errors():
+        engine = EngineConfig.from_options(model=cfg.model.path, **cfg.engine)
+    SamplingParams(temperature=cfg.temperature)  # validates it
+    return _Checked(
+        engine=engine,
+        scheduler=plugin_spec(POLICIES, cfg.scheduler, "scheduler"),
+        allocator=plugin_spec(ALLOCATORS, cfg.allocator, "allocator"),
+        attention=plugin_spec(ATTENTION_BACKENDS, cfg.attention, "attention"),
+        logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
+        slo=SLO(**cfg.slo),
+        monitor=MonitorConfig(**cfg.monitor),
+    )
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Serve the configured workload once; return the summary. Writes into Hydra's run directory."""
+    checked = check_config(cfg)
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+
+    # The slow part: torch, transformers and the model.
+    from nanovllm.engine.engine import LLMEngine
+    from nanovllm.harness.monitor import ModelCost, Monitor
+    from nanovllm.harness.serving import format_breakdown, serve
+    from nanovllm.harness.workload import generate_workload
+
+    with _engine_field_errors():
+        engine = LLMEngine(checked.engine, scheduler=checked.scheduler, allocator=checked.allocator,
+                           attention=checked.attention)
+    workload = generate_workload(cfg.workload, engine.tokenizer)
+    cost = ModelCost.from_model(engine.runner.model)
+    monitor = Monitor.from_config(cost, checked.monitor, engine.runner.dtype, checked.engine.device)
+
+    loggers: list[RunLogger] = [LOGGERS.build(checked.logger)]
+    if not isinstance(loggers[0], JsonlLogger):
+        loggers.append(JsonlLogger())  # the run's files are always written, whatever else logs it
+    # Jobs of one sweep share a W&B group: the configured one, else the sweep directory's name.
+    group = (checked.logger.get("group") or Path(str(hc.sweep.dir)).name) if multirun else None
+    name = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else run_dir.name
+    config = OmegaConf.to_container(cfg, resolve=True)
+    started: list[RunLogger] = []
+    try:
+        for logger in loggers:
+            logger.start(run_dir, config, group=group, name=name)
+            started.append(logger)
+        result = serve(engine, workload, progress=cfg.progress and not multirun, loggers=loggers,
+                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature)
+    finally:
+        for logger in started:
+            logger.finish()
+
+    print(format_summary(result.summary))
+    print(format_breakdown(result.by_priority, "priority"))
+    if len(result.by_client) > 1:
+        print(format_breakdown(result.by_client, "client_id"))
+    print(f"run files: {run_dir}")
+    return result.summary
+
+
+def _task(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except _user_errors() as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            # Let the other jobs run; the sweep summary lists this one as failed and exits non-zero at the end.
+            Path(hc.runtime.output_dir, "error.txt").write_text(f"{exc}\n", encoding="utf-8")
+            return
+        sys.exit(1)
+
+
+def main() -> None:
+    """Entry point of ``python -m nanovllm.run`` and the ``nanovllm-run`` console script."""
+    register_configs()
+    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+
+
+if __name__ == "__main__":
+    main()

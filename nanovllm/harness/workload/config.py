@@ -1,0 +1,110 @@
+"""Workload configs (they double as Hydra structured configs: fields of simple types only) and the
+request type every workload source produces. Each config validates itself when constructed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanovllm.harness.workload.validation import validate_workload_config
+
+
+@dataclass
+class WorkloadRequest:
+    """One request of a workload: when it arrives (seconds from run start) and what it asks for."""
+
+    arrival_time: float
+    prompt: str | list[int]             # text, or token ids (synthetic and chat workloads give ids)
+    max_tokens: int
+    priority: int = 0
+    client_id: str | None = None
+    ignore_eos: bool = False
+    request_id: str | None = None
+    messages: list[dict] | None = None  # the chat it came from; `prompt` then holds the templated ids
+
+
+@dataclass
+class LengthDist:
+    """A distribution of token lengths, always clipped to ``[min, max]``.
+
+    * ``fixed``: always ``round(mean)``.
+    * ``uniform``: integers in ``[mean*(1-range_ratio), mean*(1+range_ratio)]`` (like vllm bench's random data).
+    * ``lognormal``: ``exp(N(mu, sigma))`` with ``mu`` chosen so the (unclipped) mean is ``mean``.
+    * ``zipf``: ``round(s * k)`` with ``k ~ Zipf(alpha)`` (heavy tail: most requests short, a few very long);
+      the scale ``s`` is solved so the mean *after* clipping is ``mean`` (some (alpha, mean, max) are
+      unreachable -- alpha near 1 with a small mean -- and fail validation).
+    """
+
+    kind: str = "fixed"
+    mean: float = 128
+    range_ratio: float = 0.0
+    sigma: float = 0.5
+    alpha: float = 1.5
+    min: int = 1
+    max: int = 4096
+
+
+@dataclass
+class SyntheticWorkloadConfig:
+    """Synthetic arrivals and lengths. ``request_rate=inf`` puts every arrival at t=0 (an offline batch)."""
+
+    name: str = "synthetic"
+    num_requests: int = 64
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    input_len: LengthDist = field(default_factory=LengthDist)
+    output_len: LengthDist = field(default_factory=LengthDist)
+    prompt_kind: str = "random"         # "random" token ids, or "text" cut from the chat dataset
+    num_prefix_groups: int = 0          # >0: each prompt = one of these shared prefixes + its own suffix
+    prefix_len: int = 0
+    priority_classes: list[int] = field(default_factory=lambda: [0])
+    priority_weights: list[float] = field(default_factory=lambda: [1.0])
+    num_clients: int = 1
+    client_rate_shares: list[float] | None = None  # None: every client gets an equal share
+    ignore_eos: bool = True             # so each request really produces its sampled output length
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validate_workload_config(self)
+
+
+@dataclass
+class ChatWorkloadConfig:
+    """Prompts from the shipped chat dataset, chat-templated; EOS ends requests naturally."""
+
+    name: str = "chat"
+    num_requests: int = 32
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_tokens: int = 128
+    priority_classes: list[int] = field(default_factory=lambda: [0])
+    priority_weights: list[float] = field(default_factory=lambda: [1.0])
+    num_clients: int = 1
+    client_rate_shares: list[float] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validate_workload_config(self)
+
+
+@dataclass
+class TraceWorkloadConfig:
+    """Replay a ``.jsonl`` trace (own arrival times) or a ShareGPT ``.json`` file (arrivals from ``request_rate``).
+
+    ``time_scale`` multiplies arrival times (0.5 replays twice as fast; 0 sends everything at t=0).
+    ``max_requests`` keeps the first N requests of the file. ``seed`` drives ShareGPT arrivals and the random
+    tokens of ``prompt_len`` lines.
+    """
+
+    name: str = "trace"
+    path: str = ""
+    time_scale: float = 1.0
+    max_requests: int | None = None
+    default_output_len: int = 128       # for JSONL lines without output_len
+    request_rate: float = float("inf")  # ShareGPT only: it has no timestamps
+    burstiness: float = 1.0
+    ignore_eos: bool = True             # replay the trace's output lengths exactly
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # The file may not exist yet when the config object is built; generate_workload checks it.
+        validate_workload_config(self, check_files=False)
