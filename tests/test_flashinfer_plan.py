@@ -7,12 +7,12 @@ requests, at block sizes 1, 16 and 64, with and without GQA; and on the real mod
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from flashinfer_emulation import batch_paged_attention
+from paged_batches import RandomBatches, step_meta
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import AttentionMetadata
 from nanovllm.attention.flashinfer_plan import plan_arguments
@@ -20,17 +20,10 @@ from nanovllm.attention.torch_backend import TorchAttention
 from nanovllm.engine.kv_cache import allocate_kv_cache
 
 
-def _meta(query_lens, seq_lens, tables, block_size) -> AttentionMetadata:
-    slots = [table[p // block_size] * block_size + p % block_size
-             for q, s, table in zip(query_lens, seq_lens, tables) for p in range(s - q, s)]
-    return AttentionMetadata(query_lens=list(query_lens), seq_lens=list(seq_lens), block_tables=tables,
-                             slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=block_size)
-
-
 def test_plan_arguments_follow_the_page_table_layout():
     # seq 0: 33 tokens in pages 7, 2, 9 (the last holds 1); seq 1: exactly one full page; seq 2: a decode whose
     # table holds one block more than it needs (allocated ahead), which must not be passed.
-    meta = _meta([5, 16, 1], [33, 16, 20], [[7, 2, 9], [4], [3, 5, 8]], block_size=16)
+    meta = step_meta([5, 16, 1], [33, 16, 20], [[7, 2, 9], [4], [3, 5, 8]], block_size=16)
     plan = plan_arguments(meta)
     assert plan.qo_indptr.tolist() == [0, 5, 21, 22]
     assert plan.kv_indptr.tolist() == [0, 3, 4, 6]
@@ -39,7 +32,7 @@ def test_plan_arguments_follow_the_page_table_layout():
     assert plan.page_size == 16 and not plan.is_decode and plan.batch_size == 3
     for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len):
         assert t.dtype == torch.int32
-    assert plan_arguments(_meta([1, 1], [33, 2], [[7, 2, 9], [4]], 16)).is_decode
+    assert plan_arguments(step_meta([1, 1], [33, 2], [[7, 2, 9], [4]], 16)).is_decode
 
 
 def test_a_block_table_shorter_than_its_sequence_is_refused():
@@ -48,68 +41,12 @@ def test_a_block_table_shorter_than_its_sequence_is_refused():
                                          slot_mapping=torch.zeros(1, dtype=torch.long), block_size=16))
 
 
-@dataclass
-class _Req:
-    num_tokens: int
-    num_computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    preempted: bool = False
-
-
-class _RandomBatches:
-    """Requests moving through chunked prefill, decode and preemption (blocks freed, recomputed from scratch
-    in new blocks), over a free list in random order so that block tables are never contiguous."""
-
-    def __init__(self, rng: random.Random, block_size: int, num_blocks: int) -> None:
-        self.rng, self.block_size = rng, block_size
-        self.free = list(range(num_blocks))
-        rng.shuffle(self.free)
-        self.requests: list[_Req] = []
-        self.seen = {"decode_only": 0, "chunk_on_cache": 0, "resumed": 0, "mixed": 0}
-
-    def next_step(self) -> tuple[AttentionMetadata, list[_Req]]:
-        rng = self.rng
-        if not self.requests or (len(self.requests) < 6 and rng.random() < 0.5):
-            self.requests.append(_Req(num_tokens=rng.randint(1, 90)))
-        started = [r for r in self.requests if r.num_computed > 0]
-        if started and rng.random() < 0.1:
-            victim = rng.choice(started)
-            self.free.extend(victim.blocks)
-            rng.shuffle(self.free)
-            victim.blocks, victim.num_computed, victim.preempted = [], 0, True
-        batch = [r for r in self.requests if rng.random() < 0.8] or self.requests[:1]
-        query_lens, seq_lens = [], []
-        for r in batch:
-            if r.num_computed < r.num_tokens:
-                num_new = rng.randint(1, r.num_tokens - r.num_computed)
-                if r.num_computed > 0 and num_new > 1:
-                    self.seen["chunk_on_cache"] += 1
-                if r.preempted and r.num_computed == 0:
-                    self.seen["resumed"] += 1
-            else:
-                r.num_tokens += 1  # the token sampled last step
-                num_new = 1
-            end = r.num_computed + num_new
-            while len(r.blocks) * self.block_size < end:
-                r.blocks.append(self.free.pop())
-            query_lens.append(num_new)
-            seq_lens.append(end)
-        self.seen["decode_only" if all(q == 1 for q in query_lens) else "mixed"] += 1
-        meta = _meta(query_lens, seq_lens, [list(r.blocks) for r in batch], self.block_size)
-        for r, q in zip(batch, query_lens):
-            r.num_computed += q
-        for r in [r for r in self.requests if r.num_tokens >= 120]:
-            self.free.extend(r.blocks)
-            self.requests = [x for x in self.requests if x is not r]
-        return meta, batch
-
-
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(6, 2, 16), (4, 4, 8)], ids=["gqa", "mha"])
 def test_emulated_flashinfer_matches_the_torch_backend_on_random_batches(block_size, heads):
     num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(block_size)
-    batches = _RandomBatches(random.Random(block_size * 7 + num_heads), block_size,
+    batches = RandomBatches(random.Random(block_size * 7 + num_heads), block_size,
                              num_blocks=8 * (130 // block_size + 2))
     reference = TorchAttention(num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5)
     _, views = allocate_kv_cache(1, len(batches.free), block_size, num_kv_heads, head_dim, torch.float32,
