@@ -44,8 +44,8 @@ class FlashInferAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        # FlashInfer's CUDA-core decode kernels are specialised for small query groups; larger groups run
-        # faster (and are only covered) on its tensor-core path.
+        # FlashInfer's CUDA-core decode kernels exist for query groups of 1, 2, 3, 4 and 8 heads per KV head;
+        # larger groups run faster on its tensor-core path, which takes any group size.
         self.use_tensor_cores = num_heads // num_kv_heads > 4
         self._flashinfer: Any = None
         self._workspace: torch.Tensor | None = None
