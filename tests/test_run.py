@@ -19,6 +19,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
+from nanovllm.attention.base import ATTENTION_BACKENDS
 from nanovllm.config import EngineConfig
 from nanovllm.policy import POLICIES
 from nanovllm.run import config_dir
@@ -125,7 +126,7 @@ def test_schema_rejects_mistakes(compose_cfg, override: str) -> None:
 
 
 def test_every_builtin_plugin_has_a_config_file() -> None:
-    for group, registry in (("scheduler", POLICIES), ("allocator", ALLOCATORS)):
+    for group, registry in (("scheduler", POLICIES), ("allocator", ALLOCATORS), ("attention", ATTENTION_BACKENDS)):
         files = {p.stem: p for p in (REPO / "conf" / group).glob("*.yaml")}
         assert set(registry.names()) <= set(files), f"conf/{group}/ lacks a file for a registered name"
         for stem, path in files.items():
