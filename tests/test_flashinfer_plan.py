@@ -47,7 +47,7 @@ def test_emulated_flashinfer_matches_the_torch_backend_on_random_batches(block_s
     num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(block_size)
     batches = RandomBatches(random.Random(block_size * 7 + num_heads), block_size,
-                             num_blocks=8 * (130 // block_size + 2))
+                            num_blocks=8 * (130 // block_size + 2))
     reference = TorchAttention(num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5)
     _, views = allocate_kv_cache(1, len(batches.free), block_size, num_kv_heads, head_dim, torch.float32,
                                  torch.device("cpu"))
