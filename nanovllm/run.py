@@ -32,7 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
-from nanovllm.attention.base import ATTENTION_BACKENDS
+from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
 from nanovllm.conf_schema import register_configs
 from nanovllm.config import EngineConfig
 from nanovllm.loggers import LOGGERS, JsonlLogger, RunLogger
@@ -197,7 +197,8 @@ def check_config(cfg: DictConfig) -> _Checked:
         engine=engine,
         scheduler=plugin_spec(POLICIES, cfg.scheduler, "scheduler"),
         allocator=plugin_spec(ALLOCATORS, cfg.allocator, "allocator", num_engine_args=2),
-        attention=plugin_spec(ATTENTION_BACKENDS, cfg.attention, "attention", num_engine_args=4),
+        attention=plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention",
+                              num_engine_args=4),
         logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
         slo=_slo(cfg.slo),
         monitor=_monitor_config(cfg.monitor),

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from nanovllm.allocator import ALLOCATORS, BlockAllocator
-from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend
+from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.model_runner import TORCH_DTYPES, ModelRunner
@@ -34,7 +34,7 @@ class LLMEngine:
         config: EngineConfig,
         scheduler: PluginSpec = "fcfs",
         allocator: PluginSpec = "paged",
-        attention: PluginSpec = "torch",
+        attention: PluginSpec = "auto",
     ) -> None:
         self.config = config
         device = torch.device(config.device)
@@ -53,14 +53,15 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
-        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed)
+        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
+                                  fast_path=config.fast_path)
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       TORCH_DTYPES[config.dtype])
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         scale = runner.head_dim ** -0.5
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
-            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
+            resolve_attention(attention, device), runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
         if not backend.is_available(device):
             raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}")
@@ -136,14 +137,14 @@ class LLMEngine:
         finished: list[Request] = []
         num_sampled = 0
         if out.scheduled:
-            next_tokens = self.runner.execute(out.scheduled)
+            next_tokens, next_logprobs = self.runner.execute(out.scheduled)
             now = time.perf_counter()
             self.scheduler.commit(out, now)
-            for (request, _), token in zip(out.scheduled, next_tokens):
+            for (request, _), token, logprobs in zip(out.scheduled, next_tokens, next_logprobs):
                 if token is None:
                     continue
                 num_sampled += 1
-                request.append_token(token, now)
+                request.append_token(token, now, logprobs)
                 reason = request.check_stop(self.max_model_len)
                 if reason is not None:
                     request.finish_reason = reason
