@@ -1,5 +1,5 @@
-"""Fast paged attention for CPU: a small C++ kernel (``csrc/paged_attention.cpp``), built with torch's
-extension tooling on first use and cached.
+"""Fast paged attention for CPU: a small C++ kernel (``nanovllm/csrc/paged_attention.cpp``, built and cached by
+``nanovllm.kernels`` on first use).
 
 Why a C++ kernel and not SDPA or FlexAttention: a decode step is one query row per sequence against ~100-1000
 cached keys. The reference backend gathers every sequence's blocks into a padded rectangle and builds a mask,
@@ -14,55 +14,10 @@ whose position says how many keys they see. GQA: each kernel work item serves al
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
-from pathlib import Path
-
 import torch
 
+from nanovllm import kernels
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata, register_attention
-
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def _cpu_fingerprint() -> str:
-    """The CPU's feature flags: the kernel is built with -march=native, so a cache shared between machines
-    must not hand one CPU's build to another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
-def extension_dir() -> Path:
-    """Where built kernels are cached: ``$NANOVLLM_CACHE/extensions`` (default ``~/.cache/nanovllm``)."""
-    from nanovllm.models.loader import cache_root
-
-    return cache_root() / "extensions"
-
-
-@functools.cache
-def load_kernel():
-    """The compiled extension module (built on the first call in a fresh cache, ~30 s; later loads are
-    instant). Raises ``RuntimeError`` saying what to install if the build fails."""
-    from torch.utils import cpp_extension
-
-    key = "\n".join([_SOURCE.read_text(), " ".join(_CFLAGS), torch.__version__, _cpu_fingerprint()])
-    name = f"nanovllm_paged_attention_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    build_dir = extension_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-    except (RuntimeError, OSError, ImportError) as exc:
-        raise RuntimeError(
-            f"could not build the cpu attention kernel ({exc}); it needs g++ and the ninja package "
-            "(pip install ninja). Use attention='torch' to run without it."
-        ) from exc
 
 
 @register_attention("cpu")
@@ -71,7 +26,7 @@ class CpuAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        self._kernel = load_kernel()
+        self._kernel = kernels.load()
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._block_tables = torch.empty(0, 0, dtype=torch.int32)
         self._seq = torch.empty(0, dtype=torch.int32)

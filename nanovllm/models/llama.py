@@ -5,7 +5,8 @@ through the backend's per-step plan. The arithmetic mirrors transformers' refere
 (RMSNorm in float32, RoPE tables from the same inverse frequencies, and the same projection shapes, so every
 matmul is bitwise the same), which is what keeps greedy output token-identical to it. ``use_fast_path()``
 switches a loaded model to the fast layouts (fused q/k/v and gate/up, prepacked bf16 weights; see
-``fast_path.py``), which trade that bitwise equality for speed and are held to the close standard instead.
+``fast_path.py``) and, on CPU, fused C++ RMSNorm and rotary kernels (``nanovllm/csrc``), which trade that
+bitwise equality for speed and are held to the close standard instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.config import head_dim_of
+from nanovllm.kernels import load as load_kernels
 from nanovllm.models.fast_path import PackedLinear, can_prepack, fuse_linears, prepack
 
 
@@ -25,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None  # the fused C++ kernel, set by use_fast_path() on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,6 +54,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # float32 copies that model.to(dtype) leaves alone: the fused rotary kernel computes in float32.
+        self.cos_float = self.cos.clone()
+        self.sin_float = self.sin.clone()
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows [num_tokens, 1, head_dim] for ``positions``, in ``dtype``: looked up once per step
@@ -56,6 +64,10 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos.index_select(0, positions).to(dtype)[:, None, :]
         sin = self.sin.index_select(0, positions).to(dtype)[:, None, :]
         return cos, sin
+
+    def float_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin rows [num_tokens, head_dim] for the fused rotary kernel."""
+        return self.cos_float.index_select(0, positions), self.sin_float.index_select(0, positions)
 
 
 def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
@@ -92,11 +104,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None  # set by use_fast_path()
+        self.kernels = None  # the fused rotary kernel, set by use_fast_path() on CPU
 
-    def use_fast_path(self) -> None:
+    def use_fast_path(self, kernels) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
         prepack(self, ("qkv_proj", "o_proj"))
+        self.kernels = kernels
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 attention: AttentionBackend) -> torch.Tensor:
@@ -109,7 +123,10 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(rope, q, k)
+        if self.kernels is not None:
+            self.kernels.rotary_(q, k, *rope)  # in place, on the fused projection's output
+        else:
+            q, k = apply_rotary(rope, q, k)
         return self.o_proj(attention.forward(self.layer, q, k, v))
 
 
@@ -170,14 +187,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
         self.lm_head_chunks: nn.ModuleList | None = None  # prepacked LM head slices, set by use_fast_path()
+        self.kernels = None  # fused C++ kernels (RMSNorm, rotary), set by use_fast_path() on CPU
         self.fast_path = False
 
     def use_fast_path(self) -> "LlamaForCausalLM":
         """Switch to the fast layouts (fused projections; prepacked weights for bf16 on CPU). Call after the
         weights are loaded and cast; irreversible."""
+        on_cpu = self.lm_head.weight.device.type == "cpu"
+        kernels = load_kernels() if on_cpu else None
         for layer in self.layers:
-            layer.self_attn.use_fast_path()
+            layer.self_attn.use_fast_path(kernels)
             layer.mlp.use_fast_path()
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+        self.norm.kernels = kernels
+        self.kernels = kernels
         weight = self.lm_head.weight
         if can_prepack(weight):
             self.lm_head_chunks = nn.ModuleList(PackedLinear(w) for w in weight.detach().split(self.LOGITS_CHUNK))
@@ -189,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
         this step; it is passed down explicitly (never stored on the layers), so two engines can share one
         cached model without touching each other's KV caches."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        if self.kernels is not None:
+            rope = self.rotary.float_rows(positions)
+        else:
+            rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(rope, x, attention)
         return self.norm(x)

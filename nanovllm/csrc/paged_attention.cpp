@@ -139,7 +139,3 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
-}
