@@ -1,10 +1,15 @@
-"""Throughput floor: nano-vllm vs transformers ``generate`` (a left-padded static batch) in one process.
+"""Throughput floor: nano-vllm vs transformers ``generate`` (a left-padded static batch) in one process, in
+bfloat16 and float32 side by side, plus batch-1 decode latency.
 
 The same chat prompts (greedy, ``--max-tokens`` new tokens each, EOS ignored so both produce exactly the same
-number of tokens), the same dtype and weights. Prints tokens/s of each and the ratio, and checks that the
-greedy tokens agree (for float32, where they must).
+number of tokens), the same weights (transformers loads our dense cached HF copy, not the GGUF). Each dtype
+compares like with like: nano-vllm's defaults for that dtype (bf16: the fast path with fused, prepacked
+projections; float32: the exact reference projections; the cpu attention kernel in both) against transformers
+in the same dtype. Prints tokens/s, the ratios, nano-vllm's bf16/fp32 speed-up, and ms per decoded token at
+batch 1 (one prompt; the decode part, prefill excluded).
 
-    python experiments/bench_vs_hf.py [--num-prompts 32] [--max-tokens 64] [--dtype float32] [--repeats 1]
+    python experiments/bench_vs_hf.py [--num-prompts 32] [--max-tokens 64] [--dtypes bfloat16,float32]
+                                      [--repeats 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -43,42 +48,72 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int, pad_id: i
     return time.perf_counter() - start, out[:, width:].tolist()
 
 
+def batch1_decode_ms(generate_one, prompt: list[int], max_tokens: int) -> float:
+    """ms per decoded token for one prompt: (time for max_tokens - time for 1 token) / (max_tokens - 1)."""
+    generate_one(prompt, 2)  # warm-up
+    short = min(_timed(lambda: generate_one(prompt, 1)) for _ in range(2))
+    full = _timed(lambda: generate_one(prompt, max_tokens))
+    return (full - short) / (max_tokens - 1) * 1e3
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int) -> dict:
+    llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048)
+    prompts = chat_prompts(llm, num_prompts)
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
+    pad_id = llm.engine.hf_config.eos_token_id
+    total = num_prompts * max_tokens
+    # Warm both up once on a small batch so one-time costs (allocator, first-call dispatch) are not timed.
+    run_nanovllm(llm, prompts[:2], 4)
+    run_transformers(model, prompts[:2], 4, pad_id)
+    ours_s, ours_tokens = min((run_nanovllm(llm, prompts, max_tokens) for _ in range(repeats)), key=lambda r: r[0])
+    hf_s, hf_tokens = min((run_transformers(model, prompts, max_tokens, pad_id) for _ in range(repeats)),
+                          key=lambda r: r[0])
+    ours_b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
+    hf_b1 = batch1_decode_ms(lambda p, n: run_transformers(model, [p], n, pad_id), prompts[0], max_tokens)
+    return {
+        "dtype": dtype, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,
+        "ratio": hf_s / ours_s, "identical_outputs": sum(a == b for a, b in zip(ours_tokens, hf_tokens)),
+        "nanovllm_batch1_ms_per_token": ours_b1, "transformers_batch1_ms_per_token": hf_b1,
+        "attention": llm.engine.runner.backend.registered_name, "fast_path": llm.engine.config.fast_path,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each (best is reported)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or any(d not in ("bfloat16", "float32") for d in dtypes):
+        parser.error(f"--dtypes must list bfloat16 and/or float32, got {args.dtypes!r}")
 
-    llm = LLM(dtype=args.dtype, num_kv_blocks=2048, max_model_len=2048)
-    prompts = chat_prompts(llm, args.num_prompts)
-    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=getattr(torch, args.dtype)).eval()
-    pad_id = llm.engine.hf_config.eos_token_id
-    total = args.num_prompts * args.max_tokens
-    # Warm both up once on a small batch so one-time costs (allocator, first-call dispatch) are not timed.
-    run_nanovllm(llm, prompts[:2], 4)
-    run_transformers(model, prompts[:2], 4, pad_id)
-    ours_s, ours_tokens = min((run_nanovllm(llm, prompts, args.max_tokens) for _ in range(args.repeats)),
-                              key=lambda r: r[0])
-    hf_s, hf_tokens = min((run_transformers(model, prompts, args.max_tokens, pad_id) for _ in range(args.repeats)),
-                          key=lambda r: r[0])
-    agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
-    result = {
-        "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s, "ratio": hf_s / ours_s,
-        "identical_outputs": f"{agree}/{args.num_prompts}",
-    }
+    results = [bench_dtype(d, args.num_prompts, args.max_tokens, args.repeats) for d in dtypes]
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), "
-          f"{args.dtype}, {torch.get_num_threads()} threads")
-    print(f"nano-vllm          {result['nanovllm_tok_s']:8.1f} tok/s  ({ours_s:.2f} s)")
-    print(f"transformers batch {result['transformers_tok_s']:8.1f} tok/s  ({hf_s:.2f} s)")
-    print(f"ratio (nano-vllm / transformers): {result['ratio']:.2f}x   identical outputs: {agree}/{args.num_prompts}")
+          f"{torch.get_num_threads()} threads, one process")
+    print("| dtype | nano-vllm tok/s | transformers tok/s | ratio | batch-1 ms/token nano-vllm | "
+          "batch-1 ms/token transformers | identical outputs |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['dtype']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x | "
+              f"{r['nanovllm_batch1_ms_per_token']:.1f} | {r['transformers_batch1_ms_per_token']:.1f} | "
+              f"{r['identical_outputs']}/{args.num_prompts} |")
+    by_dtype = {r["dtype"]: r for r in results}
+    if len(by_dtype) == 2:
+        speedup = by_dtype["bfloat16"]["nanovllm_tok_s"] / by_dtype["float32"]["nanovllm_tok_s"]
+        print(f"nano-vllm bfloat16 / float32 throughput: {speedup:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                       "threads": torch.get_num_threads(), "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0                               # the engine's sampling stream (requests may bring their own)
     enforce_eager: bool = False                 # True: no CUDA-graph decode (graphs are CUDA-only anyway)
+    fuse_projections: bool | None = None        # fused q/k/v, gate/up (+ prepacked bf16 weights on CPU);
+                                                # None: fused unless dtype is float32 (the exact reference path)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the model runs with the fast weight layouts (see ``fuse_projections``)."""
+        return self.fuse_projections if self.fuse_projections is not None else self.dtype != "float32"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,6 +55,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"fuse_projections must be true, false or None, got {self.fuse_projections!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
 

@@ -19,14 +19,15 @@ class LLM:
     """An engine on one model. ``engine_options`` are ``EngineConfig`` fields (dtype, device, block_size,
     num_kv_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_chunked_prefill, seed, ...). ``scheduler``, ``allocator`` and ``attention`` take a registered name,
-    an instance, or ``{"name": ..., **options}``."""
+    an instance, or ``{"name": ..., **options}``; ``attention="auto"`` is the C++ ``cpu`` backend on CPU and the
+    ``torch`` reference elsewhere."""
 
     def __init__(
         self,
         model: str | None = None,
         scheduler: PluginSpec = "fcfs",
         allocator: PluginSpec = "paged",
-        attention: PluginSpec = "torch",
+        attention: PluginSpec = "auto",
         **engine_options,
     ) -> None:
         config = EngineConfig.from_options(model=model, **engine_options)
@@ -89,7 +90,7 @@ class LLM:
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
             text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-            token_ids=r.output_token_ids, finish_reason=r.finish_reason,
+            token_ids=r.output_token_ids, finish_reason=r.finish_reason, logprobs=r.logprobs,
             metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                    r.num_preemptions, r.num_cached_tokens),
         )

@@ -42,6 +42,14 @@ class RequestMetrics:
     num_cached_tokens: int
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One candidate token's log-probability under the model and its rank (1 = most likely), as in vLLM."""
+
+    logprob: float
+    rank: int
+
+
 @dataclass
 class RequestOutput:
     """One request's result, in the order of the prompts given to ``generate``. ``finish_reason`` is
@@ -55,3 +63,5 @@ class RequestOutput:
     token_ids: list[int]             # generated ids; ends with the EOS id when generation stopped on it
     finish_reason: str | None        # "stop" or "length"
     metrics: RequestMetrics
+    # With SamplingParams(logprobs=k): per generated token, {token id: Logprob} for the top k and the chosen one.
+    logprobs: list[dict[int, Logprob]] | None = None

@@ -48,6 +48,7 @@ class Request:
     finish_reason: str | None = field(default=None, init=False)
     error: str | None = field(default=None, init=False)
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    logprobs: list[dict] | None = field(default=None, init=False, repr=False)  # one per output token if asked
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -85,9 +86,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
-    def append_token(self, token_id: int, now: float) -> None:
+    def append_token(self, token_id: int, now: float, logprobs: dict | None = None) -> None:
         self.token_ids.append(token_id)
         self.token_times.append(now)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprobs)
         if self.first_token_time is None:
             self.first_token_time = now
 

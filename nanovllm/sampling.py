@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.outputs import Logprob
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = field(default=None)
     seed: int | None = None
+    logprobs: int | None = None     # return the top-k log-probabilities of every generated token (and its own)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -39,6 +42,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints), got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (top-k per token), got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
@@ -89,3 +95,26 @@ class Sampler:
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits.softmax(dim=-1)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list[dict[int, Logprob] | None]:
+    """Per row with ``ks[i]`` set: the ``ks[i]`` most likely tokens and the sampled one, with their
+    log-probabilities under the model's raw distribution (before temperature and filters, as vLLM reports them)
+    and 1-based ranks. Rows with ``ks[i] is None`` get None."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    result: list[dict[int, Logprob] | None] = [None] * len(ks)
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    k_max = max(ks[i] for i in rows)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    sampled = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    sampled_values = logprobs.gather(1, sampled[:, None])[:, 0]
+    sampled_ranks = (logprobs > sampled_values[:, None]).sum(dim=-1) + 1
+    for j, i in enumerate(rows):
+        entry = {int(t): Logprob(float(v), rank + 1)
+                 for rank, (t, v) in enumerate(zip(top_ids[j, : ks[i]].tolist(), top_values[j, : ks[i]].tolist()))}
+        entry.setdefault(tokens[i], Logprob(float(sampled_values[j]), int(sampled_ranks[j])))
+        result[i] = entry
+    return result

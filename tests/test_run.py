@@ -88,15 +88,16 @@ def test_config_dir_in_a_checkout_is_the_top_level_conf() -> None:
 
 def test_default_config(compose_cfg) -> None:
     cfg = compose_cfg()
-    assert cfg.scheduler.name == "fcfs" and cfg.allocator.name == "paged" and cfg.attention.name == "torch"
+    assert cfg.scheduler.name == "fcfs" and cfg.allocator.name == "paged" and cfg.attention.name == "auto"
     assert cfg.logger.name == "jsonl" and cfg.model.path is None and cfg.plugins == [] and cfg.progress
     assert cfg.workload.name == "chat" and list(cfg.workload.priority_classes) == [0, 1]
     assert cfg.workload.num_requests == 16
     # The engine node has exactly EngineConfig's names (model comes from the model group) and its defaults.
     assert set(cfg.engine) == {f for f in EngineConfig.__dataclass_fields__} - {"model"}
     defaults = EngineConfig()
-    assert all(cfg.engine[k] == getattr(defaults, k) for k in cfg.engine if k != "max_num_seqs")
+    assert all(cfg.engine[k] == getattr(defaults, k) for k in cfg.engine if k not in ("max_num_seqs", "dtype"))
     assert cfg.engine.max_num_seqs == 4  # small on purpose: the default run queues, so policies differ
+    assert cfg.engine.dtype == "bfloat16"  # runs take the fast path; LLM() stays on the float32 reference
     # One seed drives the engine and the workload unless they are set apart.
     cfg = compose_cfg("seed=7")
     assert cfg.engine.seed == 7 and cfg.workload.seed == 7

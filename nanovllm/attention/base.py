@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -98,3 +99,22 @@ ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
 def register_attention(name: str):
     """Class decorator registering an ``AttentionBackend`` subclass under ``name`` (``attention.name=<name>``)."""
     return ATTENTION_BACKENDS.register(name)
+
+
+AUTO = "auto"
+
+
+def default_attention_name(device: torch.device | str) -> str:
+    """What ``attention="auto"`` (the default) means on ``device``: the C++ kernel on CPU, the torch reference
+    elsewhere."""
+    return "cpu" if torch.device(device).type == "cpu" else "torch"
+
+
+def resolve_attention(spec: Any, device: torch.device | str) -> Any:
+    """``spec`` (a name, a ``{"name": ...}`` mapping or an instance) with the name ``auto`` resolved for
+    ``device``; anything else is returned as is."""
+    if isinstance(spec, str) and spec == AUTO:
+        return default_attention_name(device)
+    if isinstance(spec, Mapping) and spec.get("name") == AUTO:
+        return {**spec, "name": default_attention_name(device)}
+    return spec

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from nanovllm.allocator import ALLOCATORS, BlockAllocator
-from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend
+from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolve_attention
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
@@ -50,7 +50,7 @@ class LLMEngine:
         config: EngineConfig,
         scheduler: PluginSpec = "fcfs",
         allocator: PluginSpec = "paged",
-        attention: PluginSpec = "torch",
+        attention: PluginSpec = "auto",
     ) -> None:
         self.config = config
         device = torch.device(config.device)
@@ -69,14 +69,15 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
-        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed)
+        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
+                                  fast_path=config.fast_path)
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       runner.dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         scale = runner.head_dim ** -0.5
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
-            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
+            resolve_attention(attention, device), runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
         if not backend.is_available(device):
             reason = backend.unavailable_reason(device) or "the backend says it is not available there"
@@ -180,8 +181,9 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule(start)
         layout = _BatchLayout.of(out.scheduled)
-        next_tokens = self.runner.execute(out.scheduled) if out.scheduled else []
-        finished = self.scheduler.update_from_output(out, next_tokens, time.perf_counter(), self.max_model_len)
+        next_tokens, next_logprobs = self.runner.execute(out.scheduled) if out.scheduled else ([], [])
+        finished = self.scheduler.update_from_output(out, next_tokens, time.perf_counter(), self.max_model_len,
+                                                     next_logprobs)
         num_sampled = sum(token is not None for token in next_tokens)
         return StepOutput(finished, self._step_record(start, out, layout, num_sampled))
 

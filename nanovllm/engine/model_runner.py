@@ -11,7 +11,8 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from nanovllm.engine.kv_cache import allocate_kv_cache
 from nanovllm.models.loader import load_model
 from nanovllm.request import Request
-from nanovllm.sampling import Sampler
+from nanovllm.outputs import Logprob
+from nanovllm.sampling import Sampler, top_logprobs
 
 class ModelRunner:
     """Runs the model for the scheduler's batches: owns the loaded model, the paged KV cache tensor and the
@@ -19,11 +20,11 @@ class ModelRunner:
     step's flat tensors and ``AttentionMetadata`` once, plans the backend, runs the forward pass with the
     backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token."""
 
-    def __init__(self, hf_config, model_dir, dtype: str, device: str, seed: int) -> None:
+    def __init__(self, hf_config, model_dir, dtype: str, device: str, seed: int, fast_path: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
         self.hf_config = hf_config
-        self.model = load_model(hf_config, model_dir, self.dtype, self.device)
+        self.model = load_model(hf_config, model_dir, self.dtype, self.device, fast_path)
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
@@ -82,8 +83,11 @@ class ModelRunner:
                 torch.tensor(sample_rows, **to))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
-        """Run one step. Returns, per scheduled request, its next token, or None for a partial prefill chunk."""
+    def execute(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
+        """Run one step. Returns, per scheduled request, its next token (None for a partial prefill chunk) and
+        that token's top logprobs (None unless its request asked for ``logprobs``)."""
         input_ids, positions, meta, samplers, sample_rows = self._prepare(scheduled)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
@@ -91,11 +95,13 @@ class ModelRunner:
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.backend)
         next_tokens: list[int | None] = [None] * len(scheduled)
+        next_logprobs: list[dict[int, Logprob] | None] = [None] * len(scheduled)
         if samplers:
             requests = [scheduled[i][0] for i in samplers]
+            params = [r.sampling_params for r in requests]
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-            tokens = self.sampler(logits, [r.sampling_params for r in requests],
-                                  [r.generator or self.generator for r in requests])
-            for i, token in zip(samplers, tokens):
-                next_tokens[i] = token
-        return next_tokens
+            tokens = self.sampler(logits, params, [r.generator or self.generator for r in requests])
+            logprobs = top_logprobs(logits, tokens, [p.logprobs for p in params])
+            for i, token, lp in zip(samplers, tokens, logprobs):
+                next_tokens[i], next_logprobs[i] = token, lp
+        return next_tokens, next_logprobs

@@ -79,20 +79,21 @@ class Scheduler:
         return bool(self.waiting or self.running or self._rejected)
 
     def update_from_output(self, out: SchedulerOutput, next_tokens: Sequence[int | None], now: float,
-                           max_model_len: int) -> list[Request]:
+                           max_model_len: int, next_logprobs: Sequence[dict | None] | None = None) -> list[Request]:
         """The step ran: the scheduled tokens are in the cache and ``next_tokens`` (one per scheduled request,
-        None for a partial prefill chunk) were sampled. Advance every request, append its token, finish those
-        that hit a stop condition (freeing their blocks) and tell the policy. Returns the requests that ended,
-        rejected ones included."""
+        None for a partial prefill chunk) were sampled, with ``next_logprobs`` (per request, None unless it asked
+        for logprobs). Advance every request, append its token, finish those that hit a stop condition (freeing
+        their blocks) and tell the policy. Returns the requests that ended, rejected ones included."""
         finished, self._rejected = self._rejected, []
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
             self.allocator.on_tokens_computed(request)
         self._ask("on_step", out.scheduled, now)
-        for (request, _), token in zip(out.scheduled, next_tokens):
+        logprobs = next_logprobs if next_logprobs is not None else [None] * len(next_tokens)
+        for (request, _), token, token_logprobs in zip(out.scheduled, next_tokens, logprobs):
             if token is None:
                 continue
-            request.append_token(token, now)
+            request.append_token(token, now, token_logprobs)
             reason = request.check_stop(max_model_len)
             if reason is not None:
                 self._finish(request, reason, now)

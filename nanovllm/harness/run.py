@@ -31,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
-from nanovllm.attention.base import ATTENTION_BACKENDS
+from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
@@ -168,7 +168,8 @@ def check_config(cfg: DictConfig) -> _Checked:
         engine=engine,
         scheduler=plugin_spec(POLICIES, cfg.scheduler, "scheduler"),
         allocator=plugin_spec(ALLOCATORS, cfg.allocator, "allocator"),
-        attention=plugin_spec(ATTENTION_BACKENDS, cfg.attention, "attention"),
+        attention=plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device),
+                              "attention"),
         logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
         slo=SLO(**cfg.slo),
         monitor=MonitorConfig(**cfg.monitor),

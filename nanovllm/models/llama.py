@@ -3,8 +3,10 @@
 Every tensor is [num_tokens, ...]: sequences are concatenated, never padded; attention finds its sequences
 through the backend's per-step plan. The arithmetic mirrors transformers' reference implementation step by step
 (RMSNorm in float32, RoPE tables from the same inverse frequencies, and the same projection shapes, so every
-matmul is bitwise the same), which is what keeps greedy output token-identical to it. vLLM fuses qkv and
-gate/up; on CPU that buys nothing measurable at these sizes and would cost bitwise equality, so we don't.
+matmul is bitwise the same), which is what keeps greedy output token-identical to it. ``use_fast_path()``
+switches a loaded model to the fast layouts (fused q/k/v and gate/up, prepacked bf16 weights; see
+``fast_path.py``) and, on CPU, fused C++ RMSNorm and rotary kernels (``nanovllm/csrc``), which trade that
+bitwise equality for speed and are held to the close standard instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.config import attention_biases, head_dim_of
+from nanovllm.kernels import load as load_kernels
+from nanovllm.models.fast_path import PackedLinear, can_prepack, fuse_linears, prepack
 
 
 class RMSNorm(nn.Module):
@@ -23,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None  # the fused C++ kernel, set by use_fast_path() on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -47,11 +54,25 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # float32 copies that model.to(dtype) leaves alone: the fused rotary kernel computes in float32.
+        self.cos_float = self.cos.clone()
+        self.sin_float = self.sin.clone()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]
-        sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [num_tokens, 1, head_dim] for ``positions``, in ``dtype``: looked up once per step
+        and shared by every layer."""
+        cos = self.cos.index_select(0, positions).to(dtype)[:, None, :]
+        sin = self.sin.index_select(0, positions).to(dtype)[:, None, :]
+        return cos, sin
+
+    def float_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin rows [num_tokens, head_dim] for the fused rotary kernel."""
+        return self.cos_float.index_select(0, positions), self.sin_float.index_select(0, positions)
+
+
+def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +86,7 @@ def _rope_parameters(config) -> dict:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
@@ -82,15 +103,30 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
+        self.qkv_proj: nn.Module | None = None  # set by use_fast_path()
+        self.kernels = None  # the fused rotary kernel, set by use_fast_path() on CPU
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+    def use_fast_path(self, kernels) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+        prepack(self, ("qkv_proj", "o_proj"))
+        self.kernels = kernels
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                attention: AttentionBackend) -> torch.Tensor:
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.kernels is not None:
+            self.kernels.rotary_(q, k, *rope)  # in place, on the fused projection's output
+        else:
+            q, k = apply_rotary(rope, q, k)
         return self.o_proj(attention.forward(self.layer, q, k, v))
 
 
@@ -101,21 +137,32 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj: nn.Module | None = None  # set by use_fast_path()
+
+    def use_fast_path(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+        prepack(self, ("gate_up_proj", "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rotary)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attention)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                attention: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,20 +181,44 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
+        self.lm_head_chunks: nn.ModuleList | None = None  # prepacked LM head slices, set by use_fast_path()
+        self.kernels = None  # fused C++ kernels (RMSNorm, rotary), set by use_fast_path() on CPU
+        self.fast_path = False
+
+    def use_fast_path(self) -> "LlamaForCausalLM":
+        """Switch to the fast layouts (fused projections; prepacked weights for bf16 on CPU). Call after the
+        weights are loaded and cast; irreversible."""
+        on_cpu = self.lm_head.weight.device.type == "cpu"
+        kernels = load_kernels() if on_cpu else None
+        for layer in self.layers:
+            layer.self_attn.use_fast_path(kernels)
+            layer.mlp.use_fast_path()
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+        self.norm.kernels = kernels
+        self.kernels = kernels
+        weight = self.lm_head.weight
+        if can_prepack(weight):
+            self.lm_head_chunks = nn.ModuleList(PackedLinear(w) for w in weight.detach().split(self.LOGITS_CHUNK))
+        self.fast_path = True
+        return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm. ``attention`` is the backend planned for
         this step; it is passed down explicitly (never stored on the layers), so two engines can share one
         cached model without touching each other's KV caches."""
         x = self.embed_tokens(input_ids)
+        if self.kernels is not None:
+            rope = self.rotary.float_rows(positions)
+        else:
+            rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, attention)
+            x = layer(rope, x, attention)
         return self.norm(x)
 
     # Vocabulary rows per LM-head matmul. One [rows, 49152] GEMM runs ~1.5x slower on CPU than the same work in
@@ -155,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
     LOGITS_CHUNK = 8192
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_chunks is not None:
+            return torch.cat([chunk(hidden) for chunk in self.lm_head_chunks], dim=-1)
         weight = self.lm_head.weight
         if hidden.device.type != "cpu" or weight.shape[0] <= self.LOGITS_CHUNK:
             return self.lm_head(hidden)

@@ -131,19 +131,22 @@ def load_weights(model, model_dir: Path) -> None:
 _LOADED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
 
-def load_model(hf_config, model_dir: Path, dtype, device):
-    """Our model for ``hf_config`` with the weights of ``model_dir``, in ``dtype`` on ``device`` (cached)."""
+def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = False):
+    """Our model for ``hf_config`` with the weights of ``model_dir``, in ``dtype`` on ``device`` (cached);
+    ``fast_path`` switches it to fused, prepacked weight layouts (``LlamaForCausalLM.use_fast_path``)."""
     import torch
 
     from nanovllm.models.llama import LlamaForCausalLM
 
-    key = (str(Path(model_dir).resolve()), str(dtype), str(device))
+    key = (str(Path(model_dir).resolve()), str(dtype), str(device), fast_path)
     model = _LOADED.get(key)
     if model is None:
         max_positions = max_positions_of(hf_config)
         with torch.device(device):
             model = LlamaForCausalLM(hf_config, max_positions=max_positions)
         load_weights(model, model_dir)
-        model = model.to(dtype).eval()
+        model = model.to(dtype).eval().requires_grad_(False)
+        if fast_path:
+            model.use_fast_path()
         _LOADED[key] = model
     return model

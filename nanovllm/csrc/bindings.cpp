@@ -1,0 +1,14 @@
+// The Python module of nano-vllm's CPU kernels (built by nanovllm/kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                              torch::Tensor seq, torch::Tensor pos, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
+  m.def("rms_norm", &rms_norm, "transformers-style RMSNorm in one pass (CPU)");
+  m.def("rotary_", &rotary_, "In-place rotary embedding of q and k (CPU)");
+}

@@ -1,0 +1,77 @@
+// Fused element-wise ops of the fast path: each replaces a chain of small torch ops (and their dtype round
+// trips) by one pass over the rows. Math in float32, one rounding to the storage dtype at the end.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t dim,
+                   float eps) {
+#pragma omp parallel for if (rows > 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* xr = x + r * dim;
+    scalar_t* outr = out + r * dim;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < dim; ++d) sum += static_cast<float>(xr[d]) * static_cast<float>(xr[d]);
+    const float inv = 1.f / std::sqrt(sum / dim + eps);
+    // Round the normalized value to the storage dtype before the weight, as transformers' LlamaRMSNorm does.
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[d]) * inv);
+      outr[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(normed));
+    }
+  }
+}
+
+template <typename scalar_t>
+void rotary_rows(scalar_t* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+                 int64_t dim, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + t * dim;
+    const float* s = sin + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      scalar_t* v = x + t * token_stride + h * head_stride;
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = static_cast<float>(v[d]), b = static_cast<float>(v[d + half]);
+        v[d] = static_cast<scalar_t>(a * c[d] - b * s[d]);
+        v[d + half] = static_cast<scalar_t>(b * c[d + half] + a * s[d + half]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x: [rows, dim] contiguous; weight: [dim]. Returns weight * rmsnorm(x) like transformers' LlamaRMSNorm.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "rms_norm: x [rows, dim], weight [dim]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// In place: rotate q [T, Hq, D] and k [T, Hk, D] (views whose last dim is contiguous, e.g. slices of a fused
+// qkv output) by the per-token cos/sin rows [T, D] (float32), in transformers' rotate_half convention.
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "rotary_: q and k must be [tokens, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == q.size(0) && cos.size(1) == q.size(2),
+              "rotary_: cos and sin must be contiguous float32 [tokens, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_: q and k must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_", [&] {
+    rotary_rows<scalar_t>(q.data_ptr<scalar_t>(), q.size(0), q.size(1), q.stride(0), q.stride(1), q.size(2),
+                          cos.data_ptr<float>(), sin.data_ptr<float>());
+    rotary_rows<scalar_t>(k.data_ptr<scalar_t>(), k.size(0), k.size(1), k.stride(0), k.stride(1), k.size(2),
+                          cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}

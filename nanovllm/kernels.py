@@ -1,0 +1,54 @@
+"""nano-vllm's CPU kernels (``nanovllm/csrc``): paged attention, RMSNorm and rotary embedding in C++, built with
+torch's extension tooling (g++ and ninja) on first use and cached, so a fresh machine needs no build step.
+
+The build is keyed by the sources, the flags, the torch version and the CPU's feature flags (it is compiled
+with ``-march=native``), under ``$NANOVLLM_CACHE/extensions`` (default ``~/.cache/nanovllm``). The first build
+takes ~30-60 s; later processes load the cached library at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags, so a cache shared between machines never hands one CPU's build to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def extension_dir() -> Path:
+    """Where built kernels are cached."""
+    from nanovllm.models.loader import cache_root
+
+    return cache_root() / "extensions"
+
+
+@functools.cache
+def load():
+    """The compiled extension module. Raises ``RuntimeError`` saying what is missing if the build fails."""
+    from torch.utils import cpp_extension
+
+    key = "\n".join([*(p.read_text() for p in SOURCES), " ".join(CFLAGS), torch.__version__, _cpu_fingerprint()])
+    name = f"nanovllm_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    build_dir = extension_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:
+        raise RuntimeError(
+            f"could not build nano-vllm's CPU kernels ({exc}); they need g++ and the ninja package "
+            "(pip install ninja). attention='torch' with dtype='float32' runs without them."
+        ) from exc

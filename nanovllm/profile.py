@@ -1,0 +1,252 @@
+"""``python -m nanovllm.profile``: where one engine step goes, for a model, dtype and attention backend.
+
+Runs decode steps at several numbers of running sequences (default 1, 16, 64, 256) and one prefill step, and
+prints per step: total ms (measured without the profiler), and from a torch.profiler run of the same steps the
+time in attention, linear layers, LM head + sampling, and scheduler + batch preparation; then the GEMM floor
+(the step's matmuls, the same modules on inputs of the same shape, timed alone) and total / floor. The
+achieved matmul FLOP/s is compared with the peak the monitor calibrates (``measure_peak_flops``), so the
+numbers match the MFU that runs report. Each case also writes a Chrome trace (open in chrome://tracing or
+https://ui.perfetto.dev).
+
+    python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
+                               [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
+
+The running sequences share one prompt through the ``prefix`` allocator so that setting up 256 of them costs
+one prefill; each still attends over its whole context, so a decode step does the work distinct prompts would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+# Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
+LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise"})
+SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
+
+
+@dataclass
+class StepProfile:
+    label: str
+    tokens: int
+    total_ms: float
+    attention_ms: float
+    linears_ms: float
+    lm_head_sampling_ms: float
+    scheduler_preparation_ms: float
+    gemm_floor_ms: float
+    gemm_gflops: float
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.total_ms / self.gemm_floor_ms
+
+    @property
+    def overhead_share(self) -> float:
+        return self.scheduler_preparation_ms / self.total_ms
+
+
+def _wrap(owner: Any, name: str, section: str) -> None:
+    """Mark every call of ``owner.<name>`` as a profiler range ``section`` (on this instance only)."""
+    method = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        with record_function(section):
+            return method(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def instrument(engine) -> None:
+    """Profiler ranges around the parts of a step; the engine's own code is untouched."""
+    runner = engine.runner
+    _wrap(engine.scheduler, "schedule", "scheduler_preparation")
+    _wrap(runner, "_prepare", "scheduler_preparation")
+    _wrap(runner.backend, "plan", "scheduler_preparation")
+    _wrap(runner.backend, "forward", "attention")
+    _wrap(runner.model, "compute_logits", "lm_head_sampling")
+    _wrap(runner, "sampler", "lm_head_sampling")
+
+
+def _ranges(events, name: str) -> list[tuple[float, float]]:
+    return [(e.time_range.start, e.time_range.end) for e in events if e.name == name]
+
+
+def _inside(event, ranges: list[tuple[float, float]]) -> bool:
+    return any(start <= event.time_range.start and event.time_range.end <= end for start, end in ranges)
+
+
+def breakdown(events, steps: int) -> dict[str, float]:
+    """ms per step in each section, and in linear layers outside the LM head."""
+    result = {}
+    for section in SECTIONS:
+        result[section] = sum(end - start for start, end in _ranges(events, section)) / 1e3 / steps
+    lm_head = _ranges(events, "lm_head_sampling")
+    linear_us = sum(e.time_range.end - e.time_range.start for e in events
+                    if e.name in LINEAR_OPS and not _inside(e, lm_head))
+    result["linears"] = linear_us / 1e3 / steps
+    return result
+
+
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module that is one matmul of the decoder layers (nn.Linear or a prepacked linear)."""
+    from nanovllm.models.fast_path import PackedLinear
+
+    return [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+
+
+def gemm_floor(model: nn.Module, rows: int, sampled: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """(ms, GFLOP/s): the step's matmuls, the model's own modules on inputs of the step's shape, timed alone."""
+    mods = linear_modules(model)
+    inputs = [torch.randn(rows, m.in_features).to(dtype) for m in mods]
+    head_input = torch.randn(sampled, model.config.hidden_size).to(dtype)
+    flops = 2 * rows * sum(m.in_features * m.out_features for m in mods)
+    flops += 2 * sampled * model.config.hidden_size * model.config.vocab_size
+
+    def run() -> None:
+        for m, x in zip(mods, inputs):
+            m(x)
+        model.compute_logits(head_input)
+
+    with torch.inference_mode():
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    best = min(times)
+    return best * 1e3, flops / best / 1e9
+
+
+def _time_steps(engine, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _profiled(engine, steps: int, trace: Path) -> dict[str, float]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    prof.export_chrome_trace(str(trace))
+    return breakdown(prof.events(), steps)
+
+
+def profile_decode(make_llm: Callable[..., Any], num_seqs: int, context: int, steps: int,
+                   trace_dir: Path) -> StepProfile:
+    """Decode steps with ``num_seqs`` running sequences of about ``context`` tokens."""
+    from nanovllm import SamplingParams
+
+    llm = make_llm(max_num_seqs=num_seqs, allocator="prefix")
+    engine = llm.engine
+    prompt = [(7 * i) % 1000 + 10 for i in range(context)]
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
+    engine.add_request(engine.make_request(prompt, params))
+    engine.step()  # the prompt once; the others then hit the prefix cache
+    for _ in range(num_seqs - 1):
+        engine.add_request(engine.make_request(prompt, params))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    instrument(engine)
+    total = _time_steps(engine, steps)
+    parts = _profiled(engine, steps, trace_dir / f"decode_{num_seqs}.json")
+    floor_ms, gflops = gemm_floor(engine.runner.model, num_seqs, num_seqs, engine.runner.dtype)
+    return StepProfile(f"decode x{num_seqs}", num_seqs, total, parts["attention"], parts["linears"],
+                       parts["lm_head_sampling"], parts["scheduler_preparation"], floor_ms, gflops)
+
+
+def profile_prefill(make_llm: Callable[..., Any], tokens: int, steps: int, trace_dir: Path) -> StepProfile:
+    """A step that prefills one ``tokens``-token prompt (a fresh request each time)."""
+    from nanovllm import SamplingParams
+
+    llm = make_llm(max_num_seqs=4, max_num_batched_tokens=max(tokens, 2048))
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def step_fresh_prompt() -> None:
+        prompt = torch.randint(10, 40000, (tokens,)).tolist()
+        engine.add_request(engine.make_request(prompt, params))
+        engine.step()
+
+    class _Stepper:  # what _time_steps and _profiled call
+        step = staticmethod(step_fresh_prompt)
+
+    step_fresh_prompt()  # warm-up
+    instrument(engine)
+    total = _time_steps(_Stepper, steps)
+    parts = _profiled(_Stepper, steps, trace_dir / f"prefill_{tokens}.json")
+    floor_ms, gflops = gemm_floor(engine.runner.model, tokens, 1, engine.runner.dtype)
+    return StepProfile(f"prefill {tokens}", tokens, total, parts["attention"], parts["linears"],
+                       parts["lm_head_sampling"], parts["scheduler_preparation"], floor_ms, gflops)
+
+
+def format_table(rows: list[StepProfile], peak_gflops: float) -> str:
+    header = ("| step | total ms | attention | linears | LM head + sampling | scheduler + prep | GEMM floor ms "
+              "| total / floor | GEMM GFLOP/s (peak {:.0f}) |".format(peak_gflops))
+    lines = [header, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r.label} | {r.total_ms:.1f} | {r.attention_ms:.1f} | {r.linears_ms:.1f} | "
+            f"{r.lm_head_sampling_ms:.1f} | {r.scheduler_preparation_ms:.1f} ({100 * r.overhead_share:.1f}%) | "
+            f"{r.gemm_floor_ms:.1f} | {r.floor_ratio:.2f}x | {r.gemm_gflops:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--batch-sizes", default="1,16,64,256", help="running sequences per decode step")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens of each running sequence")
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips the prefill step")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--trace-dir", default="outputs/profile", help="where the Chrome traces go")
+    args = parser.parse_args(argv)
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+        from nanovllm import LLM
+        from nanovllm.engine.model_runner import TORCH_DTYPES
+        from nanovllm.monitor import measure_peak_flops
+
+        trace_dir = Path(args.trace_dir)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        blocks = max(batch_sizes) * (-(-(args.context + 4 * args.steps + 16) // 16) + 1) + 64
+        blocks = max(blocks, -(-args.prefill_tokens // 16) * 2 + 16)
+
+        def make_llm(**options):
+            return LLM(model=args.model, dtype=args.dtype, attention=args.attention, num_kv_blocks=blocks,
+                       **options)
+
+        rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
+        if args.prefill_tokens:
+            rows.append(profile_prefill(make_llm, args.prefill_tokens, args.steps, trace_dir))
+        peak = measure_peak_flops(TORCH_DTYPES[args.dtype], "cpu") / 1e9
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, attention={args.attention}, "
+          f"{torch.get_num_threads()} threads, context {args.context} tokens")
+    print(format_table(rows, peak))
+    print(f"Chrome traces: {trace_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Every fast path (bfloat16, fused projections, the cpu attention kernel) meets vLLM's closeness standard
+against transformers in the same dtype, on the parity prompts in one ``generate`` call, also under repeated
+preemption and chunked prefill: greedy tokens agree up to the first divergence, and there each side's token is
+in the other's top-5 logprobs. (The float32 reference path is held to the exact standard in test_parity.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm.validate import CLOSE, EXACT, reference_greedy_top, validate_output
+from tests.conftest import PARITY_MAX_TOKENS
+
+
+def _preempting(prompts) -> dict:
+    """A cache that holds the longest request and little more, so requests are preempted again and again."""
+    block_size = 4
+    return dict(block_size=block_size, num_kv_blocks=-(-(max(map(len, prompts)) + PARITY_MAX_TOKENS) // block_size) + 2)
+
+
+FAST_PATHS = {
+    "bf16": dict(dtype="bfloat16"),
+    "bf16-preemption": dict(dtype="bfloat16", preempt=True),
+    "bf16-chunked-prefill": dict(dtype="bfloat16", max_num_batched_tokens=32),
+    "bf16-torch-attention-unfused": dict(dtype="bfloat16", attention="torch", fuse_projections=False),
+    "fp32-fused-cpu-attention": dict(dtype="float32", fuse_projections=True),
+}
+
+
+@pytest.fixture(scope="module")
+def references(llm, hf_model, parity_prompts):
+    """transformers' greedy tokens and per-position top-5, float32 and bfloat16 (one model each)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.bfloat16).eval()
+    return {
+        "float32": reference_greedy_top(hf_model, parity_prompts, PARITY_MAX_TOKENS),
+        "bfloat16": reference_greedy_top(bf16, parity_prompts, PARITY_MAX_TOKENS),
+    }
+
+
+@pytest.mark.parametrize("path", sorted(FAST_PATHS))
+def test_fast_path_meets_the_close_standard(path, parity_prompts, references):
+    options = dict(FAST_PATHS[path])
+    if options.pop("preempt", False):
+        options.update(_preempting(parity_prompts))
+    options.setdefault("num_kv_blocks", 1024)
+    report = validate_output(prompts=parity_prompts, max_tokens=PARITY_MAX_TOKENS, max_model_len=1024,
+                             references=references[options["dtype"]], **options)
+    assert report.standard == CLOSE
+    failing = [(i, r.matching_prefix, r.ours, r.reference) for i, r in enumerate(report.results) if not r.close]
+    assert not failing, failing
+    # Real agreement, not vacuous closeness: most prompts share long prefixes with transformers.
+    assert sum(r.matching_prefix for r in report.results) >= 0.8 * sum(len(r.reference) for r in report.results)
+    if "preempt" in FAST_PATHS[path]:
+        assert report.num_preemptions >= 5
+    if "max_num_batched_tokens" in options:
+        assert report.max_step_tokens <= options["max_num_batched_tokens"]
+
+
+def test_reference_path_is_held_to_the_exact_standard(parity_prompts, references):
+    report = validate_output(prompts=parity_prompts[:4], max_tokens=PARITY_MAX_TOKENS, attention="torch",
+                             num_kv_blocks=256, max_model_len=1024,
+                             references=references["float32"][:4])
+    assert report.standard == EXACT and report.passed
+
+
+def test_close_standard_fails_when_a_token_is_outside_the_other_top5():
+    from nanovllm.validate import PromptAgreement
+
+    near = PromptAgreement("p", [1, 2, 3], [1, 2, 4], [{1}, {2}, {3, 4}], [{1}, {2}, {4, 3}])
+    far = PromptAgreement("p", [1, 2, 3], [1, 2, 4], [{1}, {2}, {3, 5}], [{1}, {2}, {4, 3}])
+    assert near.close and not near.identical
+    assert not far.close
