@@ -11,11 +11,14 @@ classes; seed 0) under fcfs and priority, on the real engine and on the calibrat
 p50/p90 TTFT, p50 TPOT, p50 E2E latency and output throughput with the simulator's error. The simulated runs
 take each request's output length from the real run they are compared with (chat requests end at EOS, which
 only the model knows); the step times come from the profile alone. Run files go under
-``experiments/results/sim_runs/`` (git-ignored is fine; the table is what the README quotes).
+``experiments/results/sim_runs/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
+2-core machine two OpenMP threads competing with other processes spin and make steps up to tenfold slower and
+erratic, so the profile describes the engine with one thread.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "experiments" / "results" / "sim_runs"
 PROFILE = ROOT / "nanovllm" / "harness" / "sim" / "profiles" / "smollm2-135m-float32-cpu.yaml"
 TABLE = ROOT / "experiments" / "results" / "sim_accuracy.md"
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 ENGINE = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
 
 CALIBRATION = {
@@ -52,7 +56,7 @@ METRICS = [("p50 TTFT ms", "median_ttft_ms"), ("p90 TTFT ms", "p90_ttft_ms"), ("
 def run(overrides: list[str], run_dir: Path) -> None:
     command = [sys.executable, "-m", "nanovllm.run", *overrides, *ENGINE, f"hydra.run.dir={run_dir}"]
     print("$", " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
 
 
 def calibrate() -> None:

@@ -100,7 +100,8 @@ def test_replay_makes_the_real_engines_scheduling_decisions(llm, one_thread, tmp
 def _synthetic_steps(n: int, rng: np.random.Generator) -> list[dict]:
     steps = []
     for _ in range(n):
-        prefill = int(rng.integers(0, 300))
+        # Half the steps are decode-only, as in a real run, so the intercept and the sampled rows separate.
+        prefill = int(rng.integers(1, 300)) if rng.random() < 0.5 else 0
         decode = int(rng.integers(0, 16))
         context = prefill + decode * int(rng.integers(10, 400))
         steps.append({"num_prefill_tokens": prefill, "num_decode_seqs": decode, "num_sampled": decode + (prefill > 0),
