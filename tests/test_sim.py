@@ -187,7 +187,8 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_cli_simulates_many_requests_and_writes_the_run_files(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = _cli("runner=sim", "workload=synthetic", "workload.num_requests=2000", "workload.request_rate=40",
-                "workload.input_len.mean=64", "workload.output_len.mean=16", "scheduler=priority",
+                "workload.input_len.mean=64", "workload.output_len.kind=fixed", "workload.output_len.mean=16",
+                "scheduler=priority",
                 "engine.max_num_seqs=32", "engine.num_kv_blocks=256", "monitor.calibrate=false",
                 "progress=false", f"hydra.run.dir={run_dir}", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
