@@ -111,8 +111,11 @@ class ReplayStepTime(StepTimeModel):
         if not data.steps:
             raise ValueError(f"runner.replay_run: {run} has no steps to replay")
         self.run = Path(run)
-        self.starts = [float(s["start_time"]) for s in data.steps]
-        self.durations = [float(s["duration"]) for s in data.steps]
+        # A step that ran nothing (only rejected requests ended in it) never reaches a runner, so it is not
+        # asked for here either: it stays inside the gap before the next step that did work.
+        steps = [s for s in data.steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
+        self.starts = [float(s["start_time"]) for s in steps]
+        self.durations = [float(s["duration"]) for s in steps]
         self.index = 0
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
