@@ -208,3 +208,19 @@ def test_cli_bad_step_time_model_is_one_error_line(tmp_path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "error: runner.step_time: unknown step-time model 'roofline'. Registered step-time model names: "
         "analytical, calibrated, replay."]
+
+
+def test_an_architecture_without_weights_or_tokenizer_is_simulated_on_hardware() -> None:
+    """Llama-3-8B's config alone, on an H100: the KV cache is what the 16 GB of bf16 weights leave of 72 GB,
+    prompts use the default tokenizer, and requests run to their target lengths."""
+    sim = Simulation.build(EngineConfig(model=str(ROOT / "nanovllm/data/models/llama-3-8b"), dtype="bfloat16",
+                                        max_num_seqs=512, max_model_len=8192), "analytical", hardware=_h100())
+    cost = sim.cost
+    assert cost.total_params == pytest.approx(8.03e9, rel=0.01)
+    kv_tokens = (0.9 * 80e9 - cost.total_params * 2) / cost.kv_bytes_per_token  # 128 KiB of KV per token
+    assert sim.engine.num_kv_blocks == int(0.9 * 80e9 - cost.total_params * 2) // (cost.kv_bytes_per_token * 16)
+    assert kv_tokens == pytest.approx(427_000, rel=0.01)
+    workload = [WorkloadRequest(arrival_time=0.01 * i, prompt=list(range(1, 200)), max_tokens=50, ignore_eos=True)
+                for i in range(20)]
+    result = sim.serve(workload)
+    assert result.summary["completed"] == 20 and result.summary["total_output_tokens"] == 20 * 50

@@ -52,10 +52,12 @@ class LLMEngine:
         attention: PluginSpec = "torch",
         runner: Any = None,
         clock: Callable[[], float] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         """``runner``: None runs the real model (``ModelRunner``); a simulated runner
         (``nanovllm.engine.sim_runner.SimulatedRunner``) loads no weights and predicts each step's time.
-        ``clock``: the engine's notion of now (``time.perf_counter`` by default; the simulator's virtual clock)."""
+        ``clock``: the engine's notion of now (``time.perf_counter`` by default; the simulator's virtual clock).
+        ``tokenizer``: None loads the model directory's own."""
         self.config = config
         self.clock: Callable[[], float] = clock or time.perf_counter
         simulated = runner is not None
@@ -64,7 +66,7 @@ class LLMEngine:
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.model_dir)
         model_max = max_positions_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "

@@ -96,13 +96,19 @@ def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: 
                      clock: VirtualClock | None = None) -> LLMEngine:
     """An ``LLMEngine`` with the real scheduler, policy and allocator, a ``SimulatedRunner`` and a virtual
     clock (``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
-    ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory)."""
-    from transformers import AutoConfig
+    ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
+    directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
+    default model's tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from nanovllm.models.loader import resolve_model
 
     clock = clock or VirtualClock()
-    hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
+    model_dir = resolve_model(config.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model"))
+    tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
     runner = SimulatedRunner(hf_config, config.dtype, config.device, step_time, clock, target_len)
     return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
-                     clock=clock)
+                     clock=clock, tokenizer=tokenizer)
