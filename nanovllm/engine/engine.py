@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -51,14 +51,23 @@ class LLMEngine:
         scheduler: PluginSpec = "fcfs",
         allocator: PluginSpec = "paged",
         attention: PluginSpec = "auto",
+        runner: Any = None,
+        clock: Callable[[], float] | None = None,
+        tokenizer: Any = None,
     ) -> None:
+        """``runner``: None runs the real model (``ModelRunner``); a simulated runner
+        (``nanovllm.engine.sim_runner.SimulatedRunner``) loads no weights and predicts each step's time.
+        ``clock``: the engine's notion of now (``time.perf_counter`` by default; the simulator's virtual clock).
+        ``tokenizer``: None loads the model directory's own."""
         self.config = config
+        self.clock: Callable[[], float] = clock or time.perf_counter
+        simulated = runner is not None
         device = torch.device(config.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
+        if device.type == "cuda" and not torch.cuda.is_available() and not simulated:
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.model_dir)
         model_max = max_positions_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
@@ -69,9 +78,10 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
-        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
-                                  fast_path=config.fast_path)
-        runner = self.runner
+        if runner is None:
+            runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
+                                 fast_path=config.fast_path)
+        self.runner = runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       runner.dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
@@ -79,10 +89,11 @@ class LLMEngine:
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
             resolve_attention(attention, device), runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
-        if not backend.is_available(device):
+        if not simulated and not backend.is_available(device):
             reason = backend.unavailable_reason(device) or "the backend says it is not available there"
             raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}: {reason}")
-        graphs = device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs
+        graphs = (not simulated and device.type == "cuda" and not config.enforce_eager
+                  and backend.supports_cuda_graphs)
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
                              GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
         self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)
@@ -115,7 +126,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=token_ids, sampling_params=params,
-            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority, client_id=client_id, prompt=text, eos_token_ids=self.eos_token_ids,
         )
         if params.seed is not None:
@@ -147,15 +158,15 @@ class LLMEngine:
         failed and that reason, and the next ``step()`` reports it among the finished, so a caller that serves a
         stream of requests sees every one of them end through ``step()``."""
         if error is not None:
-            self.scheduler.reject(request, error, time.perf_counter())
+            self.scheduler.reject(request, error, self.clock())
         else:
-            self.scheduler.add(request, time.perf_counter())
+            self.scheduler.add(request, self.clock())
 
     def rejected_request(self, prompt: str | list, sampling_params: SamplingParams, **fields: Any) -> Request:
         """A ``Request`` carrying what is known of a prompt that ``make_request`` refused, to pass to
         ``add_request(request, error=...)`` (its token ids are kept only when they are a plain list)."""
         token_ids = self._best_effort_tokens(prompt)
-        fields.setdefault("arrival_time", time.perf_counter())
+        fields.setdefault("arrival_time", self.clock())
         fields.setdefault("request_id", str(next(self._ids)))
         return Request(prompt_token_ids=token_ids, sampling_params=sampling_params,
                        prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
@@ -178,11 +189,11 @@ class LLMEngine:
     def step(self) -> StepOutput:
         """Run one engine step: schedule, run the model over the batch, let the scheduler append the sampled
         tokens and finish requests. Returns the requests that ended in this step and the step's record."""
-        start = time.perf_counter()
+        start = self.clock()
         out = self.scheduler.schedule(start)
         layout = _BatchLayout.of(out.scheduled)
         next_tokens, next_logprobs = self.runner.execute(out.scheduled) if out.scheduled else ([], [])
-        finished = self.scheduler.update_from_output(out, next_tokens, time.perf_counter(), self.max_model_len,
+        finished = self.scheduler.update_from_output(out, next_tokens, self.clock(), self.max_model_len,
                                                      next_logprobs)
         num_sampled = sum(token is not None for token in next_tokens)
         return StepOutput(finished, self._step_record(start, out, layout, num_sampled))
@@ -193,7 +204,7 @@ class LLMEngine:
         return StepRecord(
             step=self._num_steps - 1,
             start_time=start,
-            duration=time.perf_counter() - start,
+            duration=self.clock() - start,
             num_prefill_tokens=layout.prefill_tokens,
             num_decode_tokens=layout.decode_seqs,
             num_prefill_seqs=layout.prefill_seqs,
@@ -236,3 +247,15 @@ class _BatchLayout:
             # Query-key pairs under the causal mask: new token i sees the cached tokens and i + 1 new ones.
             layout.attn_pairs += n * cached + n * (n + 1) // 2
         return layout
+
+
+def batch_features(scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+    """The step-record features of a scheduled batch, taken before it runs: what a step-time model predicts
+    from (the same keys as ``StepRecord``, so a model fitted on ``steps.jsonl`` reads them unchanged)."""
+    layout = _BatchLayout.of(scheduled)
+    num_sampled = sum(request.num_computed_tokens + n == request.num_tokens for request, n in scheduled)
+    return {
+        "num_prefill_tokens": layout.prefill_tokens, "num_decode_tokens": layout.decode_seqs,
+        "num_prefill_seqs": layout.prefill_seqs, "num_decode_seqs": layout.decode_seqs,
+        "context_tokens": layout.context_tokens, "attn_pairs": layout.attn_pairs, "num_sampled": num_sampled,
+    }

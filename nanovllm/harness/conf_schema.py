@@ -61,6 +61,8 @@ class RunConfig:
     attention: Any = MISSING    # {name: <registered attention backend>, **its options}
     workload: Any = MISSING     # one of schema/workload/{synthetic,chat,trace}
     logger: Any = MISSING       # {name: <registered logger>, **its options}
+    runner: Any = MISSING       # {name: real} or {name: sim, step_time, profile, replay_run, output_lengths_from}
+    hardware: Any = None        # a hardware description (conf/hardware/) for runner=sim step_time=analytical
     engine: EngineSchema = field(default_factory=EngineSchema)  # type: ignore[valid-type]
     seed: int = 0
     temperature: float = 0.0    # 0 = greedy

@@ -155,6 +155,8 @@ class _Checked:
     logger: dict[str, Any]
     slo: SLO
     monitor: MonitorConfig
+    runner: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "real"})
+    hardware: dict[str, Any] | None = None
 
 
 def check_config(cfg: DictConfig) -> _Checked:
@@ -164,6 +166,11 @@ def check_config(cfg: DictConfig) -> _Checked:
     with _engine_field_errors():
         engine = EngineConfig.from_options(model=cfg.model.path, **cfg.engine)
     SamplingParams(temperature=cfg.temperature)  # validates it
+    runner = OmegaConf.to_container(cfg.runner, resolve=True)
+    hardware = OmegaConf.to_container(cfg.hardware, resolve=True) if cfg.get("hardware") is not None else None
+    from nanovllm.harness.sim.simulate import check_runner
+
+    check_runner(runner, hardware)
     return _Checked(
         engine=engine,
         scheduler=plugin_spec(POLICIES, cfg.scheduler, "scheduler"),
@@ -173,6 +180,8 @@ def check_config(cfg: DictConfig) -> _Checked:
         logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
         slo=SLO(**cfg.slo),
         monitor=MonitorConfig(**cfg.monitor),
+        runner=runner,
+        hardware=hardware,
     )
 
 
@@ -189,12 +198,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from nanovllm.harness.serving import format_breakdown, serve
     from nanovllm.harness.workload import generate_workload
 
+    plugins = dict(scheduler=checked.scheduler, allocator=checked.allocator, attention=checked.attention)
+    sim = None
     with _engine_field_errors():
-        engine = LLMEngine(checked.engine, scheduler=checked.scheduler, allocator=checked.allocator,
-                           attention=checked.attention)
+        if checked.runner["name"] == "sim":
+            from nanovllm.harness.sim.simulate import Simulation
+
+            sim = Simulation.from_config(checked.runner, checked.hardware, checked.engine, **plugins)
+            engine = sim.engine
+        else:
+            engine = LLMEngine(checked.engine, **plugins)
     workload = generate_workload(cfg.workload, engine.tokenizer)
-    cost = ModelCost.from_model(engine.runner.model)
-    monitor = Monitor.from_config(cost, checked.monitor, engine.runner.dtype, checked.engine.device)
+    cost = sim.cost if sim is not None else ModelCost.from_model(engine.runner.model)
+    monitor_config = sim.monitor_config(checked.monitor) if sim is not None else checked.monitor
+    monitor = Monitor.from_config(cost, monitor_config, engine.runner.dtype, checked.engine.device)
 
     loggers: list[RunLogger] = [LOGGERS.build(checked.logger)]
     if not isinstance(loggers[0], JsonlLogger):
@@ -209,7 +226,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
         result = serve(engine, workload, progress=cfg.progress and not multirun, loggers=loggers,
-                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature)
+                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
+                       clock=sim.clock if sim is not None else None,
+                       annotations=sim.annotations if sim is not None else None)
     finally:
         for logger in started:
             logger.finish()

@@ -10,7 +10,8 @@ Python::
 The clock is the wall clock: a workload's ``arrival_time`` is seconds after ``serve`` starts, and a request
 that arrives while a step runs joins before the next step (steps are atomic, as in any engine). Its recorded
 arrival is the workload's time, not the moment the loop noticed it, so queueing behind a long step counts in
-its latency, as a client would see it.
+its latency, as a client would see it. The simulator (``nanovllm.harness.sim``) runs this same loop on a
+virtual clock (``serve(..., clock=...)``): arrivals at workload times, each step as long as its model says.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.harness.formatting import format_value
@@ -52,6 +53,25 @@ class RunResult:
         return self.breakdowns["client_id"]
 
 
+class ServingClock(Protocol):
+    """The loop's time: ``now()`` and ``wait_until(t)`` (idle until ``t``)."""
+
+    def now(self) -> float: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+
+class WallClock:
+    """Real time: ``perf_counter``; idling sleeps rather than spins (a spinning loop would steal a CPU core
+    from the model on small machines and distort the very timings being measured)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - time.perf_counter()))
+
+
 def serve(
     engine: LLMEngine,
     workload: Sequence[WorkloadRequest],
@@ -61,15 +81,20 @@ def serve(
     monitor: Monitor | None = None,
     slo: SLO | None = None,
     temperature: float = 0.0,
+    clock: ServingClock | None = None,
+    annotations: Mapping[str, Any] | None = None,
 ) -> RunResult:
     """Serve ``workload`` on ``engine`` in real time and return the run's records and summary.
 
     A request the engine rejects (prompt too long, ...) is recorded as failed with the reason in ``error``
     and the others go on. ``loggers`` get every step and request as it happens and the summary at the end
     (their ``start``/``finish`` are the caller's: it knows the run directory). The run's steps are numbered
-    from 0 and timed from ``serve``'s start, whatever the engine did before.
+    from 0 and timed from ``serve``'s start, whatever the engine did before. ``clock``: the wall clock by
+    default; the simulator passes its virtual one (the engine must read the same clock). ``annotations`` are
+    added to the summary (the simulator marks its runs ``simulated``).
     """
-    run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress))
+    clock = clock or WallClock()
+    run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress), clock)
     try:
         run.loop(workload)
     finally:
@@ -80,6 +105,7 @@ def serve(
     if monitor is not None:
         overall = monitor.overall(run.steps)
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
+    summary.update(annotations or {})
     breakdowns = {by: breakdown(run.records, by, slo=slo) for by in ("priority", "client_id")}
     for logger in loggers:
         logger.log_summary(summary, breakdowns)
@@ -87,7 +113,7 @@ def serve(
         requests=run.records, steps=run.steps, summary=summary, breakdowns=breakdowns,
         output_token_ids={r.request_id: r.output_token_ids for r in run.submitted
                           if r.status is RequestStatus.FINISHED},
-        wall_time=time.perf_counter() - run.t0,
+        wall_time=clock.now() - run.t0,
     )
 
 
@@ -95,8 +121,9 @@ class _Run:
     """The state of one ``serve`` call: what was submitted, what has ended, what was logged."""
 
     def __init__(self, engine: LLMEngine, loggers: Sequence[RunLogger], monitor: Monitor | None,
-                 temperature: float, progress: RequestProgress) -> None:
+                 temperature: float, progress: RequestProgress, clock: ServingClock) -> None:
         self.engine = engine
+        self.clock = clock
         self.loggers = loggers
         self.monitor = monitor
         self.temperature = temperature
@@ -111,9 +138,9 @@ class _Run:
         engine = self.engine
         # Keep each request's index in the caller's list: it is the id of requests that bring none.
         pending = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock.now()
         while pending or engine.has_unfinished():
-            now = time.perf_counter()
+            now = self.clock.now()
             while pending and self.t0 + pending[0][1].arrival_time <= now:
                 self._submit(*pending.popleft())
             if engine.has_unfinished():
@@ -123,9 +150,7 @@ class _Run:
                     self.output_tokens += request.num_output_tokens
                 self._log_step(result.record)
             elif pending:
-                # Idle until the next arrival: sleep, do not spin (a spinning loop would steal a CPU core
-                # from the model on small machines and distort the very timings being measured).
-                time.sleep(max(0.0, self.t0 + pending[0][1].arrival_time - time.perf_counter()))
+                self.clock.wait_until(self.t0 + pending[0][1].arrival_time)
             self.progress.update(len(self.records), self.output_tokens)
 
     def _submit(self, index: int, w: WorkloadRequest) -> None:

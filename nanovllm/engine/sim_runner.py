@@ -1,0 +1,116 @@
+"""The simulated runner: the engine's runner seam without a model. It loads no weights and computes nothing;
+each step it asks a step-time model how long the batch would take, advances a virtual clock by that much, and
+hands back deterministic stand-in tokens. The scheduler, the policy and the allocator around it are the real
+ones, unchanged, so a simulated run makes the decisions a real run would make given the same step times.
+
+Output lengths: a request stops when it reaches its target length (``target_len(request)``, by default its
+``max_tokens``), as if it produced EOS there. Stand-in tokens are never EOS before that, and the prompt tokens
+are the real ones, so prefix caching sees what it would see in a real run.
+
+The step-time model is any callable from a batch's features (``batch_features``: the keys of a ``StepRecord``)
+to seconds; the harness (``nanovllm.harness.sim``) provides calibrated, analytical and replay models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from nanovllm.config import EngineConfig, head_dim_of, torch_dtype
+from nanovllm.engine.engine import LLMEngine, PluginSpec, batch_features
+from nanovllm.request import Request
+
+StepTimeFn = Callable[[Mapping[str, int]], float]
+
+
+class VirtualClock:
+    """Simulated seconds: time moves only when a step runs (``advance``) or the loop idles (``wait_until``)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.time = start
+
+    def __call__(self) -> float:
+        return self.time
+
+    def now(self) -> float:
+        return self.time
+
+    def advance(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"a step cannot take {seconds!r} seconds (the step-time model must give >= 0)")
+        self.time += seconds
+
+    def wait_until(self, t: float) -> None:
+        """Idle until ``t`` (nothing sleeps: the clock jumps)."""
+        self.time = max(self.time, t)
+
+
+class SimulatedRunner:
+    """Stands in for ``ModelRunner``: same attributes the engine reads, no weights, no KV tensor."""
+
+    simulated = True
+
+    def __init__(self, hf_config: Any, dtype: str, device: str, step_time: StepTimeFn, clock: VirtualClock,
+                 target_len: Callable[[Request], int] | None = None) -> None:
+        self.hf_config = hf_config
+        self.dtype = torch_dtype(dtype)
+        self.device = torch.device(device)
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.step_time = step_time
+        self.clock = clock
+        self.target_len = target_len or (lambda request: request.max_tokens)
+        self.num_blocks = 0
+        self.block_size = 0
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, backend: Any, graphs: Any = None) -> None:
+        """Only the geometry: the allocator manages block ids; there is no tensor to fill."""
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[list[int | None], list[None]]:
+        """Advance the clock by the predicted step time; a stand-in token for every row that samples (and no
+        logprobs: there is no distribution to report), as ``ModelRunner.execute`` returns them."""
+        self.clock.advance(float(self.step_time(batch_features(scheduled))))
+        tokens = [self._token(request) if request.num_computed_tokens + n == request.num_tokens else None
+                  for request, n in scheduled]
+        return tokens, [None] * len(tokens)
+
+    def _token(self, request: Request) -> int:
+        # The token about to be appended is output number num_output_tokens + 1. A target below max_tokens
+        # ends with EOS ("stop"); at max_tokens the request ends by length, as a real one would.
+        target = self.target_len(request)
+        if (request.num_output_tokens + 1 >= target and target < request.max_tokens and request.eos_token_ids
+                and not request.sampling_params.ignore_eos):
+            return min(request.eos_token_ids)
+        token = (request.token_ids[-1] * 31 + request.num_tokens) % self.vocab_size
+        while token in request.eos_token_ids:
+            token = (token + 1) % self.vocab_size
+        return token
+
+
+def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: PluginSpec = "fcfs",
+                     allocator: PluginSpec = "paged", attention: PluginSpec = "torch",
+                     target_len: Callable[[Request], int] | None = None,
+                     clock: VirtualClock | None = None) -> LLMEngine:
+    """An ``LLMEngine`` with the real scheduler, policy and allocator, a ``SimulatedRunner`` and a virtual
+    clock (``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
+    ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
+    directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
+    default model's tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from nanovllm.models.loader import resolve_model
+
+    clock = clock or VirtualClock()
+    model_dir = resolve_model(config.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model"))
+    tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
+    runner = SimulatedRunner(hf_config, config.dtype, config.device, step_time, clock, target_len)
+    return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
+                     clock=clock, tokenizer=tokenizer)

@@ -1,0 +1,71 @@
+"""Hardware descriptions for the analytical step-time model (the Hydra group ``hardware=``).
+
+A description gives peak FLOP/s per dtype, memory bandwidth and size, how much of the peaks real kernels reach,
+and a fixed per-step overhead (scheduling, launches, sampling). The KV cache gets what ``memory_fraction`` of
+memory leaves after the weights, as a serving engine sizes it on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+@dataclass
+class Hardware:
+    """One accelerator (or CPU). Figures from its public spec sheet; efficiencies are assumptions."""
+
+    name: str = "unnamed"
+    peak_flops: dict[str, float] = field(default_factory=dict)  # dtype name -> dense FLOP/s
+    memory_bandwidth: float = 0.0       # bytes/s
+    memory_bytes: float = 0.0           # device memory
+    memory_fraction: float = 0.9        # of memory the engine may use (weights + KV cache)
+    flops_efficiency: float = 0.6       # fraction of peak FLOP/s that real matmuls reach
+    bandwidth_efficiency: float = 0.8   # fraction of peak bandwidth that real kernels reach
+    step_overhead: float = 0.0          # seconds per step regardless of the batch
+
+    def __post_init__(self) -> None:
+        for key in ("memory_bandwidth", "memory_bytes"):
+            if not _positive(getattr(self, key)):
+                raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)!r}")
+        if not self.peak_flops or not all(_positive(v) for v in self.peak_flops.values()):
+            raise ValueError(f"hardware.peak_flops must map dtype names to FLOP/s > 0, got {self.peak_flops!r}")
+        for key in ("memory_fraction", "flops_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, key)
+            if not (_positive(value) and value <= 1):
+                raise ValueError(f"hardware.{key} must be in (0, 1], got {value!r}")
+        if not (isinstance(self.step_overhead, (int, float)) and self.step_overhead >= 0):
+            raise ValueError(f"hardware.step_overhead must be >= 0 seconds, got {self.step_overhead!r}")
+
+    @classmethod
+    def from_config(cls, node: Mapping[str, Any] | None) -> "Hardware":
+        """From a ``hardware=`` config node; unknown keys are an error naming them."""
+        if node is None:
+            raise ValueError("hardware is not set; the analytical step-time model needs one, e.g. hardware=h100_sxm")
+        data = dict(node)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"hardware: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        data["peak_flops"] = {str(k): float(v) for k, v in dict(data.get("peak_flops") or {}).items()}
+        return cls(**data)
+
+    def peak_flops_for(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"hardware.peak_flops has no entry for dtype {dtype!r} (has: "
+                             f"{', '.join(sorted(self.peak_flops))}); add one or choose engine.dtype among them")
+        return self.peak_flops[dtype]
+
+    def kv_cache_bytes(self, weight_bytes: float) -> int:
+        """Memory left for the KV cache once the weights are in; an error naming the field when none is."""
+        usable = self.memory_bytes * self.memory_fraction
+        if usable <= weight_bytes:
+            raise ValueError(
+                f"hardware.memory_bytes: {self.name} has {usable / 2**30:.1f} GiB usable "
+                f"(memory_bytes x memory_fraction) but the model's weights need {weight_bytes / 2**30:.1f} GiB"
+            )
+        return int(usable - weight_bytes)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

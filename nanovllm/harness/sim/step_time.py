@@ -1,0 +1,134 @@
+"""Step-time models: how long one engine step takes, predicted from the batch's features.
+
+A model is a plugin like a policy (``STEP_TIME_MODELS``, ``@register_step_time``) with one method,
+``predict(features, now) -> seconds``. ``features`` are the keys of a ``StepRecord`` that describe the batch
+(``num_prefill_tokens``, ``num_decode_seqs``, ``num_sampled``, ``context_tokens``, ``attn_pairs``, ...), the
+same numbers the engine writes to ``steps.jsonl``, so a model fitted on real runs reads them unchanged.
+
+* ``calibrated``: a linear model fitted on real runs (``nanovllm.harness.sim.calibrate``), loaded from a
+  profile YAML. Coefficients are non-negative: each feature can only add time.
+* ``analytical``: a roofline estimate from the monitor's cost model (FLOPs and bytes of the step) and a
+  hardware description: ``overhead + max(flops / achievable FLOP/s, bytes / achievable bytes/s)``. An estimate.
+* ``replay``: the step timeline of a recorded run, in order -- each step ends when the recorded run's next
+  step started, so the gaps between steps (the serving loop's own work) are replayed too and arrivals land
+  in the same steps. For exact-schedule checks.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from nanovllm.harness.monitor import ModelCost
+from nanovllm.harness.records import read_run
+from nanovllm.harness.sim.hardware import Hardware
+from nanovllm.registry import Registry
+
+# What the calibrated model regresses on (besides a per-step intercept).
+CALIBRATION_FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_sampled", "context_tokens", "attn_pairs")
+
+
+class StepTimeModel(abc.ABC):
+    """Predicts one step's duration in seconds. ``now`` is the simulated time at the step's start."""
+
+    @abc.abstractmethod
+    def predict(self, features: Mapping[str, int], now: float) -> float:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the run's ``metrics.json`` says under ``step_time_model``."""
+        return str(getattr(self, "registered_name", type(self).__name__))
+
+
+STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=StepTimeModel)
+
+
+def register_step_time(name: str):
+    """Class decorator registering a ``StepTimeModel`` subclass under ``name``."""
+    return STEP_TIME_MODELS.register(name)
+
+
+@register_step_time("calibrated")
+class CalibratedStepTime(StepTimeModel):
+    """``intercept + sum(coefficient[f] * features[f])`` from a profile written by ``calibrate``."""
+
+    def __init__(self, profile: str | Path | None = None, **context: Any) -> None:
+        path = Path(profile) if profile else default_profile_path()
+        if not path.is_file():
+            raise ValueError(f"runner.profile: calibration profile {str(path)!r} does not exist "
+                             "(make one with python -m nanovllm.harness.sim.calibrate RUN_DIR... --out FILE)")
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict) or "intercept" not in data:
+            raise ValueError(f"runner.profile: {path} is not a calibration profile (needs intercept and coefficients)")
+        self.path = path
+        self.profile = data
+        self.intercept = float(data["intercept"])
+        self.coefficients = [(name, float(value)) for name, value in data["coefficients"].items() if value]
+
+    def predict(self, features: Mapping[str, int], now: float) -> float:
+        seconds = self.intercept
+        for name, coefficient in self.coefficients:
+            seconds += coefficient * features[name]
+        return seconds
+
+    def describe(self) -> str:
+        return f"calibrated:{self.path.name}"
+
+
+@register_step_time("analytical")
+class AnalyticalStepTime(StepTimeModel):
+    """Roofline: per-step overhead plus the slower of compute and memory traffic, on ``hardware``."""
+
+    def __init__(self, cost: ModelCost, hardware: Hardware | None, dtype: str, **context: Any) -> None:
+        if hardware is None:
+            raise ValueError("hardware is not set; the analytical step-time model needs one, e.g. hardware=h100_sxm")
+        self.cost = cost
+        self.hardware = hardware
+        self.flops_per_s = hardware.peak_flops_for(dtype) * hardware.flops_efficiency
+        self.bytes_per_s = hardware.memory_bandwidth * hardware.bandwidth_efficiency
+
+    def predict(self, features: Mapping[str, int], now: float) -> float:
+        compute = self.cost.step_flops(features) / self.flops_per_s
+        memory = self.cost.step_bytes(features) / self.bytes_per_s
+        return self.hardware.step_overhead + max(compute, memory)
+
+    def describe(self) -> str:
+        return f"analytical:{self.hardware.name}"
+
+
+@register_step_time("replay")
+class ReplayStepTime(StepTimeModel):
+    """The recorded run's step timeline, in order; running past its last step is an error (the simulated
+    schedule has diverged from the recorded one)."""
+
+    def __init__(self, run: str | Path | None = None, **context: Any) -> None:
+        if not run:
+            raise ValueError("runner.replay_run: the replay step-time model needs the run directory to replay")
+        data = read_run(run, missing_ok=False)
+        if not data.steps:
+            raise ValueError(f"runner.replay_run: {run} has no steps to replay")
+        self.run = Path(run)
+        # A step that ran nothing (only rejected requests ended in it) never reaches a runner, so it is not
+        # asked for here either: it stays inside the gap before the next step that did work.
+        steps = [s for s in data.steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
+        self.starts = [float(s["start_time"]) for s in steps]
+        self.durations = [float(s["duration"]) for s in steps]
+        self.index = 0
+
+    def predict(self, features: Mapping[str, int], now: float) -> float:
+        k = self.index
+        if k >= len(self.durations):
+            raise ValueError(f"runner.replay_run: the simulation needs more steps than the {len(self.durations)} "
+                             f"recorded in {self.run}; its schedule diverged from the recorded run's")
+        self.index += 1
+        if k + 1 < len(self.starts):
+            return max(0.0, self.starts[k + 1] - now)
+        return self.durations[k]
+
+
+def default_profile_path() -> Path:
+    """The shipped calibration profile for the default model (float32) on the development CPU."""
+    return Path(__file__).resolve().parent / "profiles" / "smollm2-135m-float32-cpu.yaml"

@@ -1,0 +1,225 @@
+"""The simulator: the real scheduler, policy and allocator on a virtual clock.
+
+Exactness: replaying a real run's step timeline, the simulator makes the same decisions the real engine made
+(same steps, admission order, preemptions, first-token and finish step of every request) for fcfs, priority
+and a user policy plugin, with preemptions in the run. Calibration, the analytical model, and bad input.
+"""
+
+from __future__ import annotations
+
+import bisect
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm.config import EngineConfig
+from nanovllm.harness.loggers import JsonlLogger
+from nanovllm.harness.records import read_run
+from nanovllm.harness.serving import serve
+from nanovllm.harness.sim import Hardware, Simulation, check_runner
+from nanovllm.harness.sim.calibrate import MIN_STEPS, fit_profile
+from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES
+from nanovllm.harness.workload import WorkloadRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = dict(num_kv_blocks=10, block_size=16, max_num_seqs=4, max_model_len=128)
+# The real and simulated engines must see the same decisions' inputs: every step feature must match.
+STEP_DECISIONS = ("num_prefill_tokens", "num_decode_seqs", "num_prefill_seqs", "num_running", "num_waiting",
+                  "num_preempted", "kv_blocks_used", "num_sampled", "attn_pairs")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # One torch thread: on a small shared machine competing OpenMP threads slow every step tenfold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _workload() -> list[WorkloadRequest]:
+    """Ten requests arriving over ~0.3 s, long enough together to overflow a 10-block cache (preemptions),
+    two priority classes so that the priority policy reorders and preempts."""
+    requests = []
+    for i in range(10):
+        prompt = [100 + (7 * i + j) % 900 for j in range(20 + 6 * (i % 4))]
+        requests.append(WorkloadRequest(arrival_time=0.03 * i, prompt=prompt, max_tokens=14 + 3 * (i % 3),
+                                        priority=0 if i % 3 == 2 else 1, ignore_eos=True))
+    return requests
+
+
+def _step_of(starts: list[float], t: float) -> int:
+    """The step during which something at time ``t`` happened (the last step that started before it)."""
+    return bisect.bisect_left(starts, t) - 1
+
+
+def _decisions(run) -> dict:
+    steps = run.steps
+    starts = [s["start_time"] for s in steps]
+    requests = sorted(run.requests, key=lambda r: (r["first_scheduled_time"], r["request_id"]))
+    return {
+        "steps": [{k: s[k] for k in STEP_DECISIONS} for s in steps],
+        "admission_order": [r["request_id"] for r in requests],
+        "per_request": {r["request_id"]: (r["num_preemptions"], r["num_output_tokens"], r["finish_reason"],
+                                          _step_of(starts, r["first_token_time"]), _step_of(starts, r["finish_time"]))
+                        for r in run.requests},
+    }
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "shortest_prompt_first"])
+def test_replay_makes_the_real_engines_scheduling_decisions(llm, one_thread, tmp_path, policy) -> None:
+    from nanovllm import LLM
+    from nanovllm.harness.run import import_plugins
+
+    import_plugins([str(ROOT / "experiments" / "my_policy.py")])
+    scheduler = {"name": policy, "max_wait": 0.2} if policy == "shortest_prompt_first" else policy
+    engine = LLM(scheduler=scheduler, **ENGINE).engine
+    logger = JsonlLogger()
+    logger.start(tmp_path, {})
+    real = serve(engine, _workload(), progress=False, loggers=[logger])
+    logger.finish()
+    assert sum(r["num_preemptions"] for r in real.requests) > 0, "the run must exercise preemption"
+
+    sim = Simulation.build(EngineConfig(**ENGINE), "replay", scheduler=scheduler, replay_run=str(tmp_path))
+    simulated = sim.serve(_workload())
+
+    recorded = read_run(tmp_path)
+    assert _decisions(simulated) == _decisions(recorded)
+    assert simulated.summary["simulated"] is True and simulated.summary["step_time_model"] == "replay"
+    assert set(simulated.summary) == set(real.summary) | {"simulated", "step_time_model"}
+    # Simulated time is the recorded time: the same steps start at the same moments.
+    np.testing.assert_allclose([s["start_time"] for s in simulated.steps[1:]],
+                               [s["start_time"] for s in recorded.steps[1:]], rtol=0, atol=1e-9)
+
+
+def _synthetic_steps(n: int, rng: np.random.Generator) -> list[dict]:
+    steps = []
+    for _ in range(n):
+        # Half the steps are decode-only, as in a real run, so the intercept and the sampled rows separate.
+        prefill = int(rng.integers(1, 300)) if rng.random() < 0.5 else 0
+        decode = int(rng.integers(0, 16))
+        context = prefill + decode * int(rng.integers(10, 400))
+        steps.append({"num_prefill_tokens": prefill, "num_decode_seqs": decode, "num_sampled": decode + (prefill > 0),
+                      "context_tokens": context, "attn_pairs": prefill * prefill // 2 + context})
+    return steps
+
+
+def test_calibration_recovers_the_cost_of_each_feature() -> None:
+    rng = np.random.default_rng(0)
+    truth = {"num_prefill_tokens": 4e-4, "num_decode_seqs": 2e-3, "num_sampled": 1e-3, "context_tokens": 1e-6,
+             "attn_pairs": 3e-8}
+    steps = _synthetic_steps(200, rng)
+    for step in steps:
+        step["duration"] = 0.01 + sum(c * step[f] for f, c in truth.items())
+    profile = fit_profile(steps)
+    assert profile["intercept"] == pytest.approx(0.01, rel=1e-3)
+    for feature in CALIBRATION_FEATURES:
+        assert profile["coefficients"][feature] == pytest.approx(truth[feature], rel=1e-3)
+    assert profile["fit"]["r2"] > 0.999
+    assert profile["feature_range"]["num_decode_seqs"][1] <= 15
+
+
+def test_calibration_refuses_too_few_steps_and_a_feature_that_never_varies() -> None:
+    steps = _synthetic_steps(MIN_STEPS - 1, np.random.default_rng(1))
+    for step in steps:
+        step["duration"] = 0.1
+    with pytest.raises(ValueError, match=f"at least {MIN_STEPS} steps"):
+        fit_profile(steps)
+    decode_only = [{**s, "num_prefill_tokens": 0} for s in _synthetic_steps(100, np.random.default_rng(2))]
+    for step in decode_only:
+        step["duration"] = 0.1
+    with pytest.raises(ValueError, match="num_prefill_tokens is 0 in every step"):
+        fit_profile(decode_only)
+
+
+def _h100() -> Hardware:
+    return Hardware(name="h100", peak_flops={"bfloat16": 989e12}, memory_bandwidth=3.35e12, memory_bytes=80e9,
+                    step_overhead=0.002)
+
+
+def test_analytical_model_is_a_roofline_and_sizes_the_kv_cache_from_memory(tokenizer) -> None:
+    sim = Simulation.build(EngineConfig(dtype="bfloat16", max_num_seqs=64), "analytical", hardware=_h100())
+    cost = sim.cost
+    # The KV cache is what 90% of 80 GB leaves after the weights, in blocks (capped at what 64 seqs can use).
+    kv_bytes = 0.9 * 80e9 - cost.total_params * cost.bytes_per_element
+    block_bytes = cost.kv_bytes_per_token * 16
+    assert sim.engine.num_kv_blocks == min(int(kv_bytes) // block_bytes,
+                                           64 * -(-sim.engine.max_model_len // 16))
+    model = sim.model
+    decode = {"num_prefill_tokens": 0, "num_decode_tokens": 1, "num_decode_seqs": 1, "num_sampled": 1,
+              "context_tokens": 100, "attn_pairs": 100}
+    # One decode is memory bound: the weights stream once at 80% of the bandwidth.
+    assert model.predict(decode, 0.0) == pytest.approx(0.002 + cost.step_bytes(decode) / (0.8 * 3.35e12))
+    prefill = {**decode, "num_prefill_tokens": 8192, "num_decode_tokens": 0, "num_decode_seqs": 0,
+               "context_tokens": 8192, "attn_pairs": 8192 * 8193 // 2}
+    assert model.predict(prefill, 0.0) == pytest.approx(0.002 + cost.step_flops(prefill) / (0.6 * 989e12))
+
+
+def test_hardware_without_memory_for_the_weights_names_the_field() -> None:
+    small = Hardware(name="tiny", peak_flops={"float32": 1e12}, memory_bandwidth=1e11, memory_bytes=1e8)
+    with pytest.raises(ValueError, match=r"hardware.memory_bytes: tiny has .* weights need"):
+        Simulation.build(EngineConfig(), "analytical", hardware=small)
+    with pytest.raises(ValueError, match="hardware.memory_bandwidth must be > 0"):
+        Hardware.from_config({"name": "x", "peak_flops": {"float32": 1e12}, "memory_bytes": 1e9})
+    with pytest.raises(ValueError, match="hardware: unknown key"):
+        Hardware.from_config({"name": "x", "bandwith": 1})
+
+
+def test_check_runner_names_the_bad_field() -> None:
+    with pytest.raises(ValueError, match="runner.step_time: unknown step-time model 'calibrate'.*calibrated"):
+        check_runner({"name": "sim", "step_time": "calibrate"}, None)
+    with pytest.raises(ValueError, match="hardware is not set"):
+        check_runner({"name": "sim", "step_time": "analytical"}, None)
+    with pytest.raises(ValueError, match="runner.name must be one of real, sim"):
+        check_runner({"name": "simulated"}, None)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanovllm.run", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_simulates_many_requests_and_writes_the_run_files(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _cli("runner=sim", "workload=synthetic", "workload.num_requests=2000", "workload.request_rate=40",
+                "workload.input_len.mean=64", "workload.output_len.kind=fixed", "workload.output_len.mean=16",
+                "scheduler=priority",
+                "engine.max_num_seqs=32", "engine.num_kv_blocks=256", "monitor.calibrate=false",
+                "progress=false", f"hydra.run.dir={run_dir}", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    run = read_run(run_dir, missing_ok=False)
+    assert run.metrics["simulated"] is True
+    assert run.metrics["step_time_model"] == "calibrated:smollm2-135m-float32-cpu.yaml"
+    assert run.metrics["completed"] == 2000 and len(run.requests) == 2000
+    assert all(r["num_output_tokens"] == 16 for r in run.requests)
+    # Virtual time: the steps tile the run with no gaps while the engine is busy, and never overlap.
+    ends = [s["start_time"] + s["duration"] for s in run.steps]
+    assert all(s["start_time"] >= e - 1e-9 for s, e in zip(run.steps[1:], ends))
+
+
+def test_cli_bad_step_time_model_is_one_error_line(tmp_path) -> None:
+    proc = _cli("runner=sim", "runner.step_time=roofline", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: runner.step_time: unknown step-time model 'roofline'. Registered step-time model names: "
+        "analytical, calibrated, replay."]
+
+
+def test_an_architecture_without_weights_or_tokenizer_is_simulated_on_hardware() -> None:
+    """Llama-3-8B's config alone, on an H100: the KV cache is what the 16 GB of bf16 weights leave of 72 GB,
+    prompts use the default tokenizer, and requests run to their target lengths."""
+    sim = Simulation.build(EngineConfig(model=str(ROOT / "nanovllm/data/models/llama-3-8b"), dtype="bfloat16",
+                                        max_num_seqs=512, max_model_len=8192), "analytical", hardware=_h100())
+    cost = sim.cost
+    assert cost.total_params == pytest.approx(8.03e9, rel=0.01)
+    kv_tokens = (0.9 * 80e9 - cost.total_params * 2) / cost.kv_bytes_per_token  # 128 KiB of KV per token
+    assert sim.engine.num_kv_blocks == int(0.9 * 80e9 - cost.total_params * 2) // (cost.kv_bytes_per_token * 16)
+    assert kv_tokens == pytest.approx(427_000, rel=0.01)
+    workload = [WorkloadRequest(arrival_time=0.01 * i, prompt=list(range(1, 200)), max_tokens=50, ignore_eos=True)
+                for i in range(20)]
+    result = sim.serve(workload)
+    assert result.summary["completed"] == 20 and result.summary["total_output_tokens"] == 20 * 50
