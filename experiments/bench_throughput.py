@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 
 
 def sharegpt_like(llm: LLM, n: int, input_mean: float, output_mean: float, seed: int) -> list[tuple[list[int], int]]:

@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
         from nanovllm import LLM
-        from nanovllm.engine.model_runner import TORCH_DTYPES
-        from nanovllm.monitor import measure_peak_flops
+        from nanovllm.config import torch_dtype
+        from nanovllm.harness.monitor import measure_peak_flops
 
         trace_dir = Path(args.trace_dir)
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
         if args.prefill_tokens:
             rows.append(profile_prefill(make_llm, args.prefill_tokens, args.steps, trace_dir))
-        peak = measure_peak_flops(TORCH_DTYPES[args.dtype], "cpu") / 1e9
+        peak = measure_peak_flops(torch_dtype(args.dtype), "cpu") / 1e9
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -163,11 +163,10 @@ def validate_output(
     in the same dtype (one prompt at a time, unpadded); returns the per-prompt comparison and the standard it
     is held to (``standard=None``: exact for the reference path, close for every fast path). ``prompts`` may
     be token-id lists; ``references`` reuses ``reference_greedy_top`` results already computed for them."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm.engine.model_runner import TORCH_DTYPES
+    from nanovllm.config import torch_dtype
 
     if standard not in (None, EXACT, CLOSE):
         raise ValueError(f"standard must be {EXACT!r}, {CLOSE!r} or None (decide from the path), got {standard!r}")
@@ -180,14 +179,14 @@ def validate_output(
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOP_K)
     outputs = llm.generate([ids for _, ids in pairs], params, use_tqdm=False)
     if references is None:
-        reference_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=TORCH_DTYPES[dtype])
+        reference_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch_dtype(dtype))
         references = reference_greedy_top(reference_model.eval(), [ids for _, ids in pairs], max_tokens)
     results = [
         PromptAgreement(label, output.token_ids, ref_tokens,
                         [{t for t, lp in entry.items() if lp.rank <= TOP_K} for entry in output.logprobs], ref_top)
         for (label, _), output, (ref_tokens, ref_top) in zip(pairs, outputs, references)
     ]
-    steps = llm.engine.step_records
+    steps = llm.last_steps
     return ValidationReport(standard, results, sum(s["num_preempted"] for s in steps),
                             max((s["num_prefill_tokens"] + s["num_decode_tokens"] for s in steps), default=0))
 
