@@ -4,13 +4,12 @@
 (``hydra/sweeper=optuna``) read. ``objective.metric`` is any numeric key of the summary, e.g.
 ``output_throughput`` (tok/s), ``request_goodput`` (req/s meeting ``slo.*``), ``p99_ttft_ms``;
 ``objective.direction`` is ``maximize`` or ``minimize`` and must agree with the sweeper's own direction
-(``hydra/sweeper=tune`` sets it from ``objective.direction``). A job that failed returns NaN, which Optuna
-records as a failed trial, so the study goes on.
+(``hydra/sweeper=tune`` sets it from ``objective.direction``). A job that failed returns None, which Optuna
+records as a failed trial; ``tune`` tolerates failed trials (``max_failure_rate: 1.0``), so the study goes on.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -42,15 +41,16 @@ def check_sweeper_direction(objective: ObjectiveConfig, sweeper: Mapping[str, An
 
 
 def objective_value(summary: Mapping[str, Any], objective: ObjectiveConfig) -> float:
-    """The objective metric of a finished run's summary, as a float (NaN when the run measured none, e.g.
-    goodput without SLO targets)."""
+    """The objective metric of a finished run's summary, as a float."""
     if objective.metric not in summary:
         numeric = sorted(k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
         raise ValueError(f"objective.metric {objective.metric!r} is not in the run's metrics; numeric ones: "
                          f"{', '.join(numeric)}")
     value = summary[objective.metric]
     if value is None:
-        return math.nan
+        raise ValueError(f"objective.metric {objective.metric!r} has no value in this run"
+                         + (" (goodput needs SLO targets: set slo.ttft_ms, slo.tpot_ms or slo.e2el_ms)"
+                            if "goodput" in objective.metric else ""))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"objective.metric {objective.metric!r} is not numeric (got {value!r})")
     return float(value)

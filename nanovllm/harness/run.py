@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import math
 import os
 import sys
 import traceback
@@ -227,7 +226,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 def _task(cfg: DictConfig) -> float | None:
     """Hydra's task function: one run. Returns the run's objective (``objective.metric``), which sweepers
-    that search (``hydra/sweeper=optuna``) read; NaN for a multirun job that failed."""
+    that search (``hydra/sweeper=optuna``) read; None for a multirun job that failed (Optuna: a failed trial)."""
     hc = HydraConfig.get()
     try:
         objective = _prepare_job(cfg, hc)
@@ -259,14 +258,13 @@ def _prepare_job(cfg: DictConfig, hc: Any) -> ObjectiveConfig:
     return objective
 
 
-def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> float:
+def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> None:
     message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
     print(f"error: {message}", file=sys.stderr)
     if not user_error:
         traceback.print_exc()
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "error.txt").write_text(f"{message}\n", encoding="utf-8")
-    return math.nan
 
 
 def main() -> None:
