@@ -23,7 +23,7 @@ def threads_for_job(launcher: Mapping[str, Any], cores: int | None = None) -> in
     """Torch intra-op threads for one job run by ``launcher`` (Hydra's ``hydra.launcher`` node), or None to leave
     torch's default (the basic launcher, which runs one job at a time)."""
     cores = cores or os.cpu_count() or 1
-    target = str(launcher.get("_target_", ""))
+    target = str(launcher.get("_target_", "")).lower()
     if "joblib" in target:
         return max(1, cores // _joblib_workers(int(launcher.get("n_jobs", -1)), cores))
     if "submitit" in target:

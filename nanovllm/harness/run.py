@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import traceback
@@ -252,9 +253,12 @@ def _prepare_job(cfg: DictConfig, hc: Any) -> ObjectiveConfig:
     objective = ObjectiveConfig(**cfg.objective)
     if hc.mode == RunMode.MULTIRUN:
         check_sweeper_direction(objective, hc.sweeper)
-        threads = apply_fair_share(hc.launcher)
-        if threads is not None:
-            print(f"torch threads for this job: {threads} (fair share under {hc.launcher._target_})")
+        if apply_fair_share(hc.launcher) is not None:
+            import torch
+
+            # Through logging, so it lands in the job's run.log under every launcher.
+            logging.getLogger(__name__).info("torch threads for this job: %d (fair share under %s)",
+                                             torch.get_num_threads(), hc.launcher._target_)
     return objective
 
 
