@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # The CPU build of torch is pinned first so nothing later pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

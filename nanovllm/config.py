@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None            # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     seed: int = 0                               # the engine's sampling stream (requests may bring their own)
+    enforce_eager: bool = False                 # True: no CUDA-graph decode (graphs are CUDA-only anyway)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -45,6 +46,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
 

@@ -72,7 +72,8 @@ def reference_greedy(model, prompts: list[list[int]], max_tokens: int, ignore_eo
     with torch.inference_mode():
         for ids in prompts:
             generated = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=model.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                 max_new_tokens=max_tokens, min_new_tokens=max_tokens if ignore_eos else None, do_sample=False,
                 pad_token_id=model.config.eos_token_id if model.config.eos_token_id is not None else 0,
             )

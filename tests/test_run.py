@@ -19,6 +19,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
+from nanovllm.attention.base import ATTENTION_BACKENDS
 from nanovllm.config import EngineConfig
 from nanovllm.policy import POLICIES
 from nanovllm.harness.run import config_dir
@@ -125,7 +126,7 @@ def test_schema_rejects_mistakes(compose_cfg, override: str) -> None:
 
 
 def test_every_builtin_plugin_has_a_config_file() -> None:
-    for group, registry in (("scheduler", POLICIES), ("allocator", ALLOCATORS)):
+    for group, registry in (("scheduler", POLICIES), ("allocator", ALLOCATORS), ("attention", ATTENTION_BACKENDS)):
         files = {p.stem: p for p in (REPO / "conf" / group).glob("*.yaml")}
         assert set(registry.names()) <= set(files), f"conf/{group}/ lacks a file for a registered name"
         for stem, path in files.items():
@@ -356,17 +357,23 @@ def test_runs_from_an_installed_wheel(tmp_path: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("nanovllm", "conf", "policies", "allocators"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         if (REPO / name).is_file():
             shutil.copy(REPO / name, src / name)
+    # A config group added later ships too: packaging finds the groups, it does not list them.
+    (src / "conf" / "probe_group").mkdir()
+    (src / "conf" / "probe_group" / "option.yaml").write_text("name: probe\n")
+    groups = sorted(p.name for p in (src / "conf").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert {"model", "scheduler", "allocator", "attention", "workload", "logger", "probe_group"} <= set(groups)
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(wheel_dir), str(src)], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = wheel_dir.glob("nanovllm-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    for path in (REPO / "conf").rglob("*.yaml"):
-        assert f"nanovllm/conf/{path.relative_to(REPO / 'conf').as_posix()}" in shipped
+    for path in (src / "conf").rglob("*.yaml"):
+        name = f"nanovllm/conf/{path.relative_to(src / 'conf').as_posix()}"
+        assert name in shipped, f"{name} is missing from the wheel"
     # A fresh venv holding only the wheel; its dependencies (torch, transformers, ...) come from the
     # project's environment through a .pth file, so nothing is downloaded. The .pth adds a plain path:
     # the project's own editable install of nanovllm is not visible from it.
@@ -386,6 +393,8 @@ def test_runs_from_an_installed_wheel(tmp_path: Path) -> None:
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     module_file, conf = where.stdout.split()
     assert Path(module_file).is_relative_to(site) and Path(conf) == site / "nanovllm" / "conf"
+    installed = sorted(p.name for p in Path(conf).iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert installed == groups
 
     run_dir = tmp_path / "run"
     proc = run_cli(tmp_path, *TINY, "progress=false", f"hydra.run.dir={run_dir}", env=env, python=python)

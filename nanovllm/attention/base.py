@@ -51,10 +51,20 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    # CUDA-graph decode (nanovllm/engine/cuda_graphs.py) replays captured kernels, so every tensor the layers
+    # read must stay at one address from step to step. A backend that keeps to that in ``plan_cuda_graph``
+    # says so here; the engine runs every step of the others eagerly.
+    supports_cuda_graphs: bool = False
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device`` (e.g. FlashInfer needs CUDA and its package), or None."""
+        return None
+
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
-        """Whether this backend can run on ``device`` (e.g. FlashInfer needs CUDA)."""
-        return True
+        """Whether this backend can run on ``device``."""
+        return cls.unavailable_reason(device) is None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.kv_caches = kv_caches
@@ -62,6 +72,16 @@ class AttentionBackend(ABC):
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare everything the per-layer calls of this step share (index tensors, masks, kernel plans)."""
+
+    def prepare_cuda_graphs(self, batch_sizes: list[int], max_num_pages: int) -> None:
+        """Called once before decode graphs of ``batch_sizes`` are captured: allocate the fixed buffers they
+        will read (``max_num_pages`` bounds the pages of one batch). Nothing to allocate by default."""
+
+    def plan_cuda_graph(self, meta: AttentionMetadata, batch_size: int) -> None:
+        """Plan a decode-only step already padded to ``batch_size`` rows for the graph captured at that size,
+        writing only into fixed buffers. The default plans as usual, which is right only where ``plan``
+        allocates nothing the layers read (on CPU, with the test double of a graph)."""
+        self.plan(meta)
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from nanovllm.allocator import ALLOCATORS, BlockAllocator
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend
 from nanovllm.config import EngineConfig, max_positions_of
+from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -78,8 +79,11 @@ class LLMEngine:
             attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
         if not backend.is_available(device):
-            raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}")
-        runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend)
+            reason = backend.unavailable_reason(device) or "the backend says it is not available there"
+            raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}: {reason}")
+        graphs = device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs
+        runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
+                             GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
         self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)
         self.policy: Policy = POLICIES.build(scheduler)
         self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,

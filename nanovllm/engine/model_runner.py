@@ -7,6 +7,7 @@ import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.config import head_dim_of, torch_dtype
+from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from nanovllm.engine.kv_cache import allocate_kv_cache
 from nanovllm.models.loader import load_model
 from nanovllm.request import Request
@@ -32,14 +33,23 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.backend: AttentionBackend | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
-    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
+    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend,
+                      graphs: GraphSettings | None = None) -> None:
+        """Allocate the KV cache, bind it to ``backend`` and, given ``graphs``, capture decode CUDA graphs
+        (their padding rows get one scratch block past the allocator's ``num_blocks``)."""
         self.block_size = block_size
         self.kv_cache, views = allocate_kv_cache(
-            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+            self.num_layers, num_blocks + (1 if graphs else 0), block_size, self.num_kv_heads, self.head_dim,
+            self.dtype, self.device,
         )
         backend.bind_kv_caches(views)
         self.backend = backend
+        self.decode_graphs = None if graphs is None else DecodeGraphs(
+            self.model, backend, graphs, scratch_block=num_blocks, block_size=block_size,
+            hidden_size=self.hf_config.hidden_size, dtype=self.dtype, device=self.device,
+        )
 
     def _prepare(self, scheduled: list[tuple[Request, int]]):
         """Flat tensors for the step, and which scheduled requests sample (their chunk reaches the newest
@@ -75,8 +85,11 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
         """Run one step. Returns, per scheduled request, its next token, or None for a partial prefill chunk."""
         input_ids, positions, meta, samplers, sample_rows = self._prepare(scheduled)
-        self.backend.plan(meta)
-        hidden = self.model(input_ids, positions, self.backend)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            self.backend.plan(meta)
+            hidden = self.model(input_ids, positions, self.backend)
         next_tokens: list[int | None] = [None] * len(scheduled)
         if samplers:
             requests = [scheduled[i][0] for i in samplers]
