@@ -26,6 +26,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0                               # the engine's sampling stream (requests may bring their own)
     enforce_eager: bool = False                 # True: no CUDA-graph decode (graphs are CUDA-only anyway)
+    tensor_parallel_size: int = 1               # ranks (worker processes) the model is split over
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,7 +39,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device == "cpu" and self.dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported on cpu; allowed: {', '.join(CPU_DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -69,7 +69,7 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
-        self.runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed)
+        self.runner = self._make_runner(config, attention)
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       runner.dtype)
@@ -93,6 +93,14 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._num_steps = 0
+
+    def _make_runner(self, config: EngineConfig, attention: PluginSpec) -> ModelRunner:
+        if config.tensor_parallel_size == 1:
+            return ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed)
+        from nanovllm.engine.tp.runner import TensorParallelRunner  # its worker processes start here
+
+        return TensorParallelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
+                                    config.tensor_parallel_size, attention)
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(
