@@ -21,11 +21,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+
+class Collectives(Protocol):
+    """What the layers need from their process group (``nanovllm.engine.tp.comm.Communicator``)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+    def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -85,18 +93,18 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Input features ``[start, end)`` of a linear layer; the partial products are summed over ``group``, then
+    """Input features ``[start, end)`` of a linear layer; the partial products are summed over the ranks, then
     the bias (held by every rank, added once after the sum)."""
 
-    def __init__(self, full: nn.Linear, start: int, end: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, full: nn.Linear, start: int, end: int, comm: Collectives) -> None:
         super().__init__()
         self.weight = nn.Parameter(full.weight.data[:, start:end].clone(), requires_grad=False)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.data.clone(), requires_grad=False)
-        self.group = group
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        dist.all_reduce(out, group=self.group)
+        self.comm.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
@@ -104,16 +112,16 @@ class VocabParallelEmbedding(nn.Module):
     """Rows ``[start, end)`` of the embedding; ids outside the range read zeros, and the all-reduce fills them
     in from the rank that owns them (adding zeros, so the result is exactly the full lookup)."""
 
-    def __init__(self, full: nn.Embedding, start: int, end: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, full: nn.Embedding, start: int, end: int, comm: Collectives) -> None:
         super().__init__()
         self.weight = nn.Parameter(full.weight.data[start:end].clone(), requires_grad=False)
-        self.start, self.end, self.group = start, end, group
+        self.start, self.end, self.comm = start, end, comm
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         mine = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(mine, input_ids - self.start, torch.zeros_like(input_ids))
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(out, group=self.group)
+        self.comm.all_reduce(out)
         return out
 
 
@@ -122,10 +130,10 @@ class ParallelLMHead(nn.Module):
     shard with -inf, then cut back) into the full [rows, vocab] logits on every rank."""
 
     def __init__(self, weight: torch.Tensor, start: int, end: int, vocab_size: int, world: int,
-                 group: dist.ProcessGroup | None) -> None:
+                 comm: Collectives) -> None:
         super().__init__()
         self.weight = weight  # shared with the embedding shard when the model ties them
-        self.vocab_size, self.world, self.group = vocab_size, world, group
+        self.vocab_size, self.world, self.comm = vocab_size, world, comm
         self.shard_rows = -(-vocab_size // world)
         self.start, self.end = start, end
 
@@ -135,31 +143,32 @@ class ParallelLMHead(nn.Module):
             pad = local.new_full((local.shape[0], self.shard_rows - local.shape[1]), float("-inf"))
             local = torch.cat([local, pad], dim=1)
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
+        self.comm.all_gather(parts, local.contiguous())
         sizes = [_even_split(self.vocab_size, r, self.world) for r in range(self.world)]
         return torch.cat([p[:, : end - start] for p, (start, end) in zip(parts, sizes)], dim=1)
 
 
-def shard_model(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup | None = None) -> nn.Module:
-    """A copy of a loaded ``LlamaForCausalLM`` holding only rank ``rank``'s shard of every weight (the loaded
+def shard_model(model: nn.Module, rank: int, world: int, comm: Collectives) -> nn.Module:
+    """A copy of a loaded ``LlamaForCausalLM`` holding only rank ``rank``'s shard of every weight, whose
+    collectives go through ``comm`` (the loaded
     model, which the loader may share between engines, is left untouched). The copy gains ``lm_head_parallel``
     (a :class:`ParallelLMHead`) for the runner's logits."""
     config = model.config
     shard = copy.copy(model)  # shallow: its submodule dict is replaced below, never the original's
     shard._modules = dict(model._modules)
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, rank, world)
-    shard.layers = nn.ModuleList(_shard_layer(layer, heads, rank, world, group) for layer in model.layers)
+    shard.layers = nn.ModuleList(_shard_layer(layer, heads, rank, world, comm) for layer in model.layers)
     start, end = _even_split(config.vocab_size, rank, world)
-    shard.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, group)
+    shard.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, comm)
     tied = model.lm_head.weight is model.embed_tokens.weight
     head_weight = shard.embed_tokens.weight if tied else model.lm_head.weight.data[start:end].clone()
-    shard.lm_head_parallel = ParallelLMHead(head_weight, start, end, config.vocab_size, world, group)
+    shard.lm_head_parallel = ParallelLMHead(head_weight, start, end, config.vocab_size, world, comm)
     del shard._modules["lm_head"]
     return shard
 
 
 def _shard_layer(layer: nn.Module, heads: HeadShard, rank: int, world: int,
-                 group: dist.ProcessGroup | None) -> nn.Module:
+                 comm: Collectives) -> nn.Module:
     layer = _shallow(layer)
     attn = layer.self_attn = _shallow(layer.self_attn)
     d = attn.head_dim
@@ -168,14 +177,14 @@ def _shard_layer(layer: nn.Module, heads: HeadShard, rank: int, world: int,
     attn.q_proj = ColumnParallelLinear(attn.q_proj, *q)
     attn.k_proj = ColumnParallelLinear(attn.k_proj, *kv)
     attn.v_proj = ColumnParallelLinear(attn.v_proj, *kv)
-    attn.o_proj = RowParallelLinear(attn.o_proj, *q, group)
+    attn.o_proj = RowParallelLinear(attn.o_proj, *q, comm)
     attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
     attn.q_size, attn.kv_size = heads.num_heads * d, heads.num_kv_heads * d
     mlp = layer.mlp = _shallow(layer.mlp)
     inter = _even_split(mlp.gate_proj.weight.shape[0], rank, world)
     mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, *inter)
     mlp.up_proj = ColumnParallelLinear(mlp.up_proj, *inter)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, *inter, group)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, *inter, comm)
     return layer
 
 

@@ -25,11 +25,10 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.tp.worker import WorkerArgs, init_group, run_shard_step, worker_main
+from nanovllm.engine.tp.worker import WorkerArgs, connect, run_shard_step, worker_main
 from nanovllm.models.parallel import check_tensor_parallel_size, head_shard, shard_model
 from nanovllm.request import Request
 
@@ -69,7 +68,7 @@ class TensorParallelRunner(ModelRunner):
         on_cuda = torch.device(device).type == "cuda"
         threads = 1 if on_cuda else max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
-        common = dict(world=world, init_method=f"tcp://127.0.0.1:{_free_port()}",
+        common = dict(world=world, port=_free_port(),
                       backend="nccl" if on_cuda else "gloo", hf_config=hf_config, model_dir=str(model_dir),
                       dtype=dtype, threads=threads, timeout_s=COLLECTIVE_TIMEOUT_S)
         self._workers, self._pipes = _start_workers(common, device)
@@ -77,11 +76,11 @@ class TensorParallelRunner(ModelRunner):
         try:
             super().__init__(hf_config, model_dir, dtype, "cuda:0" if on_cuda else device, seed)
             self._wait_until_loaded()
-            init_group(WorkerArgs(rank=0, device=str(self.device), **common))
+            self.comm = connect(WorkerArgs(rank=0, device=str(self.device), **common))
         except BaseException:
             self.close()
             raise
-        self.model = shard_model(self.model, 0, world)
+        self.model = shard_model(self.model, 0, world, self.comm)
         heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, 0, world)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's, for its cache
 
@@ -113,10 +112,8 @@ class TensorParallelRunner(ModelRunner):
         return next_tokens
 
     def close(self) -> None:
-        """Stop the workers and leave the process group (idempotent)."""
+        """Stop the workers (idempotent); the engine cannot run steps afterwards."""
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # -- the workers -----------------------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:

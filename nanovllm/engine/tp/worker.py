@@ -1,7 +1,7 @@
 """A tensor-parallel worker process: rank 1..N-1 of an engine with ``tensor_parallel_size=N``.
 
 Contract with the driver (``runner.py``, rank 0): the worker loads the model, sends ``"loaded"`` on its pipe,
-joins the process group and takes its shard; then it obeys the driver's messages on the pipe, in order:
+joins the engine's process group (``comm.py``) and takes its shard; then it obeys the driver's messages on the pipe, in order:
 ``("kv_cache", num_blocks, block_size, attention_spec)`` allocates its KV-cache shard (its own KV heads) and
 builds its attention backend; ``("step", input_ids, positions, meta, sample_rows)`` runs the same forward pass
 (and LM-head all-gather) as every other rank; ``("stop",)`` leaves. Step payloads are CPU tensors, moved to the
@@ -19,13 +19,12 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nanovllm.attention.base import AttentionMetadata
+from nanovllm.engine.tp.comm import Communicator
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class WorkerArgs:
 
     rank: int
     world: int
-    init_method: str
+    port: int                   # of the driver's TCPStore, where the ranks meet
     backend: str                # "gloo" or "nccl"
     hf_config: Any
     model_dir: str
@@ -55,9 +54,8 @@ def run_shard_step(model, backend, input_ids: torch.Tensor, positions: torch.Ten
     return model.lm_head_parallel(hidden.index_select(0, sample_rows))
 
 
-def init_group(args: WorkerArgs) -> None:
-    dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank, world_size=args.world,
-                            timeout=timedelta(seconds=args.timeout_s))
+def connect(args: WorkerArgs) -> Communicator:
+    return Communicator(args.backend, args.port, args.rank, args.world, args.timeout_s)
 
 
 def worker_main(args: WorkerArgs, conn) -> None:
@@ -87,8 +85,7 @@ def _serve(args: WorkerArgs, conn) -> None:
     dtype = torch_dtype(args.dtype)
     full = load_model(args.hf_config, args.model_dir, dtype, device)
     conn.send("loaded")
-    init_group(args)
-    model = shard_model(full, args.rank, args.world)
+    model = shard_model(full, args.rank, args.world, connect(args))
     del full
     config = args.hf_config
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, args.rank, args.world)
@@ -112,7 +109,6 @@ def _serve(args: WorkerArgs, conn) -> None:
                 run_shard_step(model, backend, input_ids.to(device), positions.to(device), meta,
                                sample_rows.to(device))
     del kv_cache
-    dist.destroy_process_group()
 
 
 def _die_with_parent() -> None:
