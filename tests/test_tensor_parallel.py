@@ -50,6 +50,21 @@ def test_sizes_that_cannot_work_are_clear_errors() -> None:
         LLM(tensor_parallel_size=4, num_kv_blocks=64, max_model_len=512)
 
 
+def test_column_parallel_slices_plain_and_fused_projections() -> None:
+    import torch
+    from torch import nn
+
+    from nanovllm.models.parallel import ColumnParallelLinear
+
+    full = nn.Linear(4, 12)
+    x = torch.randn(3, 4)
+    # A fused [q | k | v]-style projection: this rank's rows of each part, fused again in order.
+    shard = ColumnParallelLinear(full, 0, 2, also=[(4, 6), (8, 10)])
+    expected = full(x)[:, [0, 1, 4, 5, 8, 9]]
+    assert torch.equal(shard(x), expected)
+    assert torch.equal(ColumnParallelLinear(full, 6, 12)(x), full(x)[:, 6:])
+
+
 # -- parity ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -81,12 +81,16 @@ def _even_split(size: int, rank: int, world: int) -> tuple[int, int]:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Output features ``[start, end)`` of a linear layer; no communication."""
+    """Output features ``[start, end)`` of a linear layer (and, for a fused projection, the ranges in ``also``,
+    concatenated in order); no communication."""
 
-    def __init__(self, full: nn.Linear, start: int, end: int) -> None:
+    def __init__(self, full: nn.Linear, start: int, end: int, also: list[tuple[int, int]] = ()) -> None:
         super().__init__()
-        self.weight = nn.Parameter(full.weight.data[start:end].clone(), requires_grad=False)
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.data[start:end].clone(), requires_grad=False)
+        ranges = [(start, end), *also]
+        self.weight = nn.Parameter(torch.cat([full.weight.data[a:b] for a, b in ranges]).clone(),
+                                   requires_grad=False)
+        self.bias = None if full.bias is None else nn.Parameter(
+            torch.cat([full.bias.data[a:b] for a, b in ranges]).clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -174,16 +178,26 @@ def _shard_layer(layer: nn.Module, heads: HeadShard, rank: int, world: int,
     d = attn.head_dim
     q = (heads.q_start * d, (heads.q_start + heads.num_heads) * d)
     kv = (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d)
-    attn.q_proj = ColumnParallelLinear(attn.q_proj, *q)
-    attn.k_proj = ColumnParallelLinear(attn.k_proj, *kv)
-    attn.v_proj = ColumnParallelLinear(attn.v_proj, *kv)
+    if hasattr(attn, "qkv_proj"):  # a fused projection: this rank's q, k and v rows, fused again
+        q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+        attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, *q, also=[(q_size + kv[0], q_size + kv[1]),
+                                                                     (q_size + kv_size + kv[0], q_size + kv_size + kv[1])])
+    else:
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, *q)
+        attn.k_proj = ColumnParallelLinear(attn.k_proj, *kv)
+        attn.v_proj = ColumnParallelLinear(attn.v_proj, *kv)
     attn.o_proj = RowParallelLinear(attn.o_proj, *q, comm)
     attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
     attn.q_size, attn.kv_size = heads.num_heads * d, heads.num_kv_heads * d
     mlp = layer.mlp = _shallow(layer.mlp)
-    inter = _even_split(mlp.gate_proj.weight.shape[0], rank, world)
-    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, *inter)
-    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, *inter)
+    if hasattr(mlp, "gate_up_proj"):  # fused: this rank's gate rows, then its up rows
+        size = mlp.down_proj.weight.shape[1]
+        inter = _even_split(size, rank, world)
+        mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, *inter, also=[(size + inter[0], size + inter[1])])
+    else:
+        inter = _even_split(mlp.gate_proj.weight.shape[0], rank, world)
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, *inter)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, *inter)
     mlp.down_proj = RowParallelLinear(mlp.down_proj, *inter, comm)
     return layer
 
