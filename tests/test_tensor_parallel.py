@@ -60,9 +60,9 @@ def test_column_parallel_slices_plain_and_fused_projections() -> None:
     x = torch.randn(3, 4)
     # A fused [q | k | v]-style projection: this rank's rows of each part, fused again in order.
     shard = ColumnParallelLinear(full, 0, 2, also=[(4, 6), (8, 10)])
-    expected = full(x)[:, [0, 1, 4, 5, 8, 9]]
-    assert torch.equal(shard(x), expected)
-    assert torch.equal(ColumnParallelLinear(full, 6, 12)(x), full(x)[:, 6:])
+    # Same sums; a narrower matmul may block them differently, so equal up to float rounding.
+    torch.testing.assert_close(shard(x), full(x)[:, [0, 1, 4, 5, 8, 9]])
+    torch.testing.assert_close(ColumnParallelLinear(full, 6, 12)(x), full(x)[:, 6:])
 
 
 # -- parity ---------------------------------------------------------------------------------------------------------

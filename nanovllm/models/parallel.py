@@ -12,9 +12,10 @@ the KV heads are dealt out as evenly as possible (SmolLM2-135M's 3 KV heads over
 keeps the query heads of its groups. So ``tensor_parallel_size`` may be any size up to the number of KV heads;
 uneven shards are fine because only the [tokens, hidden] sums and the padded logits cross ranks.
 
-Arithmetic: the column-parallel and vocabulary-parallel parts compute exactly what the full model computes; the
-row-parallel all-reduce adds two partial sums where the full matmul adds one long one, so float results differ
-in the last bits (see the README's tensor-parallel section for the standard this meets).
+Arithmetic: the column-parallel parts compute the same dot products (a narrower matmul may block them
+differently), the vocabulary-parallel embedding is exact, and the row-parallel all-reduce adds partial sums
+where the full matmul adds one long one; so float results may differ in the last bits (see the README's
+tensor-parallel section for the standard this meets).
 """
 
 from __future__ import annotations
