@@ -44,6 +44,7 @@ def main() -> None:
         if tp > 1:
             llm.engine.runner.close()
         rows.append((label, args.prompts * args.max_tokens / seconds, tokens))
+        print(f"{label}: {rows[-1][1]:.1f} tokens/s", flush=True)
     base = rows[0][1]
     print(f"{args.prompts} prompts x {args.max_tokens} tokens, greedy float32, best of {args.repeats}")
     print("| configuration | tokens/s | ratio | same tokens as TP=1 |\n|---|---|---|---|")
