@@ -226,12 +226,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _task(cfg: DictConfig) -> float | None:
-    """Hydra's task function: one run. Returns the run's objective (``objective.metric``), which sweepers
-    that search (``hydra/sweeper=optuna``) read; None for a multirun job that failed (Optuna: a failed trial)."""
+    """Hydra's task function: one run. Under a sweeper that optimizes (``hydra/sweeper=optuna``/``tune``) it
+    returns the run's objective (``objective.metric``); None otherwise, and for a multirun job that failed
+    (Optuna: a failed trial)."""
     hc = HydraConfig.get()
     try:
         objective = _prepare_job(cfg, hc)
-        return objective_value(run(cfg), objective)
+        summary = run(cfg)
+        optimizing = hc.mode == RunMode.MULTIRUN and hc.sweeper.get("direction") is not None
+        return objective_value(summary, objective) if optimizing else None
     except Exception as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
