@@ -179,11 +179,12 @@ def _shard_layer(layer: nn.Module, heads: HeadShard, rank: int, world: int,
     d = attn.head_dim
     q = (heads.q_start * d, (heads.q_start + heads.num_heads) * d)
     kv = (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d)
-    if hasattr(attn, "qkv_proj"):  # a fused projection: this rank's q, k and v rows, fused again
+    if _has_weight(attn, "qkv_proj"):  # a fused projection: this rank's q, k and v rows, fused again
         q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
         attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, *q, also=[(q_size + kv[0], q_size + kv[1]),
                                                                      (q_size + kv_size + kv[0], q_size + kv_size + kv[1])])
     else:
+        _require_weight(attn, "q_proj")
         attn.q_proj = ColumnParallelLinear(attn.q_proj, *q)
         attn.k_proj = ColumnParallelLinear(attn.k_proj, *kv)
         attn.v_proj = ColumnParallelLinear(attn.v_proj, *kv)
@@ -191,16 +192,29 @@ def _shard_layer(layer: nn.Module, heads: HeadShard, rank: int, world: int,
     attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
     attn.q_size, attn.kv_size = heads.num_heads * d, heads.num_kv_heads * d
     mlp = layer.mlp = _shallow(layer.mlp)
-    if hasattr(mlp, "gate_up_proj"):  # fused: this rank's gate rows, then its up rows
+    if _has_weight(mlp, "gate_up_proj"):  # fused: this rank's gate rows, then its up rows
         size = mlp.down_proj.weight.shape[1]
         inter = _even_split(size, rank, world)
         mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, *inter, also=[(size + inter[0], size + inter[1])])
     else:
+        _require_weight(mlp, "gate_proj")
         inter = _even_split(mlp.gate_proj.weight.shape[0], rank, world)
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, *inter)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj, *inter)
     mlp.down_proj = RowParallelLinear(mlp.down_proj, *inter, comm)
+    if hasattr(mlp, "intermediate_size"):  # a fused forward splits gate from up by it
+        mlp.intermediate_size = inter[1] - inter[0]
     return layer
+
+
+def _has_weight(module: nn.Module, name: str) -> bool:
+    return isinstance(getattr(getattr(module, name, None), "weight", None), torch.Tensor)
+
+
+def _require_weight(module: nn.Module, name: str) -> None:
+    if not _has_weight(module, name):
+        raise ValueError(f"tensor parallelism cannot shard {type(module).__name__}.{name}: it needs a plain "
+                         f"weight matrix (prepacked fast-path weights cannot be sliced); use the reference layout")
 
 
 def _shallow(module: nn.Module) -> nn.Module:
