@@ -28,7 +28,7 @@ import torch
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.tp.worker import WorkerArgs, connect, run_shard_step, worker_main
+from nanovllm.engine.tp.worker import WorkerArgs, connect, worker_main
 from nanovllm.models.parallel import check_tensor_parallel_size, head_shard, shard_model
 from nanovllm.request import Request
 
@@ -81,6 +81,8 @@ class TensorParallelRunner(ModelRunner):
             self.close()
             raise
         self.model = shard_model(self.model, 0, world, self.comm)
+        # The inherited execute asks the model for logits: here they are the all-gathered vocabulary shards.
+        self.model.compute_logits = self.model.lm_head_parallel.forward
         heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, 0, world)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's, for its cache
 
@@ -94,22 +96,21 @@ class TensorParallelRunner(ModelRunner):
         self._send(("kv_cache", num_blocks, block_size, self.attention_spec))
         super().init_kv_cache(num_blocks, block_size, backend)
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> list[int | None]:
-        input_ids, positions, meta, samplers, sample_rows = self._prepare(scheduled)
+    def _prepare(self, scheduled: list[tuple[Request, int]]):
+        """The step's flat batch, built once here and sent to every worker before this rank runs it; the
+        inherited ``execute`` then runs the shard (its collectives pair with the workers') and samples."""
+        prepared = super()._prepare(scheduled)
+        input_ids, positions, meta, _, sample_rows = prepared
         self._send(("step", input_ids.cpu(), positions.cpu(), _on_cpu(meta), sample_rows.cpu()))
+        return prepared
+
+    def execute(self, scheduled: list[tuple[Request, int]]):
         try:
-            logits = run_shard_step(self.model, self.backend, input_ids, positions, meta, sample_rows)
+            return super().execute(scheduled)
         except RuntimeError as exc:
+            if isinstance(exc, WorkerDiedError):
+                raise
             raise self._failure(exc) from exc
-        next_tokens: list[int | None] = [None] * len(scheduled)
-        if logits is not None:
-            requests = [scheduled[i][0] for i in samplers]
-            tokens = self.sampler(logits, [r.sampling_params for r in requests],
-                                  [r.generator or self.generator for r in requests])
-            for i, token in zip(samplers, tokens):
-                next_tokens[i] = token
-        return next_tokens
 
     def close(self) -> None:
         """Stop the workers (idempotent); the engine cannot run steps afterwards."""
