@@ -28,6 +28,7 @@ class EngineConfig:
     enforce_eager: bool = False                 # True: no CUDA-graph decode (graphs are CUDA-only anyway)
     fuse_projections: bool | None = None        # fused q/k/v, gate/up (+ prepacked bf16 weights on CPU);
                                                 # None: fused unless dtype is float32 (the exact reference path)
+    tensor_parallel_size: int = 1               # ranks (worker processes) the model is split over
 
     @property
     def fast_path(self) -> bool:
@@ -45,7 +46,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device == "cpu" and self.dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported on cpu; allowed: {', '.join(CPU_DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

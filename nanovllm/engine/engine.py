@@ -78,10 +78,8 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
-        if runner is None:
-            runner = ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
-                                 fast_path=config.fast_path)
-        self.runner = runner
+        self.runner = runner if runner is not None else self._make_runner(config, attention, device)
+        runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       runner.dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
@@ -105,6 +103,16 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._num_steps = 0
+
+    def _make_runner(self, config: EngineConfig, attention: PluginSpec, device: torch.device) -> ModelRunner:
+        """The real model in this process, or split over ``tensor_parallel_size`` worker processes."""
+        if config.tensor_parallel_size == 1:
+            return ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
+                               fast_path=config.fast_path)
+        from nanovllm.engine.tp.runner import TensorParallelRunner  # its worker processes start here
+
+        return TensorParallelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
+                                    config.tensor_parallel_size, resolve_attention(attention, device))
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(

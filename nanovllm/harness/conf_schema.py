@@ -21,6 +21,7 @@ from omegaconf import MISSING
 from nanovllm.config import EngineConfig
 from nanovllm.harness.metrics import SLO
 from nanovllm.harness.monitor import MonitorConfig
+from nanovllm.harness.objective import ObjectiveConfig
 from nanovllm.harness.workload import (
     ChatWorkloadConfig,
     SyntheticWorkloadConfig,
@@ -70,6 +71,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     plugins: list[str] = field(default_factory=list)  # modules or .py files imported before the engine is built
     progress: bool = True
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # what run.py returns to sweepers
 
 
 def register_configs() -> None:
@@ -81,3 +83,14 @@ def register_configs() -> None:
     for name, schema in (("synthetic", SyntheticWorkloadConfig), ("chat", ChatWorkloadConfig),
                          ("trace", TraceWorkloadConfig)):
         cs.store(group="schema/workload", name=name, node=schema)
+    _store_optuna_base(cs)
+
+
+def _store_optuna_base(cs) -> None:
+    """The Optuna sweeper's own config again as ``hydra/sweeper/optuna_base``, so ``conf/hydra/sweeper/tune.yaml``
+    can extend it (a file may not shadow a plugin's config of the same name). Absent plugin: nothing to extend."""
+    try:
+        from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+    except ImportError:
+        return
+    cs.store(group="hydra/sweeper", name="optuna_base", node=OptunaSweeperConf, provider="nanovllm")

@@ -20,8 +20,10 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,6 +39,8 @@ from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.harness.metrics import SLO, format_summary
 from nanovllm.harness.monitor import MonitorConfig
+from nanovllm.harness.objective import ObjectiveConfig, check_sweeper_direction, objective_value
+from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.policy import POLICIES
 from nanovllm.registry import Registry
@@ -241,19 +245,53 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result.summary
 
 
-def _task(cfg: DictConfig) -> None:
+def _task(cfg: DictConfig) -> float | None:
+    """Hydra's task function: one run. Under a sweeper that optimizes (``hydra/sweeper=optuna``/``tune``) it
+    returns the run's objective (``objective.metric``); None otherwise, and for a multirun job that failed
+    (Optuna: a failed trial)."""
+    hc = HydraConfig.get()
     try:
-        run(cfg)
-    except _user_errors() as exc:
+        objective = _prepare_job(cfg, hc)
+        summary = run(cfg)
+        optimizing = hc.mode == RunMode.MULTIRUN and hc.sweeper.get("direction") is not None
+        return objective_value(summary, objective) if optimizing else None
+    except Exception as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        hc = HydraConfig.get()
+        user_error = isinstance(exc, _user_errors())
         if hc.mode == RunMode.MULTIRUN:
-            # Let the other jobs run; the sweep summary lists this one as failed and exits non-zero at the end.
-            Path(hc.runtime.output_dir, "error.txt").write_text(f"{exc}\n", encoding="utf-8")
-            return
+            # Let the other jobs run, whichever launcher runs them; the sweep summary lists this one with its
+            # error and exits non-zero at the end.
+            return _record_job_error(exc, Path(hc.runtime.output_dir), user_error)
+        if not user_error:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+# -- beyond one process: launchers run jobs side by side, sweepers read the objective ------------------------------
+
+def _prepare_job(cfg: DictConfig, hc: Any) -> ObjectiveConfig:
+    """Check the objective against the sweeper, and give a job run beside others its fair share of threads."""
+    objective = ObjectiveConfig(**cfg.objective)
+    if hc.mode == RunMode.MULTIRUN:
+        check_sweeper_direction(objective, hc.sweeper)
+        if apply_fair_share(hc.launcher) is not None:
+            import torch
+
+            # Through logging, so it lands in the job's run.log under every launcher.
+            logging.getLogger(__name__).info("torch threads for this job: %d (fair share under %s)",
+                                             torch.get_num_threads(), hc.launcher._target_)
+    return objective
+
+
+def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> None:
+    message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
+    print(f"error: {message}", file=sys.stderr)
+    if not user_error:
+        traceback.print_exc()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "error.txt").write_text(f"{message}\n", encoding="utf-8")
 
 
 def main() -> None:

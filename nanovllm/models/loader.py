@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import weakref
 from pathlib import Path
 
@@ -70,7 +71,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "nanovllm_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        # Another process (a parallel sweep job, a tensor-parallel worker) converted the same file first: use its.
+        if not (out_dir / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> Path:
