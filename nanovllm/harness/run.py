@@ -34,6 +34,7 @@ from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.harness.metrics import SLO, format_summary
 from nanovllm.harness.monitor import MonitorConfig
@@ -155,6 +156,7 @@ class _Checked:
     logger: dict[str, Any]
     slo: SLO
     monitor: MonitorConfig
+    live: LiveConfig
 
 
 def check_config(cfg: DictConfig) -> _Checked:
@@ -172,6 +174,7 @@ def check_config(cfg: DictConfig) -> _Checked:
         logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
         slo=SLO(**cfg.slo),
         monitor=MonitorConfig(**cfg.monitor),
+        live=LiveConfig(**cfg.live),
     )
 
 
@@ -186,6 +189,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from nanovllm.engine.engine import LLMEngine
     from nanovllm.harness.monitor import ModelCost, Monitor
     from nanovllm.harness.serving import format_breakdown, serve
+    from nanovllm.harness.live.launch import start_live
     from nanovllm.harness.workload import generate_workload
 
     with _engine_field_errors():
@@ -202,13 +206,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     group = (checked.logger.get("group") or Path(str(hc.sweep.dir)).name) if multirun else None
     name = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else run_dir.name
     config = OmegaConf.to_container(cfg, resolve=True)
+    live = start_live(checked.live, run_dir, engine, len(workload))  # live=web|tui; nothing when off
+    loggers += live.loggers
     started: list[RunLogger] = []
     try:
         for logger in loggers:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
-        result = serve(engine, workload, progress=cfg.progress and not multirun, loggers=loggers,
-                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature)
+        result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
+                       loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature)
+    except BaseException:
+        live.close()
+        raise
     finally:
         for logger in started:
             logger.finish()
@@ -218,6 +227,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if len(result.by_client) > 1:
         print(format_breakdown(result.by_client, "client_id"))
     print(f"run files: {run_dir}")
+    live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
 
 
