@@ -191,11 +191,15 @@ GANTT_COLUMNS = ("row", "start", "end", "phase", "request_id", "priority", "clie
 
 
 def _segments(spans: list[tuple[float, float | None, str]], t: float) -> list[tuple[float, float, str]]:
-    """Clip (start, end, phase) spans to ``t``; drop empty ones."""
+    """Clip (start, end, phase) spans to ``t``; drop empty ones. The end marks (finished / failed) are drawn as
+    a short tick after the end, whatever ``t``, so that they stay visible."""
     out = []
     for start, end, phase in spans:
+        if phase in ("finished", "failed"):
+            out.append((start, start + max(0.005, 0.006 * t), phase))
+            continue
         end = t if end is None else min(end, t)
-        if start < end or (start == end == t and phase in ("queued", "finished", "failed")):
+        if start < end or (start == end == t and phase == "queued"):
             out.append((start, end, phase))
     return out
 

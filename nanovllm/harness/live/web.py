@@ -75,6 +75,7 @@ class RunDashboard:
         self.feed = RunFeed(run_dir)
         self.update_ms = update_ms
         self.following = True
+        self.moment = 0.0
         self.steps_src = ColumnDataSource(_empty(STEP_COLUMNS))
         self.preempt_src = ColumnDataSource({"t": [], "preempted": [], "kv_used": []})
         self.gantt_src = ColumnDataSource(_empty(GANTT_COLUMNS))
@@ -87,6 +88,7 @@ class RunDashboard:
         self.cursors: list[Span] = []
         self._shown_steps = 0
         self._rows_key: tuple = ()
+        self.moment = 0.0  # the time shown while not following
 
     # -- layout -------------------------------------------------------------------------------------------------
     def layout(self):
@@ -252,7 +254,7 @@ class RunDashboard:
             f"<b>nano-vllm live</b> · <code>{feed.run_dir}</code> · run <span class='nv-state'>{state}</span> · "
             f"step <span class='nv-step'>{last}</span> · t = {feed.end_time:.2f} s · finished requests "
             f"<span class='nv-finished'>{done}</span>{f' / {total}' if total else ''}"
-            + ("" if self.following else f" · <b>showing t = {self.slider.value:.2f} s</b>"))
+            + ("" if self.following else f" · <b>showing t = {self.moment:.2f} s</b>"))
         problems = []
         if feed.finished and feed.torn_files:
             problems.append(f"{', '.join(feed.torn_files)} end with an incomplete line (skipped)")
@@ -265,6 +267,7 @@ class RunDashboard:
             self._on_follow()
             return
         self.following = False
+        self.moment = new
         steps = self.feed.steps_until(new)
         self.steps_src.data = step_columns(steps, self.feed.sizes)
         marks = [s for s in steps if s["num_preempted"]]
