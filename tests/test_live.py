@@ -247,9 +247,9 @@ def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    # Arrivals spread over ~15 s, so the run is still going while the page loads and is read twice.
+    # Arrivals spread over ~30 s, so the run is still going while the page loads and is read twice.
     command = [sys.executable, "-m", "nanovllm.run", "live=web", "live.port=0", "workload=synthetic",
-               "workload.num_requests=12", "workload.request_rate=0.8", "workload.input_len.kind=fixed",
+               "workload.num_requests=16", "workload.request_rate=0.5", "workload.input_len.kind=fixed",
                "workload.input_len.mean=8", "workload.output_len.kind=fixed", "workload.output_len.mean=3",
                "engine.num_kv_blocks=16", "engine.max_model_len=512", "monitor.calibrate=false", "progress=false",
                f"hydra.run.dir={run_dir}"]
@@ -289,7 +289,7 @@ def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        assert metrics["completed"] == 12
+        assert metrics["completed"] == 16
         assert (run_dir / "blocks.jsonl").stat().st_size > 0 and (tmp_path / "dashboard.png").stat().st_size > 10_000
         shutil.copy(tmp_path / "dashboard.png", REPO / "experiments" / "results" / "live_dashboard_test.png")
     finally:

@@ -192,6 +192,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from nanovllm.harness.live.launch import start_live
     from nanovllm.harness.workload import generate_workload
 
+    live = start_live(checked.live, run_dir)  # live=web: the dashboard process starts while the model loads
     with _engine_field_errors():
         engine = LLMEngine(checked.engine, scheduler=checked.scheduler, allocator=checked.allocator,
                            attention=checked.attention)
@@ -206,8 +207,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     group = (checked.logger.get("group") or Path(str(hc.sweep.dir)).name) if multirun else None
     name = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else run_dir.name
     config = OmegaConf.to_container(cfg, resolve=True)
-    live = start_live(checked.live, run_dir, engine, len(workload))  # live=web|tui; nothing when off
-    loggers += live.loggers
+    loggers += live.attach(engine, len(workload))
     started: list[RunLogger] = []
     try:
         for logger in loggers:

@@ -33,14 +33,15 @@ class NotARunError(ValueError):
     """The path given to the dashboard is not a run (or sweep) directory."""
 
 
-def check_run_dir(path: str | Path) -> Path:
-    """``path`` as a run or sweep directory, or ``NotARunError`` saying what is wrong with it."""
+def check_run_dir(path: str | Path, starting: bool = False) -> Path:
+    """``path`` as a run or sweep directory, or ``NotARunError`` saying what is wrong with it. ``starting``: the
+    run is still loading its model, so an existing directory without its files yet is fine."""
     path = Path(path)
     if not path.exists():
         raise NotARunError(f"{path} does not exist")
     if not path.is_dir():
         raise NotARunError(f"{path} is a file, not a run directory")
-    if not is_run_dir(path) and not sweep_runs(path):
+    if not starting and not is_run_dir(path) and not sweep_runs(path):
         raise NotARunError(f"{path} is not a run directory (no {STEPS_FILE} or metrics.json) nor a multirun "
                            f"directory (no job subdirectories with them)")
     return path

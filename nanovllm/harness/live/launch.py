@@ -1,6 +1,6 @@
 """Turning ``live.*`` into what a run needs: extra loggers, and for ``web`` the dashboard's own process.
 
-``start_live`` is all ``run.py`` calls. The dashboard never gets a say over the run: its port is checked
+``start_live`` (before the model loads) and ``LiveSession.attach`` / ``close`` are all ``run.py`` calls. The dashboard never gets a say over the run: its port is checked
 before the run starts (taken: a warning, and the run goes on without it), it runs as a child process that only
 reads the run's files (its log is ``live.log`` in the run directory), and every live logger is wrapped so an
 error in it switches it off with a warning instead of ending the run.
@@ -8,6 +8,7 @@ error in it switches it off with a warning instead of ending the run.
 
 from __future__ import annotations
 
+import atexit
 import socket
 import subprocess
 import sys
@@ -76,6 +77,11 @@ class LiveSession:
     process: subprocess.Popen | None = None
     url: str | None = None
 
+    def attach(self, engine: Any, num_requests: int) -> list[RunLogger]:
+        """The loggers that feed the live view from ``engine`` (block snapshots; the terminal view for tui)."""
+        _start_loggers(self, engine, num_requests)
+        return self.loggers
+
     def close(self, keep_open: bool = False) -> None:
         """Stop the dashboard, after serving until Ctrl-C if ``keep_open`` and someone is at the terminal."""
         process = self.process
@@ -100,11 +106,19 @@ class LiveSession:
         self.process = None
 
 
-def start_live(config: LiveConfig, run_dir: Path, engine: Any, num_requests: int) -> LiveSession:
-    """Set up ``config.mode`` for a run in ``run_dir`` on ``engine``. ``off``: nothing at all."""
+def start_live(config: LiveConfig, run_dir: Path) -> LiveSession:
+    """Set up ``config.mode`` for a run in ``run_dir``, before the model loads: the dashboard process (web)
+    starts now, so that its own imports overlap the model's loading. ``off``: nothing at all."""
     session = LiveSession(config, Path(run_dir))
+    if config.mode == "web":
+        _start_dashboard(session)
+    return session
+
+
+def _start_loggers(session: LiveSession, engine: Any, num_requests: int) -> None:
+    config = session.config
     if config.mode == "off":
-        return session
+        return
     from nanovllm.harness.live.snapshot import SnapshotLogger
 
     session.loggers.append(NeverFails(SnapshotLogger(engine, num_requests, config.snapshot_every)))
@@ -112,19 +126,6 @@ def start_live(config: LiveConfig, run_dir: Path, engine: Any, num_requests: int
         from nanovllm.harness.live.tui import TuiLogger
 
         session.loggers.append(NeverFails(TuiLogger(engine, num_requests, config.update_ms)))
-    elif config.mode == "web":
-        session.loggers.append(_DashboardStarter(session))
-    return session
-
-
-class _DashboardStarter(RunLogger):
-    """Starts the dashboard process once the run's files exist (loggers start after the jsonl writer)."""
-
-    def __init__(self, session: LiveSession) -> None:
-        self.session = session
-
-    def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
-        _start_dashboard(self.session)
 
 
 def _start_dashboard(session: LiveSession) -> None:
@@ -137,8 +138,9 @@ def _start_dashboard(session: LiveSession) -> None:
         return
     session.run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "nanovllm.viz", "--live", str(session.run_dir), "--host", config.host,
-               "--port", str(port), "--update-ms", str(config.update_ms)]
+               "--port", str(port), "--update-ms", str(config.update_ms), "--starting"]
     with open(session.run_dir / "live.log", "w", encoding="utf-8") as log:
         session.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    atexit.register(session.close)  # a run that ends in an error must not leave its dashboard behind
     session.url = f"http://{config.host}:{port}/"
     print(f"live dashboard: {session.url}", flush=True)

@@ -248,7 +248,7 @@ class RunDashboard:
         feed = self.feed
         total = feed.sizes.num_requests
         done = len(feed.requests)
-        state = "finished" if feed.finished else "running"
+        state = "finished" if feed.finished else "running" if feed.steps else "starting (loading the model)"
         last = feed.steps[-1]["step"] if feed.steps else 0
         self.header.text = (
             f"<b>nano-vllm live</b> · <code>{feed.run_dir}</code> · run <span class='nv-state'>{state}</span> · "
@@ -347,9 +347,10 @@ class SweepDashboard:
                             f"<span class='nv-jobs'>{len(runs)}</span> of {len(jobs)} jobs finished")
 
 
-def make_app(run_dir: Path, update_ms: int = 500) -> Callable[[Document], None]:
-    """The Bokeh document factory for ``run_dir`` (a run or a multirun directory)."""
-    run_dir = check_run_dir(run_dir)
+def make_app(run_dir: Path, update_ms: int = 500, starting: bool = False) -> Callable[[Document], None]:
+    """The Bokeh document factory for ``run_dir`` (a run or a multirun directory; ``starting``: a run whose
+    files are not there yet)."""
+    run_dir = check_run_dir(run_dir, starting)
 
     def build(doc: Document) -> None:
         view: RunDashboard | SweepDashboard
@@ -371,12 +372,13 @@ class PortInUseError(OSError):
     """The dashboard's port is taken."""
 
 
-def start_server(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, update_ms: int = 500) -> Server:
+def start_server(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, update_ms: int = 500,
+                 starting: bool = False) -> Server:
     """A started (not yet looping) Bokeh server for ``run_dir``; ``PortInUseError`` names the port if taken.
     Port 0 picks a free one (read it back from ``server.port``)."""
     if port == 0:
         port = free_port(host, 0) or 0
-    app = Application(FunctionHandler(make_app(Path(run_dir), update_ms)))
+    app = Application(FunctionHandler(make_app(Path(run_dir), update_ms, starting)))
     try:
         server = Server({"/": app}, address=host, port=port, allow_websocket_origin=[f"{host}:{port}",
                         f"localhost:{port}", f"127.0.0.1:{port}"], num_procs=1)
@@ -388,9 +390,10 @@ def start_server(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, updat
     return server
 
 
-def serve_dashboard(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, update_ms: int = 500) -> None:
+def serve_dashboard(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, update_ms: int = 500,
+                    starting: bool = False) -> None:
     """Serve the dashboard of ``run_dir`` until interrupted; prints its URL first."""
-    server = start_server(run_dir, host, port, update_ms)
+    server = start_server(run_dir, host, port, update_ms, starting)
     print(f"live dashboard: http://{host}:{server.port}/  (Ctrl-C to stop)", flush=True)
     try:
         server.io_loop.start()

@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="serve a live browser dashboard of one run (or multirun) directory instead")
     parser.add_argument("--host", default="127.0.0.1", help="--live: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=5006, help="--live: port (default 5006; 0 = any free one)")
+    parser.add_argument("--starting", action="store_true",
+                        help="--live: the run is still starting (as live=web launches it): serve before its files exist")
     parser.add_argument("--update-ms", type=int, default=500, help="--live: refresh period in ms (default 500)")
     return parser.parse_args(argv)
 
@@ -36,7 +38,7 @@ def _live(args: argparse.Namespace) -> None:
     if len(args.run_dirs) != 1:
         sys.exit("error: --live takes one run (or multirun) directory")
     try:
-        serve_dashboard(args.run_dirs[0], args.host, args.port, args.update_ms)
+        serve_dashboard(args.run_dirs[0], args.host, args.port, args.update_ms, args.starting)
     except (NotARunError, PortInUseError) as exc:
         sys.exit(f"error: {exc}")
 
