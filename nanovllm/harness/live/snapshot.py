@@ -43,13 +43,18 @@ def request_snapshot(request: Request, t0: float) -> dict[str, Any]:
     }
 
 
+MAX_WAITING = 200  # the dashboard shows the latest requests only; a long queue's tail would only cost time
+
+
 def engine_snapshot(engine: LLMEngine, step: dict, t0: float) -> dict[str, Any]:
-    """The requests holding or waiting for blocks after ``step`` (a run-relative step record)."""
+    """The requests holding blocks after ``step`` (a run-relative step record) and the head of the waiting
+    queue (``MAX_WAITING`` at most; ``num_waiting`` says how many there are)."""
     scheduler = engine.scheduler
     return {
         "step": step["step"],
         "time": step["start_time"] + step["duration"],
-        "requests": [request_snapshot(r, t0) for r in (*scheduler.running, *scheduler.waiting)],
+        "num_waiting": len(scheduler.waiting),
+        "requests": [request_snapshot(r, t0) for r in (*scheduler.running, *scheduler.waiting[:MAX_WAITING])],
     }
 
 
