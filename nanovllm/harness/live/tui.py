@@ -125,4 +125,5 @@ class TuiLogger(RunLogger):
     def finish(self) -> None:
         if self._live is not None:
             self._live.stop()
+            self._live.console.line()  # the summary printed next starts on its own line
             self._live = None

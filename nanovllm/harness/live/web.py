@@ -38,6 +38,7 @@ from bokeh.server.server import Server
 from bokeh.transform import factor_cmap
 
 from nanovllm.harness.live.launch import free_port
+from nanovllm.harness.viz.plots import e2els, load_run, run_labels, tpots, ttfts
 from nanovllm.harness.live.feed import (
     BLOCK_COLUMNS,
     GANTT_COLUMNS,
@@ -321,8 +322,6 @@ class SweepDashboard:
         return column(self.header, table, row(*figs))
 
     def update(self) -> None:
-        from nanovllm.harness.viz.plots import e2els, load_run, run_labels, tpots, ttfts
-
         jobs = sweep_runs(self.sweep_dir)
         seen = tuple((p.name, (p / "metrics.json").is_file()) for p in jobs)
         if seen == self._seen:
