@@ -2,13 +2,15 @@
 
 ``start_live`` (before the model loads) and ``LiveSession.attach`` / ``close`` are all ``run.py`` calls. The dashboard never gets a say over the run: its port is checked
 before the run starts (taken: a warning, and the run goes on without it), it runs as a child process that only
-reads the run's files (its log is ``live.log`` in the run directory), and every live logger is wrapped so an
+reads the run's files at a lower CPU priority (niceness 10; its log is ``live.log`` in the run directory), and
+every live logger is wrapped so an
 error in it switches it off with a warning instead of ending the run.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import socket
 import subprocess
 import sys
@@ -128,6 +130,15 @@ def _start_loggers(session: LiveSession, engine: Any, num_requests: int) -> None
         session.loggers.append(NeverFails(TuiLogger(engine, num_requests, config.update_ms)))
 
 
+def _lower_priority() -> None:
+    # The dashboard yields the CPU to the engine whenever both want it: on a small machine that is the
+    # difference between watching a run and slowing it down.
+    os.nice(DASHBOARD_NICENESS)
+
+
+DASHBOARD_NICENESS = 10
+
+
 def _start_dashboard(session: LiveSession) -> None:
     config = session.config
     port = free_port(config.host, config.port)
@@ -140,7 +151,8 @@ def _start_dashboard(session: LiveSession) -> None:
     command = [sys.executable, "-m", "nanovllm.viz", "--live", str(session.run_dir), "--host", config.host,
                "--port", str(port), "--update-ms", str(config.update_ms), "--starting"]
     with open(session.run_dir / "live.log", "w", encoding="utf-8") as log:
-        session.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        session.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           preexec_fn=_lower_priority)
     atexit.register(session.close)  # a run that ends in an error must not leave its dashboard behind
     session.url = f"http://{config.host}:{port}/"
     print(f"live dashboard: {session.url}", flush=True)

@@ -210,7 +210,7 @@ class RunDashboard:
             if new_steps:
                 self._stream_steps(self.feed.steps[self._shown_steps:])
             if new_steps or new_requests or new_snapshots:
-                self._show_moment(end)
+                self._show_moment(end, blocks=bool(new_snapshots), latency=bool(new_requests))
         self._refresh_header()
 
     def _stream_steps(self, steps: list[dict]) -> None:
@@ -223,14 +223,20 @@ class RunDashboard:
                                      "kv_used": [s["kv_blocks_used"] for s in marks]})
         self._shown_steps += len(steps)
 
-    def _show_moment(self, t: float) -> None:
-        """Block map, Gantt rows and latency table as they were at ``t``."""
+    def _show_moment(self, t: float, blocks: bool = True, latency: bool = True) -> None:
+        """Gantt rows, and the block map and latency table unless told they have not changed, as at ``t``."""
         gantt = gantt_rows(self.feed, t)
         rows = list(dict.fromkeys(gantt["row"]))
         if tuple(rows) != self._rows_key:
             self.gantt.y_range.factors = rows
             self._rows_key = tuple(rows)
         self.gantt_src.data = gantt
+        if blocks:
+            self._show_blocks(t)
+        if latency:
+            self.latency_src.data = latency_table(self.feed.requests_ended_by(t))
+
+    def _show_blocks(self, t: float) -> None:
         snapshot = self.feed.snapshot_at(t)
         num_blocks = self.feed.sizes.num_kv_blocks or 0
         blocks = block_map(snapshot, num_blocks)
@@ -243,7 +249,6 @@ class RunDashboard:
         rows = -(-num_blocks // 32)
         self.block_fig.x_range.start, self.block_fig.x_range.end = -0.5, 31.5
         self.block_fig.y_range.start, self.block_fig.y_range.end = max(rows, 12) - 0.5, -0.5
-        self.latency_src.data = latency_table(self.feed.requests_ended_by(t))
 
     def _refresh_header(self) -> None:
         feed = self.feed
