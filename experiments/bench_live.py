@@ -69,7 +69,8 @@ class Timed(RunLogger):
         self.inner.finish()
 
 
-def serve_once(engine, workload, run_dir: Path, live: str, snapshot_every: int) -> tuple[float, float]:
+def serve_once(engine, workload, run_dir: Path, live: str, snapshot_every: int,
+               browser_tab: bool = True) -> tuple[float, float]:
     """Output tokens per second of one ``serve`` of ``workload`` with the live view ``live`` on, and the share of
     the run's wall time spent in the live loggers."""
     session = start_live(LiveConfig(mode=live, port=0, snapshot_every=snapshot_every), run_dir)
@@ -77,7 +78,7 @@ def serve_once(engine, workload, run_dir: Path, live: str, snapshot_every: int) 
     loggers = [JsonlLogger(), *timed]
     for logger in loggers:
         logger.start(run_dir, {"engine": {"max_num_seqs": engine.config.max_num_seqs}})
-    browser = open_browser(session.url) if session.url else None
+    browser = open_browser(session.url) if session.url and browser_tab else None
     try:
         result = serve(engine, workload, progress=False, loggers=loggers)
     finally:
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--snapshot-every", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-browser", action="store_true", help="dashboard process only, no Chromium tab")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
@@ -111,7 +113,8 @@ def main() -> None:
         serve_once(engine, workload[:2], Path(tmp) / "warmup", "off", args.snapshot_every)
         for i in range(args.repeats):
             for mode in ("off", "web"):  # alternated, so drifts in machine load hit both alike
-                throughput, share = serve_once(engine, workload, Path(tmp) / f"{mode}{i}", mode, args.snapshot_every)
+                throughput, share = serve_once(engine, workload, Path(tmp) / f"{mode}{i}", mode, args.snapshot_every,
+                                             not args.no_browser)
                 tokens_per_s[mode].append(throughput)
                 if mode == "web":
                     logger_share.append(share)
@@ -119,7 +122,7 @@ def main() -> None:
                       flush=True)
     off, web = (statistics.median(tokens_per_s[m]) for m in ("off", "web"))
     print(f"\n| live | output tok/s (median of {args.repeats}) | ratio |\n|---|---|---|\n"
-          f"| off | {off:.1f} | 1.00x |\n| web (dashboard + headless Chromium tab) | {web:.1f} | {web / off:.3f}x |\n"
+          f"| off | {off:.1f} | 1.00x |\n| web ({'dashboard process only' if args.no_browser else 'dashboard + headless Chromium tab'}) | {web:.1f} | {web / off:.3f}x |\n"
           f"\nthe engine's process spent {max(logger_share):.3%} of its wall time (worst run) in the live loggers")
     if args.json:
         Path(args.json).write_text(json.dumps({"off": tokens_per_s["off"], "web": tokens_per_s["web"],
