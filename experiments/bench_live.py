@@ -17,6 +17,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from nanovllm import LLM
@@ -69,6 +70,16 @@ class Timed(RunLogger):
         self.inner.finish()
 
 
+def wait_until_serving(url: str) -> None:
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url, timeout=30).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the dashboard at {url} never came up")
+
+
 def serve_once(engine, workload, run_dir: Path, live: str, snapshot_every: int,
                browser_tab: bool = True) -> tuple[float, float]:
     """Output tokens per second of one ``serve`` of ``workload`` with the live view ``live`` on, and the share of
@@ -79,6 +90,8 @@ def serve_once(engine, workload, run_dir: Path, live: str, snapshot_every: int,
     for logger in loggers:
         logger.start(run_dir, {"engine": {"max_num_seqs": engine.config.max_num_seqs}})
     browser = open_browser(session.url) if session.url and browser_tab else None
+    if session.url and not browser_tab:
+        wait_until_serving(session.url)  # its start-up (imports) overlaps the model's loading in a real run
     try:
         result = serve(engine, workload, progress=False, loggers=loggers)
     finally:
