@@ -95,9 +95,12 @@ def test_default_config(compose_cfg) -> None:
     # The engine node has exactly EngineConfig's names (model comes from the model group) and its defaults.
     assert set(cfg.engine) == {f for f in EngineConfig.__dataclass_fields__} - {"model"}
     defaults = EngineConfig()
-    assert all(cfg.engine[k] == getattr(defaults, k) for k in cfg.engine if k not in ("max_num_seqs", "dtype"))
+    assert all(cfg.engine[k] == getattr(defaults, k) for k in cfg.engine
+               if k not in ("max_num_seqs", "dtype", "num_kv_blocks"))
     assert cfg.engine.max_num_seqs == 4  # small on purpose: the default run queues, so policies differ
     assert cfg.engine.dtype == "bfloat16"  # runs take the fast path; LLM() stays on the float32 reference
+    # The default run is worth watching: online arrivals and a cache small enough to page and preempt.
+    assert cfg.engine.num_kv_blocks == 32 and cfg.workload.request_rate == 2.0
     # One seed drives the engine and the workload unless they are set apart.
     cfg = compose_cfg("seed=7")
     assert cfg.engine.seed == 7 and cfg.workload.seed == 7

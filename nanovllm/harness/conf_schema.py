@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from nanovllm.config import EngineConfig
+from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.metrics import SLO
 from nanovllm.harness.monitor import MonitorConfig
 from nanovllm.harness.objective import ObjectiveConfig
@@ -72,6 +73,7 @@ class RunConfig:
     plugins: list[str] = field(default_factory=list)  # modules or .py files imported before the engine is built
     progress: bool = True
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # what run.py returns to sweepers
+    live: LiveConfig = field(default_factory=LiveConfig)  # watch the run: off | web | tui (conf/live/)
 
 
 def register_configs() -> None:

@@ -2,7 +2,8 @@
 
 A run directory holds ``requests.jsonl`` (one ``RequestRecord`` per request, in the order they ended),
 ``steps.jsonl`` (one ``StepRecord`` per engine step), ``metrics.json`` (the summary, with its breakdowns) and
-``config.json``. ``RunWriter`` is their only writer (the jsonl logger streams through it) and ``read_run`` their
+``config.json``; a run watched live (``live=web|tui``) also has ``blocks.jsonl`` (periodic snapshots of who holds
+which KV block) and ``engine.json`` (the engine's sizes). ``RunWriter`` is their only writer (the jsonl logger streams through it) and ``read_run`` their
 only reader (viz, the sweep summary and tests read through it), so the format lives here and nowhere else.
 Metrics, loggers and plots read only these records, never engine objects, so a run can be analysed long after
 the engine is gone. All times are seconds since the run started (``perf_counter`` based).
@@ -19,9 +20,10 @@ from nanovllm.outputs import StepRecord
 from nanovllm.request import Request
 
 REQUESTS_FILE, STEPS_FILE, METRICS_FILE, CONFIG_FILE = "requests.jsonl", "steps.jsonl", "metrics.json", "config.json"
+BLOCKS_FILE, ENGINE_FILE = "blocks.jsonl", "engine.json"
 
-__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "read_jsonl", "read_metrics", "read_run",
-           "request_record", "step_record"]
+__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "JsonlTail", "is_run_dir", "read_jsonl",
+           "read_metrics", "read_run", "request_record", "step_record"]
 
 
 class RequestRecord(TypedDict):
@@ -91,13 +93,23 @@ class RunWriter:
     """Writes one run directory. Steps and requests are streamed line-buffered as they happen, so a crashed or
     interrupted run keeps everything up to its last step; ``metrics.json`` is written at the summary."""
 
-    def __init__(self, run_dir: str | Path, config: dict | None = None) -> None:
+    def __init__(self, run_dir: str | Path, config: dict | None = None, core_files: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if config is not None:
             (self.run_dir / CONFIG_FILE).write_text(dumps(config, indent=2) + "\n", encoding="utf-8")
-        self._steps: IO[str] | None = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
-        self._requests: IO[str] | None = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
+        self._steps: IO[str] | None = None
+        self._requests: IO[str] | None = None
+        self._blocks: IO[str] | None = None
+        if core_files:
+            self._steps = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
+            self._requests = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
+
+    @classmethod
+    def for_extras(cls, run_dir: str | Path) -> "RunWriter":
+        """A writer of the live-only files (``blocks.jsonl``, ``engine.json``) beside a run whose steps and
+        requests another writer owns; it leaves their files alone."""
+        return cls(run_dir, core_files=False)
 
     def write_step(self, step: dict) -> None:
         self._write(self._steps, step)
@@ -111,15 +123,25 @@ class RunWriter:
             raise RuntimeError("RunWriter is closed")
         stream.write(dumps(row) + "\n")
 
+    def write_blocks(self, snapshot: dict) -> None:
+        """One KV block-ownership snapshot into ``blocks.jsonl`` (opened on first use: only live runs have it)."""
+        if self._blocks is None:
+            self._blocks = open(self.run_dir / BLOCKS_FILE, "w", buffering=1, encoding="utf-8")
+        self._write(self._blocks, snapshot)
+
+    def write_engine_info(self, info: dict) -> None:
+        """The engine's sizes (blocks, bytes per block, budgets) as ``engine.json``, for the live dashboard."""
+        (self.run_dir / ENGINE_FILE).write_text(dumps(info, indent=2) + "\n", encoding="utf-8")
+
     def write_metrics(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
         metrics = {**summary, "breakdowns": breakdowns or {}}
         (self.run_dir / METRICS_FILE).write_text(dumps(metrics, indent=2) + "\n", encoding="utf-8")
 
     def close(self) -> None:
-        for stream in (self._steps, self._requests):
+        for stream in (self._steps, self._requests, self._blocks):
             if stream is not None:
                 stream.close()
-        self._steps = self._requests = None
+        self._steps = self._requests = self._blocks = None
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
@@ -135,6 +157,56 @@ def read_metrics(run_dir: str | Path) -> dict | None:
     """A run's ``metrics.json``, or None when the run did not get that far."""
     path = Path(run_dir) / METRICS_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+class JsonlTail:
+    """Reads a ``.jsonl`` file that another process may still be writing, a little more at each ``read_new``.
+
+    Only complete lines count: a last line without its newline (the writer is mid-line, or died there) is held
+    back until it is completed, and ``torn`` says one is pending. A complete line that is not JSON is skipped
+    and counted in ``bad_lines``, so a damaged file never stops a reader that only watches it. A file that
+    does not exist yet reads as empty; one that shrank (rewritten by a new run) is read again from the start.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+        self.bad_lines = 0
+
+    @property
+    def torn(self) -> bool:
+        """Whether the file currently ends in an incomplete line (held back, not yet returned)."""
+        return bool(self._partial.strip())
+
+    def read_new(self) -> list[dict]:
+        """The records appended since the last call (complete lines only)."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self._offset:
+            self._offset, self._partial = 0, b""
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        records = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                self.bad_lines += 1
+        return records
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a run's files (a run in progress counts: it has ``steps.jsonl`` already)."""
+    path = Path(path)
+    return path.is_dir() and any((path / name).is_file() for name in (STEPS_FILE, METRICS_FILE))
 
 
 @dataclass

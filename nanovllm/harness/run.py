@@ -36,10 +36,15 @@ from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.harness.metrics import SLO, format_summary
 from nanovllm.harness.monitor import MonitorConfig
-from nanovllm.harness.objective import ObjectiveConfig, check_sweeper_direction, objective_value
+from nanovllm.harness.objective import (
+    ObjectiveConfig,
+    check_sweeper_direction,
+    objective_value,
+)
 from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.policy import POLICIES
@@ -159,6 +164,7 @@ class _Checked:
     logger: dict[str, Any]
     slo: SLO
     monitor: MonitorConfig
+    live: LiveConfig = dataclasses.field(default_factory=LiveConfig)
     runner: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "real"})
     hardware: dict[str, Any] | None = None
 
@@ -186,6 +192,7 @@ def check_config(cfg: DictConfig) -> _Checked:
         monitor=MonitorConfig(**cfg.monitor),
         runner=runner,
         hardware=hardware,
+        live=LiveConfig(**cfg.live),
     )
 
 
@@ -198,12 +205,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     # The slow part: torch, transformers and the model.
     from nanovllm.engine.engine import LLMEngine
+    from nanovllm.harness.live.launch import start_live
     from nanovllm.harness.monitor import ModelCost, Monitor
     from nanovllm.harness.serving import format_breakdown, serve
     from nanovllm.harness.workload import generate_workload
 
     plugins = dict(scheduler=checked.scheduler, allocator=checked.allocator, attention=checked.attention)
     sim = None
+    live = start_live(checked.live, run_dir)  # live=web: the dashboard process starts while the model loads
     with _engine_field_errors():
         if checked.runner["name"] == "sim":
             from nanovllm.harness.sim.simulate import Simulation
@@ -224,15 +233,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     group = (checked.logger.get("group") or Path(str(hc.sweep.dir)).name) if multirun else None
     name = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else run_dir.name
     config = OmegaConf.to_container(cfg, resolve=True)
+    loggers += live.attach(engine, len(workload))
     started: list[RunLogger] = []
     try:
         for logger in loggers:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
-        result = serve(engine, workload, progress=cfg.progress and not multirun, loggers=loggers,
-                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
+        result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
+                       loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
                        clock=sim.clock if sim is not None else None,
                        annotations=sim.annotations if sim is not None else None)
+    except BaseException:
+        live.close()
+        raise
     finally:
         for logger in started:
             logger.finish()
@@ -242,6 +255,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if len(result.by_client) > 1:
         print(format_breakdown(result.by_client, "client_id"))
     print(f"run files: {run_dir}")
+    live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
 
 

@@ -1,0 +1,304 @@
+"""A run's files, read as they grow, and what the live views draw from them at any moment ``t``.
+
+``RunFeed`` tails ``steps.jsonl``, ``requests.jsonl`` and ``blocks.jsonl`` through ``records.JsonlTail`` (a
+torn last line waits for its newline), so it works the same on a run in progress and on a finished one. The
+functions below turn records into plain columns for the charts; they take a time ``t`` so the dashboard's
+scrubber can show the run as it was at any moment. All times are seconds since the run started.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from nanovllm.harness.metrics import breakdown, summarize
+from nanovllm.harness.records import (
+    BLOCKS_FILE,
+    CONFIG_FILE,
+    ENGINE_FILE,
+    REQUESTS_FILE,
+    STEPS_FILE,
+    JsonlTail,
+    is_run_dir,
+    read_metrics,
+)
+
+PHASES = ("queued", "prefill", "decoding", "preempted", "finished", "failed")
+
+
+class NotARunError(ValueError):
+    """The path given to the dashboard is not a run (or sweep) directory."""
+
+
+def check_run_dir(path: str | Path, starting: bool = False) -> Path:
+    """``path`` as a run or sweep directory, or ``NotARunError`` saying what is wrong with it. ``starting``: the
+    run is still loading its model, so an existing directory without its files yet is fine."""
+    path = Path(path)
+    if not path.exists():
+        raise NotARunError(f"{path} does not exist")
+    if not path.is_dir():
+        raise NotARunError(f"{path} is a file, not a run directory")
+    if not starting and not is_run_dir(path) and not sweep_runs(path):
+        raise NotARunError(f"{path} is not a run directory (no {STEPS_FILE} or metrics.json) nor a multirun "
+                           f"directory (no job subdirectories with them)")
+    return path
+
+
+def sweep_runs(path: str | Path) -> list[Path]:
+    """The job directories of a multirun directory (numbered ``0``, ``1``, ... by Hydra), in job order."""
+    path = Path(path)
+    jobs = [p for p in path.iterdir() if p.is_dir() and is_run_dir(p)] if path.is_dir() else []
+    return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+@dataclass
+class EngineSizes:
+    """What the charts are drawn against; from ``engine.json`` (live runs) or the run's ``config.json``."""
+
+    num_kv_blocks: int | None = None
+    bytes_per_block: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_requests: int | None = None
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "EngineSizes":
+        for name in (ENGINE_FILE, CONFIG_FILE):
+            try:
+                data = json.loads((run_dir / name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if name == CONFIG_FILE:
+                engine = data.get("engine") or {}
+                workload = data.get("workload") or {}
+                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests")}
+            return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+        return cls()
+
+
+@dataclass
+class RunFeed:
+    """Everything read so far from one run directory; ``poll`` reads what was appended since."""
+
+    run_dir: Path
+    steps: list[dict] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)
+    snapshots: list[dict] = field(default_factory=list)
+    sizes: EngineSizes = field(default_factory=EngineSizes)
+    finished: bool = False
+    # request id -> [start, end or None] intervals in which a snapshot saw it preempted
+    preempted: dict[str, list[list[float | None]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self._tails = {name: JsonlTail(self.run_dir / name) for name in (STEPS_FILE, REQUESTS_FILE, BLOCKS_FILE)}
+
+    def poll(self) -> tuple[list[dict], list[dict], list[dict]]:
+        """Read newly appended steps, requests and snapshots (and keep them); returns the new ones."""
+        if self.sizes.num_kv_blocks is None or self.sizes.num_requests is None:
+            self.sizes = EngineSizes.read(self.run_dir)
+        self.finished = self.finished or read_metrics(self.run_dir) is not None
+        steps, requests, snapshots = (self._tails[n].read_new() for n in (STEPS_FILE, REQUESTS_FILE, BLOCKS_FILE))
+        self.steps += steps
+        self.requests += requests
+        for snapshot in snapshots:
+            self._track_preemptions(snapshot)
+        self.snapshots += snapshots
+        return steps, requests, snapshots
+
+    def _track_preemptions(self, snapshot: dict) -> None:
+        now = snapshot["time"]
+        seen_preempted = {r["request_id"] for r in snapshot["requests"] if r["status"] == "preempted"}
+        for request_id, intervals in self.preempted.items():
+            if intervals[-1][1] is None and request_id not in seen_preempted:
+                intervals[-1][1] = now
+        for request_id in seen_preempted:
+            intervals = self.preempted.setdefault(request_id, [])
+            if not intervals or intervals[-1][1] is not None:
+                intervals.append([now, None])
+
+    @property
+    def torn_files(self) -> list[str]:
+        """Files whose last line is incomplete right now (normal while a run writes; damage once it ended)."""
+        return [name for name, tail in self._tails.items() if tail.torn]
+
+    @property
+    def bad_lines(self) -> int:
+        return sum(tail.bad_lines for tail in self._tails.values())
+
+    @property
+    def end_time(self) -> float:
+        """The latest moment the files describe."""
+        return step_end(self.steps[-1]) if self.steps else 0.0
+
+    def snapshot_at(self, t: float) -> dict | None:
+        """The last block snapshot taken at or before ``t``."""
+        index = bisect.bisect_right([s["time"] for s in self.snapshots], t)
+        return self.snapshots[index - 1] if index else None
+
+    def steps_until(self, t: float) -> list[dict]:
+        return self.steps[:bisect.bisect_right([step_end(s) for s in self.steps], t)]
+
+    def requests_ended_by(self, t: float) -> list[dict]:
+        return [r for r in self.requests if (r["finish_time"] if r["finish_time"] is not None else 0.0) <= t]
+
+
+def step_end(step: dict) -> float:
+    return step["start_time"] + step["duration"]
+
+
+# -- columns for the charts ---------------------------------------------------------------------------------------
+
+STEP_COLUMNS = ("t", "step", "running", "waiting", "preempted", "max_num_seqs", "kv_used", "kv_cached", "kv_free",
+                "kv_used_mib", "kv_cached_mib", "kv_free_mib", "prefill_tokens", "decode_seqs", "token_budget",
+                "throughput")
+
+
+def step_columns(steps: Sequence[dict], sizes: EngineSizes, history: Sequence[dict] = (),
+                 window: float = 2.0) -> dict[str, list]:
+    """One row per step for the time-series charts. ``history``: the steps before these (for the rolling
+    throughput, output tokens per second over the last ``window`` seconds)."""
+    mib = (sizes.bytes_per_block or 0) / 2**20
+    every = list(history) + list(steps)
+    ends = [step_end(s) for s in every]
+    cumulative = [0]
+    for s in every:
+        cumulative.append(cumulative[-1] + s.get("num_sampled", s["num_decode_tokens"]))
+    columns: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+    for offset, s in enumerate(steps, start=len(history)):
+        t = ends[offset]
+        start = bisect.bisect_left(ends, t - window, 0, offset + 1)
+        span = t - (ends[start - 1] if start else 0.0)
+        row = {
+            "t": t, "step": s["step"], "running": s["num_running"], "waiting": s["num_waiting"],
+            "preempted": s["num_preempted"], "max_num_seqs": sizes.max_num_seqs or 0,
+            "kv_used": s["kv_blocks_used"], "kv_cached": s.get("kv_blocks_cached", 0), "kv_free": s["kv_blocks_free"],
+            "prefill_tokens": s["num_prefill_tokens"], "decode_seqs": s["num_decode_seqs"],
+            "token_budget": sizes.max_num_batched_tokens or 0,
+            "throughput": (cumulative[offset + 1] - cumulative[start]) / span if span > 0 else 0.0,
+        }
+        for name in ("used", "cached", "free"):
+            row[f"kv_{name}_mib"] = row[f"kv_{name}"] * mib
+        for name in STEP_COLUMNS:
+            columns[name].append(row[name])
+    return columns
+
+
+GANTT_COLUMNS = ("row", "start", "end", "phase", "request_id", "priority", "client", "prompt_tokens",
+                 "output_tokens", "preemptions", "ttft_ms", "e2el_ms")
+
+
+def _segments(spans: list[tuple[float, float | None, str]], t: float) -> list[tuple[float, float, str]]:
+    """Clip (start, end, phase) spans to ``t``; drop empty ones. The end marks (finished / failed) are drawn as
+    a short tick after the end, whatever ``t``, so that they stay visible."""
+    out = []
+    for start, end, phase in spans:
+        if phase in ("finished", "failed"):
+            out.append((start, start + max(0.005, 0.006 * t), phase))
+            continue
+        end = t if end is None else min(end, t)
+        if start < end or (start == end == t and phase == "queued"):
+            out.append((start, end, phase))
+    return out
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else (b - a) * 1000
+
+
+def _request_spans(r: dict, end_phase: str | None, end: float | None) -> list[tuple[float, float | None, str]]:
+    """Queued until first scheduled, prefill until the first token, decoding until ``end``."""
+    scheduled, first = r.get("first_scheduled_time"), r.get("first_token_time")
+    spans = [(r["arrival_time"], scheduled if scheduled is not None else end, "queued")]
+    if scheduled is not None:
+        spans.append((scheduled, first if first is not None else end, "prefill"))
+    if first is not None:
+        spans.append((first, end, "decoding"))
+    if end_phase is not None and end is not None:
+        spans.append((end, end, end_phase))
+    return spans
+
+
+def gantt_rows(feed: RunFeed, t: float, max_rows: int = 80, group_by: str = "priority") -> dict[str, list]:
+    """Gantt segments of the requests that arrived by ``t`` (the latest ``max_rows`` by arrival), rows
+    grouped by ``group_by`` (``"priority"`` or ``"client_id"``). A request that ended by ``t`` is drawn from its
+    record; one still in flight from the last snapshot (live runs only). Preempted intervals come from the
+    snapshots, so they are as fine-grained as ``live.snapshot_every``."""
+    entries: dict[str, tuple[dict, str | None]] = {}
+    snapshot = feed.snapshot_at(t)
+    for r in (snapshot or {}).get("requests", []):
+        if r["arrival_time"] <= t:
+            entries[r["request_id"]] = (r, None)
+    for r in feed.requests:
+        if r["arrival_time"] > t:
+            continue
+        ended = r["finish_time"] is not None and r["finish_time"] <= t
+        if ended or r["request_id"] not in entries:
+            entries[r["request_id"]] = (r, ("failed" if r["error"] is not None else "finished") if ended else None)
+    chosen = sorted(entries.values(), key=lambda e: e[0]["arrival_time"])[-max_rows:]
+    chosen.sort(key=lambda e: (str(e[0].get(group_by)), e[0]["arrival_time"]))
+    columns: dict[str, list] = {name: [] for name in GANTT_COLUMNS}
+    for r, end_phase in chosen:
+        end = r["finish_time"] if end_phase is not None else None
+        spans = _request_spans(r, end_phase, end)
+        for start, stop in feed.preempted.get(r["request_id"], []):
+            spans.append((start, stop if stop is not None else end, "preempted"))
+        row = f"{group_by[0]}{r.get(group_by)} · {r['request_id']}"
+        for start, stop, phase in _segments(spans, t):
+            values = {
+                "row": row, "start": start, "end": stop, "phase": phase, "request_id": r["request_id"],
+                "priority": r.get("priority"), "client": str(r.get("client_id")),
+                "prompt_tokens": r["num_prompt_tokens"], "output_tokens": r["num_output_tokens"],
+                "preemptions": r["num_preemptions"], "ttft_ms": _ms(r["arrival_time"], r.get("first_token_time")),
+                "e2el_ms": _ms(r["arrival_time"], r.get("finish_time")),
+            }
+            for name in GANTT_COLUMNS:
+                columns[name].append(values[name])
+    return columns
+
+
+BLOCK_COLUMNS = ("block", "x", "y", "owner", "owners", "state")
+
+
+def block_map(snapshot: dict | None, num_blocks: int, width: int = 32) -> dict[str, list]:
+    """One cell per KV block, laid out ``width`` to a row: who holds it in ``snapshot``; ``state`` is
+    ``free``, ``owned`` or ``shared`` (held by several requests: a prefix-cache hit)."""
+    holders: dict[int, list[str]] = {}
+    for r in (snapshot or {}).get("requests", []):
+        for block in r["blocks"]:
+            holders.setdefault(block, []).append(r["request_id"])
+    columns: dict[str, list] = {name: [] for name in BLOCK_COLUMNS}
+    for block in range(num_blocks):
+        owners = holders.get(block, [])
+        state = "free" if not owners else "shared" if len(owners) > 1 else "owned"
+        values = {"block": block, "x": block % width, "y": block // width, "owner": owners[0] if owners else "",
+                  "owners": ", ".join(owners), "state": state}
+        for name in BLOCK_COLUMNS:
+            columns[name].append(values[name])
+    return columns
+
+
+LATENCY_COLUMNS = ("group", "requests", "done", "failed", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms",
+                   "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "output_tok_s")
+
+
+def latency_table(requests: Sequence[dict]) -> dict[str, list]:
+    """TTFT/TPOT/ITL percentiles of the requests ended so far: overall, per priority class, per client."""
+    groups: list[tuple[str, dict[str, Any]]] = [("all", summarize(list(requests)))] if requests else []
+    for by, label in (("priority", "priority "), ("client_id", "client ")):
+        parts = breakdown(list(requests), by) if requests else {}
+        if len(parts) > 1:
+            groups += [(label + name, summary) for name, summary in parts.items()]
+    columns: dict[str, list] = {name: [] for name in LATENCY_COLUMNS}
+    for name, s in groups:
+        values = {"group": name, "requests": s["completed"] + s["failed"] + s["unfinished"], "done": s["completed"],
+                  "failed": s["failed"], "output_tok_s": s.get("output_throughput")}
+        for metric in ("ttft", "tpot", "itl"):
+            values[f"p50_{metric}_ms"] = s.get(f"median_{metric}_ms")
+            values[f"p99_{metric}_ms"] = s.get(f"p99_{metric}_ms")
+        for column in LATENCY_COLUMNS:
+            columns[column].append(values[column])
+    return columns

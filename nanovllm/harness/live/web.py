@@ -1,0 +1,405 @@
+"""The browser dashboard: a Bokeh server application over a run's files (or a sweep's).
+
+``serve_dashboard(run_dir, host, port)`` blocks serving ``http://host:port/``; every browser tab gets its
+own document whose periodic callback (``update_ms``, 500 ms by default) tails the run through ``RunFeed`` and
+streams the new rows into the charts' ``ColumnDataSource``s. Nothing here runs in the engine's process:
+``live=web`` starts this module as a child process (:mod:`.launch`), and ``python -m nanovllm.viz --live
+RUN_DIR`` runs it by hand, e.g. behind ``ssh -L PORT:127.0.0.1:PORT`` for a run on another machine.
+
+The time slider follows the run while it grows; drag it back to see the run as it was at that moment (the
+block map, the Gantt rows and the latency table are recomputed for that time), and press "follow" to return.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from bokeh.application import Application
+from bokeh.application.handlers.function import FunctionHandler
+from bokeh.document import Document
+from bokeh.layouts import column, row
+from bokeh.models import (
+    Button,
+    ColumnDataSource,
+    DataTable,
+    Div,
+    HoverTool,
+    NumberFormatter,
+    Slider,
+    Span,
+    TableColumn,
+)
+from bokeh.palettes import Category10, Category20
+from bokeh.plotting import figure
+from bokeh.server.server import Server
+from bokeh.transform import factor_cmap
+
+from nanovllm.harness.live.launch import free_port
+from nanovllm.harness.viz.plots import e2els, load_run, run_labels, tpots, ttfts
+from nanovllm.harness.live.feed import (
+    BLOCK_COLUMNS,
+    GANTT_COLUMNS,
+    LATENCY_COLUMNS,
+    PHASES,
+    STEP_COLUMNS,
+    RunFeed,
+    block_map,
+    check_run_dir,
+    gantt_rows,
+    latency_table,
+    step_columns,
+    sweep_runs,
+)
+
+PHASE_COLORS = ("#bbbbbb", "#e4572e", "#4c72b0", "#f2a900", "#59a14f", "#222222")
+WIDTH = 640
+
+
+def _empty(names: tuple[str, ...]) -> dict[str, list]:
+    return {name: [] for name in names}
+
+
+def _time_figure(title: str, y_label: str, **kw: Any):
+    fig = figure(title=title, height=230, width=WIDTH, x_axis_label="time since run start (s)",
+                 y_axis_label=y_label, tools="pan,xwheel_zoom,box_zoom,reset,save", **kw)
+    fig.toolbar.logo = None
+    return fig
+
+
+class RunDashboard:
+    """One browser tab's view of one run: the sources, the charts, and the callback that keeps them fresh."""
+
+    def __init__(self, run_dir: Path, update_ms: int = 500) -> None:
+        self.feed = RunFeed(run_dir)
+        self.update_ms = update_ms
+        self.following = True
+        self.moment = 0.0
+        self.steps_src = ColumnDataSource(_empty(STEP_COLUMNS))
+        self.preempt_src = ColumnDataSource({"t": [], "preempted": [], "kv_used": []})
+        self.gantt_src = ColumnDataSource(_empty(GANTT_COLUMNS))
+        self.blocks_src = ColumnDataSource(_empty(BLOCK_COLUMNS + ("color", "line")))
+        self.latency_src = ColumnDataSource(_empty(LATENCY_COLUMNS))
+        self.header = Div(text="", width=2 * WIDTH)
+        self.notice = Div(text="", width=2 * WIDTH, styles={"color": "#a33"})
+        self.slider = Slider(start=0, end=1, value=1, step=0.01, title="time (s)", width=WIDTH, disabled=True)
+        self.follow_button = Button(label="follow live", width=120, button_type="primary")
+        self.cursors: list[Span] = []
+        self._shown_steps = 0
+        self._rows_key: tuple = ()
+        self.moment = 0.0  # the time shown while not following
+
+    # -- layout -------------------------------------------------------------------------------------------------
+    def layout(self):
+        self.slider.on_change("value_throttled", self._on_scrub)
+        self.follow_button.on_click(self._on_follow)
+        charts = [self._batch_chart(), self._kv_chart(), self._composition_chart(), self._throughput_chart()]
+        return column(
+            self.header, self.notice, row(self.slider, self.follow_button),
+            row(charts[0], charts[1]), row(charts[2], charts[3]),
+            row(self._gantt_chart(), column(self._block_chart(), self._latency_table())),
+        )
+
+    def _cursor(self, fig) -> None:
+        span = Span(location=0, dimension="height", line_color="#888", line_dash="dashed", visible=False)
+        fig.add_layout(span)
+        self.cursors.append(span)
+
+    def _batch_chart(self):
+        fig = _time_figure("batch: running / waiting requests, max_num_seqs", "requests")
+        for name, color in (("running", PHASE_COLORS[2]), ("waiting", PHASE_COLORS[1])):
+            fig.step("t", name, source=self.steps_src, mode="after", color=color, legend_label=name, line_width=2)
+        fig.line("t", "max_num_seqs", source=self.steps_src, color="black", line_dash="dotted",
+                 legend_label="max_num_seqs")
+        fig.scatter("t", "preempted", source=self.preempt_src, marker="x", size=9, color=PHASE_COLORS[3],
+                    legend_label="preempted this step")
+        fig.legend.location = "top_left"
+        fig.legend.background_fill_alpha = 0.6
+        fig.legend.click_policy = "hide"
+        fig.add_tools(HoverTool(tooltips=[("step", "@step"), ("t", "@t{0.00} s"), ("running", "@running"),
+                                          ("waiting", "@waiting")], mode="vline", renderers=fig.renderers[:1]))
+        self._cursor(fig)
+        return fig
+
+    def _kv_chart(self):
+        fig = _time_figure("KV cache: blocks used / cached / free (preemptions marked)", "blocks")
+        fig.varea_stack(["kv_used", "kv_cached", "kv_free"], x="t", source=self.steps_src,
+                        color=[PHASE_COLORS[2], "#9ecae1", "#eeeeee"], legend_label=["used", "cached", "free"])
+        fig.scatter("t", "kv_used", source=self.preempt_src, marker="triangle", size=9, color=PHASE_COLORS[3],
+                    legend_label="preemption")
+        fig.legend.location = "top_left"
+        fig.legend.background_fill_alpha = 0.6
+        fig.legend.click_policy = "hide"
+        fig.add_tools(HoverTool(tooltips=[("t", "@t{0.00} s"), ("used", "@kv_used blocks (@kv_used_mib{0.0} MiB)"),
+                                          ("cached", "@kv_cached blocks (@kv_cached_mib{0.0} MiB)"),
+                                          ("free", "@kv_free blocks (@kv_free_mib{0.0} MiB)")], mode="vline",
+                                renderers=fig.renderers[:1]))
+        self._cursor(fig)
+        return fig
+
+    def _composition_chart(self):
+        fig = _time_figure("batch composition: prefill tokens, decode seqs, token budget", "tokens / step")
+        fig.vbar_stack(["prefill_tokens", "decode_seqs"], x="t", width=0.02, source=self.steps_src,
+                       color=[PHASE_COLORS[1], PHASE_COLORS[2]], legend_label=["prefill tokens", "decode seqs"])
+        fig.line("t", "token_budget", source=self.steps_src, color="black", line_dash="dotted",
+                 legend_label="max_num_batched_tokens")
+        fig.legend.location = "top_left"
+        fig.legend.background_fill_alpha = 0.6
+        fig.legend.click_policy = "hide"
+        self._cursor(fig)
+        return fig
+
+    def _throughput_chart(self):
+        fig = _time_figure("output throughput (2 s window)", "tokens / s")
+        fig.line("t", "throughput", source=self.steps_src, color=PHASE_COLORS[4], line_width=2)
+        self._cursor(fig)
+        return fig
+
+    def _gantt_chart(self):
+        fig = figure(title="requests (rows by priority, then arrival): queued, prefill, decoding, preempted",
+                     height=700, width=WIDTH, y_range=[], x_axis_label="time since run start (s)",
+                     tools="pan,xwheel_zoom,reset,save")
+        fig.toolbar.logo = None
+        fig.hbar(y="row", left="start", right="end", height=0.7, source=self.gantt_src,
+                 color=factor_cmap("phase", PHASE_COLORS, PHASES), legend_field="phase")
+        fig.add_tools(HoverTool(tooltips=[
+            ("request", "@request_id (priority @priority, client @client)"), ("phase", "@phase"),
+            ("span", "@start{0.000} - @end{0.000} s"), ("tokens", "@prompt_tokens in, @output_tokens out"),
+            ("preemptions", "@preemptions"), ("TTFT", "@ttft_ms{0.0} ms"), ("E2EL", "@e2el_ms{0.0} ms")]))
+        fig.legend.location = "top_left"
+        fig.legend.background_fill_alpha = 0.6
+        fig.legend.click_policy = "hide"
+        fig.legend.orientation = "horizontal"
+        fig.legend.background_fill_alpha = 0.6
+        fig.yaxis.major_label_text_font_size = "7pt"
+        self.gantt = fig
+        self._cursor(fig)
+        return fig
+
+    def _block_chart(self):
+        fig = figure(title="KV block map (now): colour = owning request, black edge = shared (prefix)", height=300,
+                     width=WIDTH, tools="hover,reset", tooltips=[("block", "@block"), ("held by", "@owners"),
+                                                                ("state", "@state")],
+                     x_range=(-0.5, 31.5), y_range=(11.5, -0.5))
+        fig.toolbar.logo = None
+        fig.rect("x", "y", 0.92, 0.92, source=self.blocks_src, fill_color="color", line_color="line", line_width=2)
+        fig.axis.visible = False
+        fig.grid.visible = False
+        self.block_fig = fig
+        return fig
+
+    def _latency_table(self):
+        fmt = NumberFormatter(format="0.0")
+        columns = [TableColumn(field="group", title="group", width=110)] + [
+            TableColumn(field=name, title=name.replace("_ms", "").replace("_", " "), formatter=fmt, width=60)
+            for name in LATENCY_COLUMNS[1:]]
+        return DataTable(source=self.latency_src, columns=columns, width=WIDTH, height=180, index_position=None)
+
+    # -- updates ------------------------------------------------------------------------------------------------
+    def update(self) -> None:
+        """Periodic callback: read what the run appended, stream it in, refresh the per-moment views."""
+        new_steps, new_requests, new_snapshots = self.feed.poll()
+        end = self.feed.end_time
+        if end > 0:
+            self.slider.disabled = False
+            self.slider.end = max(end, 0.01)
+        if self.following:
+            self.slider.value = self.slider.end
+            if new_steps:
+                self._stream_steps(self.feed.steps[self._shown_steps:])
+            if new_steps or new_requests or new_snapshots:
+                self._show_moment(end, blocks=bool(new_snapshots), latency=bool(new_requests))
+        self._refresh_header()
+
+    def _stream_steps(self, steps: list[dict]) -> None:
+        history = self.feed.steps[max(0, self._shown_steps - 400):self._shown_steps]
+        self.steps_src.stream(step_columns(steps, self.feed.sizes, history))
+        marks = [s for s in steps if s["num_preempted"]]
+        if marks:
+            self.preempt_src.stream({"t": [s["start_time"] + s["duration"] for s in marks],
+                                     "preempted": [s["num_preempted"] for s in marks],
+                                     "kv_used": [s["kv_blocks_used"] for s in marks]})
+        self._shown_steps += len(steps)
+
+    def _show_moment(self, t: float, blocks: bool = True, latency: bool = True) -> None:
+        """Gantt rows, and the block map and latency table unless told they have not changed, as at ``t``."""
+        gantt = gantt_rows(self.feed, t)
+        rows = list(dict.fromkeys(gantt["row"]))
+        if tuple(rows) != self._rows_key:
+            self.gantt.y_range.factors = rows
+            self._rows_key = tuple(rows)
+        self.gantt_src.data = gantt
+        if blocks:
+            self._show_blocks(t)
+        if latency:
+            self.latency_src.data = latency_table(self.feed.requests_ended_by(t))
+
+    def _show_blocks(self, t: float) -> None:
+        snapshot = self.feed.snapshot_at(t)
+        num_blocks = self.feed.sizes.num_kv_blocks or 0
+        blocks = block_map(snapshot, num_blocks)
+        # Owners cycle through the palette in the order they appear, so neighbours differ; hover gives the id.
+        palette = Category20[20]
+        order = {rid: palette[i % 20] for i, rid in enumerate(dict.fromkeys(o for o in blocks["owner"] if o))}
+        blocks["color"] = [order.get(o, "#eeeeee") for o in blocks["owner"]]
+        blocks["line"] = ["black" if state == "shared" else "rgba(0,0,0,0)" for state in blocks["state"]]
+        self.blocks_src.data = blocks
+        rows = -(-num_blocks // 32)
+        self.block_fig.x_range.start, self.block_fig.x_range.end = -0.5, 31.5
+        self.block_fig.y_range.start, self.block_fig.y_range.end = max(rows, 12) - 0.5, -0.5
+
+    def _refresh_header(self) -> None:
+        feed = self.feed
+        total = feed.sizes.num_requests
+        done = len(feed.requests)
+        state = "finished" if feed.finished else "running" if feed.steps else "starting (loading the model)"
+        last = feed.steps[-1]["step"] if feed.steps else 0
+        self.header.text = (
+            f"<b>nano-vllm live</b> · <code>{feed.run_dir}</code> · run <span class='nv-state'>{state}</span> · "
+            f"step <span class='nv-step'>{last}</span> · t = {feed.end_time:.2f} s · finished requests "
+            f"<span class='nv-finished'>{done}</span>{f' / {total}' if total else ''}"
+            + ("" if self.following else f" · <b>showing t = {self.moment:.2f} s</b>"))
+        problems = []
+        if feed.finished and feed.torn_files:
+            problems.append(f"{', '.join(feed.torn_files)} end with an incomplete line (skipped)")
+        if feed.bad_lines:
+            problems.append(f"{feed.bad_lines} unreadable line(s) skipped")
+        self.notice.text = "; ".join(problems)
+
+    def _on_scrub(self, attr: str, old: float, new: float) -> None:
+        if new >= self.slider.end - 1e-9:
+            self._on_follow()
+            return
+        self.following = False
+        self.moment = new
+        steps = self.feed.steps_until(new)
+        self.steps_src.data = step_columns(steps, self.feed.sizes)
+        marks = [s for s in steps if s["num_preempted"]]
+        self.preempt_src.data = {"t": [s["start_time"] + s["duration"] for s in marks],
+                                 "preempted": [s["num_preempted"] for s in marks],
+                                 "kv_used": [s["kv_blocks_used"] for s in marks]}
+        self._shown_steps = len(steps)
+        for span in self.cursors:
+            span.location, span.visible = new, True
+        self._show_moment(new)
+        self._refresh_header()
+
+    def _on_follow(self) -> None:
+        self.following = True
+        for span in self.cursors:
+            span.visible = False
+        self._stream_steps(self.feed.steps[self._shown_steps:])
+        self.slider.value = self.slider.end
+        self._show_moment(self.feed.end_time)
+        self._refresh_header()
+
+
+class SweepDashboard:
+    """A multirun directory: one summary table row per job and their latency CDFs side by side."""
+
+    SUMMARY_KEYS = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                    "p99_tpot_ms", "median_itl_ms", "num_preemptions", "peak_kv_usage")
+
+    def __init__(self, sweep_dir: Path) -> None:
+        self.sweep_dir = sweep_dir
+        self.table_src = ColumnDataSource({"run": [], **{k: [] for k in self.SUMMARY_KEYS}})
+        self.cdf_srcs = {name: ColumnDataSource({"x": [], "y": [], "run": [], "color": []})
+                         for name in ("TTFT", "TPOT", "E2EL")}
+        self.header = Div(text="", width=2 * WIDTH)
+        self._seen: tuple = ()
+
+    def layout(self):
+        fmt = NumberFormatter(format="0.00")
+        table = DataTable(source=self.table_src, width=3 * 420, height=260, index_position=None, columns=[
+            TableColumn(field="run", title="run", width=220)] + [
+            TableColumn(field=k, title=k.replace("_", " "), formatter=fmt) for k in self.SUMMARY_KEYS])
+        figs = []
+        for name, source in self.cdf_srcs.items():
+            fig = figure(title=f"{name} CDF", width=420, height=320, x_axis_label=f"{name} (ms)",
+                         y_axis_label="fraction of requests", tools="pan,wheel_zoom,reset,save,hover",
+                         tooltips=[("run", "@run"), (name, "@x{0.0} ms"), ("fraction", "@y{0.00}")])
+            fig.toolbar.logo = None
+            fig.multi_line("x", "y", source=source, color="color", legend_field="run", line_width=2)
+            fig.legend.location = "bottom_right"
+            figs.append(fig)
+        return column(self.header, table, row(*figs))
+
+    def update(self) -> None:
+        jobs = sweep_runs(self.sweep_dir)
+        seen = tuple((p.name, (p / "metrics.json").is_file()) for p in jobs)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        runs = [load_run(p, label) for p, label in zip(jobs, run_labels(jobs))] if jobs else []
+        runs = [run for run in runs if run.metrics]
+        self.table_src.data = {"run": [r.label for r in runs],
+                               **{k: [r.summary.get(k) for r in runs] for k in self.SUMMARY_KEYS}}
+        palette = Category10[10]
+        for name, metric in (("TTFT", ttfts), ("TPOT", tpots), ("E2EL", e2els)):
+            data: dict[str, list] = {"x": [], "y": [], "run": [], "color": []}
+            for i, run in enumerate(runs):
+                values = sorted(v * 1000 for v in metric(run.requests))
+                if values:
+                    data["x"].append(values)
+                    data["y"].append([(k + 1) / len(values) for k in range(len(values))])
+                    data["run"].append(run.label)
+                    data["color"].append(palette[i % 10])
+            self.cdf_srcs[name].data = data
+        self.header.text = (f"<b>nano-vllm sweep</b> · <code>{self.sweep_dir}</code> · "
+                            f"<span class='nv-jobs'>{len(runs)}</span> of {len(jobs)} jobs finished")
+
+
+def make_app(run_dir: Path, update_ms: int = 500, starting: bool = False) -> Callable[[Document], None]:
+    """The Bokeh document factory for ``run_dir`` (a run or a multirun directory; ``starting``: a run whose
+    files are not there yet)."""
+    run_dir = check_run_dir(run_dir, starting)
+
+    def build(doc: Document) -> None:
+        view: RunDashboard | SweepDashboard
+        if sweep_runs(run_dir) and not (run_dir / "steps.jsonl").is_file():
+            view = SweepDashboard(run_dir)
+            interval = 2000
+        else:
+            view = RunDashboard(run_dir, update_ms)
+            interval = update_ms
+        doc.add_root(view.layout())
+        doc.title = f"nano-vllm live: {run_dir.name}"
+        view.update()
+        doc.add_periodic_callback(view.update, interval)
+
+    return build
+
+
+class PortInUseError(OSError):
+    """The dashboard's port is taken."""
+
+
+def start_server(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, update_ms: int = 500,
+                 starting: bool = False) -> Server:
+    """A started (not yet looping) Bokeh server for ``run_dir``; ``PortInUseError`` names the port if taken.
+    Port 0 picks a free one (read it back from ``server.port``)."""
+    if port == 0:
+        port = free_port(host, 0) or 0
+    app = Application(FunctionHandler(make_app(Path(run_dir), update_ms, starting)))
+    try:
+        server = Server({"/": app}, address=host, port=port, allow_websocket_origin=[f"{host}:{port}",
+                        f"localhost:{port}", f"127.0.0.1:{port}"], num_procs=1)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} on {host} is in use; choose another (live.port=... or --port)") from exc
+        raise
+    server.start()
+    return server
+
+
+def serve_dashboard(run_dir: Path, host: str = "127.0.0.1", port: int = 5006, update_ms: int = 500,
+                    starting: bool = False) -> None:
+    """Serve the dashboard of ``run_dir`` until interrupted; prints its URL first."""
+    server = start_server(run_dir, host, port, update_ms, starting)
+    print(f"live dashboard: http://{host}:{server.port}/  (Ctrl-C to stop)", flush=True)
+    try:
+        server.io_loop.start()
+    except KeyboardInterrupt:
+        print("live dashboard stopped", file=sys.stderr)
