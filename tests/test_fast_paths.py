@@ -47,11 +47,15 @@ def references(llm, hf_model, parity_prompts):
 @pytest.mark.parametrize("path", sorted(FAST_PATHS))
 def test_fast_path_meets_the_close_standard(path, parity_prompts, references):
     options = dict(FAST_PATHS[path])
+    order = list(range(len(parity_prompts)))
     if options.pop("preempt", False):
         options.update(_preempting(parity_prompts))
+        # Shortest first, as in test_parity: many requests are admitted together, then their growth preempts.
+        order.sort(key=lambda i: len(parity_prompts[i]))
     options.setdefault("num_kv_blocks", 1024)
-    report = validate_output(prompts=parity_prompts, max_tokens=PARITY_MAX_TOKENS, max_model_len=1024,
-                             references=references(options["dtype"]), **options)
+    refs = references(options["dtype"])
+    report = validate_output(prompts=[parity_prompts[i] for i in order], max_tokens=PARITY_MAX_TOKENS,
+                             max_model_len=1024, references=[refs[i] for i in order], **options)
     assert report.standard == CLOSE
     failing = [(i, r.matching_prefix, r.ours, r.reference) for i, r in enumerate(report.results) if not r.close]
     assert not failing, failing
