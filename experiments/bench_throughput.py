@@ -67,8 +67,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice, all cores); 1 is steadier on a busy machine")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_kv_blocks=8192, max_model_len=2048)
     requests = sharegpt_like(llm, args.num_requests, args.input_mean, args.output_mean, args.seed)

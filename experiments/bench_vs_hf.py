@@ -90,8 +90,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each (best is reported)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice, all cores); 1 is steadier on a busy machine")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes or any(d not in ("bfloat16", "float32") for d in dtypes):
         parser.error(f"--dtypes must list bfloat16 and/or float32, got {args.dtypes!r}")

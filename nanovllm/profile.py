@@ -10,6 +10,7 @@ https://ui.perfetto.dev).
 
     python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
                                [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
+                               [--fuse-projections auto|true|false]
 
 The running sequences share one prompt through the ``prefix`` allocator so that setting up 256 of them costs
 one prefill; each still attends over its whole context, so a decode step does the work distinct prompts would.
@@ -211,12 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--fuse-projections", choices=("auto", "true", "false"), default="auto",
+                        help="the fast path's fused, prepacked weights and fused kernels (auto: unless float32)")
     parser.add_argument("--batch-sizes", default="1,16,64,256", help="running sequences per decode step")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each running sequence")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips the prefill step")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice, all cores); 1 is steadier on a busy machine")
     parser.add_argument("--trace-dir", default="outputs/profile", help="where the Chrome traces go")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
         if not batch_sizes or min(batch_sizes) < 1:
@@ -225,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         from nanovllm.config import torch_dtype
         from nanovllm.harness.monitor import measure_peak_flops
 
+        fuse = {"auto": None, "true": True, "false": False}[args.fuse_projections]
         trace_dir = Path(args.trace_dir)
         trace_dir.mkdir(parents=True, exist_ok=True)
         blocks = max(batch_sizes) * (-(-(args.context + 4 * args.steps + 16) // 16) + 1) + 64
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def make_llm(**options):
             return LLM(model=args.model, dtype=args.dtype, attention=args.attention, num_kv_blocks=blocks,
-                       **options)
+                       fuse_projections=fuse, **options)
 
         rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
         if args.prefill_tokens:
@@ -242,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, attention={args.attention}, "
+          f"fuse_projections={args.fuse_projections}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
     print(format_table(rows, peak))
     print(f"Chrome traces: {trace_dir}/")

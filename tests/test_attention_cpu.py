@@ -35,7 +35,8 @@ def _random_step(rng: random.Random, block_size: int, num_blocks: int, num_seqs:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)], ids=["gqa", "mha"])
-def test_cpu_backend_matches_torch_reference(dtype, block_size, heads):
+@pytest.mark.parametrize("sdpa_min_query", [16, 10**9], ids=["long-chunks-on-sdpa", "all-on-kernel"])
+def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, sdpa_min_query):
     num_heads, num_kv_heads = heads
     head_dim, num_seqs = 32, 7
     rng = random.Random(block_size * 100 + num_heads)
@@ -48,8 +49,8 @@ def test_cpu_backend_matches_torch_reference(dtype, block_size, heads):
     k = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
     outputs, caches = [], []
-    for name in ("torch", "cpu"):
-        backend = ATTENTION_BACKENDS.build(name, num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    for spec in ("torch", {"name": "cpu", "sdpa_min_query": sdpa_min_query}):
+        backend = ATTENTION_BACKENDS.build(spec, num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
         own = cache.clone()
         backend.bind_kv_caches([(own[0], own[1])])
         backend.plan(meta)
@@ -71,6 +72,11 @@ def test_cpu_backend_reads_only_the_blocks_in_its_table():
     backend.plan(meta)
     out = backend.forward(0, torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
     assert torch.isfinite(out).all()
+
+
+def test_bad_sdpa_min_query_is_a_clear_error():
+    with pytest.raises(ValueError, match="sdpa_min_query must be an integer >= 2"):
+        ATTENTION_BACKENDS.build({"name": "cpu", "sdpa_min_query": 1}, 2, 1, 8, 1.0)
 
 
 def test_auto_attention_is_the_cpu_kernel_on_cpu_and_the_reference_elsewhere():

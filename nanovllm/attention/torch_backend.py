@@ -41,60 +41,68 @@ class TorchAttention(AttentionBackend):
             starts.append(starts[-1] + q)
         decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
-        self._groups = [self._plan_group(meta, seqs, starts, device) for seqs in (decodes, prefills) if seqs]
-
-    @staticmethod
-    def _plan_group(meta: AttentionMetadata, seqs: list[int], starts: list[int], device) -> _Group:
-        bs = meta.block_size
-        q_lens = torch.tensor([meta.query_lens[i] for i in seqs])
-        kv_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-        q_start = torch.tensor([starts[i] for i in seqs])
-        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
-        q_pos = torch.arange(max_q)
-        query_valid = q_pos[None, :] < q_lens[:, None]
-        query_index = torch.where(query_valid, q_start[:, None] + q_pos[None, :], 0)
-        max_blocks = -(-max_kv // bs)
-        blocks = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for row, i in enumerate(seqs):
-            table = meta.block_tables[i][:max_blocks]
-            blocks[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        k_pos = torch.arange(max_blocks * bs)
-        key_valid = k_pos[None, :] < kv_lens[:, None]
-        # Absolute position of each query = tokens already cached + its index in the chunk.
-        q_abs = (kv_lens - q_lens)[:, None] + q_pos[None, :]
-        mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
-        # Padded query rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
-        mask = mask | (~query_valid[:, :, None] & (k_pos == 0)[None, None, :])
-        return _Group(
-            token_index=query_index[query_valid].to(device),
-            query_index=query_index.to(device),
-            valid_rows=None if bool(query_valid.all()) else query_valid.view(-1).nonzero().view(-1).to(device),
-            blocks=blocks.to(device),
-            mask=mask[:, None].to(device),
-        )
+        self._groups = [plan_padded_group(meta, seqs, starts, device) for seqs in (decodes, prefills) if seqs]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
-        block_size = k_cache.shape[1]
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, self._slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, self._slot_mapping, v.to(flat_v.dtype))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for g in self._groups:
-            # index_select, not advanced indexing: the same gather runs several times faster on CPU.
-            batch, max_q = g.query_index.shape
-            max_blocks = g.blocks.shape[1]
-            qg = q.index_select(0, g.query_index.view(-1)).view(batch, max_q, self.num_heads, self.head_dim)
-            kg = k_cache.index_select(0, g.blocks.view(-1))
-            vg = v_cache.index_select(0, g.blocks.view(-1))
-            shape = (batch, max_blocks * block_size, self.num_kv_heads, self.head_dim)
-            og = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg.view(shape).transpose(1, 2), vg.view(shape).transpose(1, 2),
-                attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            og = og.transpose(1, 2).reshape(batch * max_q, -1)
-            if g.valid_rows is not None:
-                og = og.index_select(0, g.valid_rows)
-            out.index_copy_(0, g.token_index, og)
+            attend_padded_group(g, q, k_cache, v_cache, self.scale, out)
         return out
+
+
+def plan_padded_group(meta: AttentionMetadata, seqs: list[int], starts: list[int], device) -> _Group:
+    """The padded rectangle, block list and mask of sequences ``seqs`` (``starts``: flat-batch offsets)."""
+    bs = meta.block_size
+    q_lens = torch.tensor([meta.query_lens[i] for i in seqs])
+    kv_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
+    q_start = torch.tensor([starts[i] for i in seqs])
+    max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+    q_pos = torch.arange(max_q)
+    query_valid = q_pos[None, :] < q_lens[:, None]
+    query_index = torch.where(query_valid, q_start[:, None] + q_pos[None, :], 0)
+    max_blocks = -(-max_kv // bs)
+    blocks = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    for row, i in enumerate(seqs):
+        table = meta.block_tables[i][:max_blocks]
+        blocks[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+    k_pos = torch.arange(max_blocks * bs)
+    key_valid = k_pos[None, :] < kv_lens[:, None]
+    # Absolute position of each query = tokens already cached + its index in the chunk.
+    q_abs = (kv_lens - q_lens)[:, None] + q_pos[None, :]
+    mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
+    # Padded query rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
+    mask = mask | (~query_valid[:, :, None] & (k_pos == 0)[None, None, :])
+    return _Group(
+        token_index=query_index[query_valid].to(device),
+        query_index=query_index.to(device),
+        valid_rows=None if bool(query_valid.all()) else query_valid.view(-1).nonzero().view(-1).to(device),
+        blocks=blocks.to(device),
+        mask=mask[:, None].to(device),
+    )
+
+
+def attend_padded_group(g: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                        out: torch.Tensor) -> None:
+    """SDPA over one planned group; writes its real query rows into ``out`` ([T, num_heads * head_dim])."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    # index_select, not advanced indexing: the same gather runs several times faster on CPU.
+    batch, max_q = g.query_index.shape
+    max_blocks = g.blocks.shape[1]
+    qg = q.index_select(0, g.query_index.view(-1)).view(batch, max_q, num_heads, head_dim)
+    kg = k_cache.index_select(0, g.blocks.view(-1))
+    vg = v_cache.index_select(0, g.blocks.view(-1))
+    shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
+    og = F.scaled_dot_product_attention(
+        qg.transpose(1, 2), kg.view(shape).transpose(1, 2), vg.view(shape).transpose(1, 2),
+        attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )
+    og = og.transpose(1, 2).reshape(batch * max_q, -1)
+    if g.valid_rows is not None:
+        og = og.index_select(0, g.valid_rows)
+    out.index_copy_(0, g.token_index, og)

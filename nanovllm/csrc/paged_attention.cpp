@@ -103,8 +103,9 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 
 }  // namespace
 
-// q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [blocks, block_size, KVH, D]; slot_mapping: [T] int64;
-// block_tables: [B, max_blocks] int32; seq, pos: [T] int32. Returns [T, H * D].
+// k, v: [N, KVH, D] new rows written at slot_mapping [N] (int64) of k_cache, v_cache [blocks, block_size, KVH,
+// D]; then q: [T, H, D] (any T query rows, e.g. the step's decodes) attends: seq, pos [T] int32 index
+// block_tables [B, max_blocks] int32. Returns [T, H * D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                               torch::Tensor seq, torch::Tensor pos, double scale) {
@@ -125,12 +126,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(slot_mapping.size(0) == num_tokens && seq.size(0) == num_tokens && pos.size(0) == num_tokens,
-              "slot_mapping, seq and pos need one entry per token");
+  TORCH_CHECK(slot_mapping.size(0) == k.size(0) && v.size(0) == k.size(0),
+              "slot_mapping needs one entry per new K/V row");
+  TORCH_CHECK(seq.size(0) == num_tokens && pos.size(0) == num_tokens, "seq and pos need one entry per query row");
   auto out = torch::empty({num_tokens, num_heads * head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     write_kv<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                       k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), num_tokens,
+                       k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k.size(0),
                        num_kv_heads * head_dim);
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), block_tables.size(1), seq.data_ptr<int32_t>(),
