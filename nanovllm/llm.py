@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 from nanovllm.chat_template import chat_token_ids
@@ -77,13 +78,30 @@ class LLM:
         self.last_steps = []
         finished = output_tokens = 0
         with RequestProgress(len(requests), disable=not use_tqdm or len(requests) < 2, desc="generate") as bar:
-            while self.engine.has_unfinished():
-                result = self.engine.step()
-                self.last_steps.append(result.record)
-                finished += len(result.finished)
-                output_tokens += sum(r.num_output_tokens for r in result.finished)
-                bar.update(finished, output_tokens)
+            try:
+                while self.engine.has_unfinished():
+                    result = self.engine.step()
+                    self.last_steps.append(result.record)
+                    finished += len(result.finished)
+                    output_tokens += sum(r.num_output_tokens for r in result.finished)
+                    bar.update(finished, output_tokens)
+            except BaseException:
+                # Ctrl-C (or a fault) mid-generate: abort what is left so the engine stays usable for the
+                # next call, its blocks free and its queues empty; then let the original exception go on (a
+                # second fault while cleaning up must not hide it).
+                with contextlib.suppress(Exception):
+                    self.abort_unfinished("interrupted")
+                raise
         return [self._output(r) for r in requests]
+
+    def abort_unfinished(self, reason: str = "aborted") -> list[str]:
+        """Abort every request this LLM still has waiting or running (their blocks are freed, the policy hears
+        ``on_finish``) and report them out of the engine at once. Returns their ids. ``generate`` calls it
+        when interrupted; to abort a single request of your own loop use ``llm.engine.abort_request(id)``."""
+        ids = self.engine.abort_all(reason)
+        if self.engine.has_unfinished():
+            self.engine.step()  # nothing left to run: this step only reports the aborted requests
+        return ids
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(

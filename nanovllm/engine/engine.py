@@ -6,6 +6,7 @@ history of its own: whoever drives it (``LLM``, the serving loop, the simulator)
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
 
@@ -160,6 +163,24 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         return list(prompt) if isinstance(prompt, (list, tuple)) else []
+
+    def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
+        """End the waiting or running request ``request_id`` now (status aborted, ``finish_reason`` "abort",
+        ``error`` = ``reason``), freeing its KV blocks at once; the next ``step()`` reports it among the
+        finished and the other requests go on. An unknown or already-ended id is a no-op: it is logged and
+        False is returned, never raised, so a serving loop can abort freely."""
+        if self.scheduler.abort(request_id, time.perf_counter(), reason) is None:
+            logger.info("abort_request(%r): no waiting or running request has this id; nothing to abort",
+                        request_id)
+            return False
+        return True
+
+    def abort_all(self, reason: str = "aborted") -> list[str]:
+        """Abort every waiting and running request; returns their ids (reported by the next ``step()``)."""
+        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+        for request_id in ids:
+            self.abort_request(request_id, reason)
+        return ids
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
