@@ -37,8 +37,8 @@ class RequestRecord(TypedDict):
     num_cached_tokens: int              # prompt tokens served from the prefix cache at (last) admission
     num_output_tokens: int
     num_preemptions: int
-    finish_reason: str | None           # "stop", "length", or None when it failed
-    error: str | None                   # why the engine rejected it; None when it ran
+    finish_reason: str | None           # "stop", "length", "abort", or None when it failed
+    error: str | None                   # why it was rejected or aborted ("interrupted", ...); None when it ran
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:

@@ -34,6 +34,7 @@ from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.interrupt import STOP
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.harness.metrics import SLO, format_summary
 from nanovllm.harness.monitor import MonitorConfig
@@ -208,7 +209,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
         result = serve(engine, workload, progress=cfg.progress and not multirun, loggers=loggers,
-                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature)
+                       monitor=monitor, slo=checked.slo, temperature=cfg.temperature, stop=STOP.event)
     finally:
         for logger in started:
             logger.finish()
@@ -222,6 +223,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _task(cfg: DictConfig) -> None:
+    if STOP.requested:  # a later job of an interrupted multirun: do not start it
+        _stopped(f"not run: the sweep was interrupted by {STOP.name}")
+        return
     try:
         run(cfg)
     except _user_errors() as exc:
@@ -234,12 +238,27 @@ def _task(cfg: DictConfig) -> None:
             Path(hc.runtime.output_dir, "error.txt").write_text(f"{exc}\n", encoding="utf-8")
             return
         sys.exit(1)
+    if STOP.requested:
+        _stopped(f"interrupted by {STOP.name}; the run's files hold what finished")
+
+
+def _stopped(message: str) -> None:
+    """After a stop request: a single run exits with the signal's status (130 / 143); a multirun job notes it
+    in ``error.txt`` and the sweep summary, written over the jobs that ran, exits with that status."""
+    print(f"error: {message}", file=sys.stderr)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        Path(hc.runtime.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(hc.runtime.output_dir, "error.txt").write_text(f"{message}\n", encoding="utf-8")
+        return
+    sys.exit(STOP.exit_status)
 
 
 def main() -> None:
     """Entry point of ``python -m nanovllm.run`` and the ``nanovllm-run`` console script."""
     register_configs()
-    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    with STOP.installed():
+        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ its latency, as a client would see it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ def serve(
     monitor: Monitor | None = None,
     slo: SLO | None = None,
     temperature: float = 0.0,
+    stop: threading.Event | None = None,
 ) -> RunResult:
     """Serve ``workload`` on ``engine`` in real time and return the run's records and summary.
 
@@ -68,15 +70,21 @@ def serve(
     and the others go on. ``loggers`` get every step and request as it happens and the summary at the end
     (their ``start``/``finish`` are the caller's: it knows the run directory). The run's steps are numbered
     from 0 and timed from ``serve``'s start, whatever the engine did before.
+
+    When ``stop`` is set (``python -m nanovllm.run`` sets it on SIGINT/SIGTERM) the loop ends after the current
+    step: every unfinished request is aborted with reason ``interrupted`` and recorded, requests that had not
+    arrived yet are only counted, and the summary says ``"interrupted": true`` over what there is.
     """
     run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress))
     try:
-        run.loop(workload)
+        run.loop(workload, stop)
     finally:
         run.progress.close()
-    run.check_all_ended(len(workload))
+    run.check_all_ended(len(run.submitted) if run.interrupted else len(workload))
 
     summary = summarize(run.records, run.steps, slo=slo)
+    if run.interrupted:
+        summary.update(interrupted=True, not_arrived=len(workload) - len(run.submitted))
     if monitor is not None:
         overall = monitor.overall(run.steps)
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
@@ -106,13 +114,17 @@ class _Run:
         self.steps: list[dict[str, Any]] = []
         self.output_tokens = 0
         self.t0 = 0.0
+        self.interrupted = False
 
-    def loop(self, workload: Sequence[WorkloadRequest]) -> None:
+    def loop(self, workload: Sequence[WorkloadRequest], stop: threading.Event | None = None) -> None:
         engine = self.engine
         # Keep each request's index in the caller's list: it is the id of requests that bring none.
         pending = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
         self.t0 = time.perf_counter()
         while pending or engine.has_unfinished():
+            if stop is not None and stop.is_set():
+                self._interrupt()
+                return
             now = time.perf_counter()
             while pending and self.t0 + pending[0][1].arrival_time <= now:
                 self._submit(*pending.popleft())
@@ -125,8 +137,20 @@ class _Run:
             elif pending:
                 # Idle until the next arrival: sleep, do not spin (a spinning loop would steal a CPU core
                 # from the model on small machines and distort the very timings being measured).
-                time.sleep(max(0.0, self.t0 + pending[0][1].arrival_time - time.perf_counter()))
+                idle = max(0.0, self.t0 + pending[0][1].arrival_time - time.perf_counter())
+                if stop is not None:
+                    stop.wait(idle)  # a stop request wakes it at once
+                else:
+                    time.sleep(idle)
             self.progress.update(len(self.records), self.output_tokens)
+
+    def _interrupt(self) -> None:
+        """Abort and record everything still in the engine (one model-free step reports them)."""
+        self.interrupted = True
+        self.engine.abort_all("interrupted")
+        if self.engine.has_unfinished():
+            for request in self.engine.step().finished:
+                self._ended(request_record(request, self.t0))
 
     def _submit(self, index: int, w: WorkloadRequest) -> None:
         request_id = w.request_id if w.request_id is not None else str(index)
@@ -175,7 +199,7 @@ def format_breakdown(groups: dict[str, dict[str, Any]], by: str) -> str:
 
     def cell(summary: dict[str, Any], key: str | None) -> str:
         if key is None:
-            return str(summary["completed"] + summary["failed"] + summary["unfinished"])
+            return str(summary["completed"] + summary["failed"] + summary.get("aborted", 0) + summary["unfinished"])
         return format_value(summary.get(key), ".1f")
 
     header = [by] + [label for label, _ in _BREAKDOWN_COLUMNS]
