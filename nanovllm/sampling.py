@@ -47,9 +47,16 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# What the sampler returns for a row whose logits are not finite (NaN or +inf): no token is drawn from garbage;
+# the scheduler fails that request with NON_FINITE_REASON and the rest of the batch goes on.
+INVALID_TOKEN = -1
+NON_FINITE_REASON = "the model produced non-finite logits (NaN or +inf); no token was sampled"
+
+
 class Sampler:
     """Batched sampling: greedy rows take the argmax; the others are scaled by temperature, filtered by top-k
-    and top-p, and drawn with their request's generator (or the engine's)."""
+    and top-p, and drawn with their request's generator (or the engine's). A row with a NaN or +inf logit gets
+    ``INVALID_TOKEN`` instead of a token (-inf is a legitimate "never this token")."""
 
     def __call__(
         self,
@@ -58,6 +65,9 @@ class Sampler:
         generators: list[torch.Generator],
     ) -> list[int]:
         logits = logits.float()
+        bad = (logits.isnan() | (logits == float("inf"))).any(dim=-1)
+        if bad.any():
+            logits = logits.masked_fill(bad.unsqueeze(1), 0.0)  # sample the others as if nothing happened
         next_tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -65,7 +75,7 @@ class Sampler:
             probs = self._probabilities(logits[rows], [params[i] for i in random_rows])
             for j, i in enumerate(random_rows):
                 next_tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-        return next_tokens.tolist()
+        return next_tokens.masked_fill(bad, INVALID_TOKEN).tolist()
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

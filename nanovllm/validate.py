@@ -97,7 +97,8 @@ def validate_output(
     pairs = load_prompts(prompts, llm.tokenizer)
     outputs = llm.generate([ids for _, ids in pairs], SamplingParams(temperature=0, max_tokens=max_tokens),
                            use_tqdm=False)
-    reference_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
+    reference_model = AutoModelForCausalLM.from_pretrained(
+        llm.engine.model_dir, dtype=torch.float32, trust_remote_code=False, use_safetensors=True).eval()
     references = reference_greedy(reference_model, [ids for _, ids in pairs], max_tokens)
     results = [PromptAgreement(label, output.token_ids, reference)
                for (label, _), output, reference in zip(pairs, outputs, references)]

@@ -19,7 +19,7 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
@@ -29,6 +29,11 @@ from nanovllm.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
+
+
+class StepError(RuntimeError):
+    """An engine step raised. The message names the plugin (allocator, attention backend, policy) in whose code
+    it happened, when it happened in one, and the step; the engine's state after it is not to be trusted."""
 
 
 @dataclass
@@ -59,8 +64,8 @@ class LLMEngine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.model_dir = resolve_model(config.model)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False)
         model_max = max_positions_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
@@ -193,7 +198,32 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         """Run one engine step: schedule, run the model over the batch, let the scheduler append the sampled
-        tokens and finish requests. Returns the requests that ended in this step and the step's record."""
+        tokens and finish requests. Returns the requests that ended in this step and the step's record.
+        Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else."""
+        try:
+            return self._step()
+        except (PolicyError, StepError):
+            raise
+        except Exception as exc:
+            raise StepError(f"engine step {self._num_steps} failed{self._culprit(exc)}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+    def _culprit(self, exc: BaseException) -> str:
+        """' in allocator 'paged' (PagedAllocator.allocate)' for the innermost plugin frame of the traceback."""
+        plugins = {id(self.allocator): "allocator", id(self.runner.backend): "attention backend",
+                   id(self.policy): "policy"}
+        found = ""
+        tb = exc.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if id(owner) in plugins:
+                name = getattr(owner, "registered_name", type(owner).__name__)
+                found = (f" in {plugins[id(owner)]} {name!r} "
+                         f"({type(owner).__name__}.{tb.tb_frame.f_code.co_name})")
+            tb = tb.tb_next
+        return found
+
+    def _step(self) -> StepOutput:
         start = time.perf_counter()
         out = self.scheduler.schedule(start)
         layout = _BatchLayout.of(out.scheduled)

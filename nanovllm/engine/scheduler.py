@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from nanovllm.allocator import BlockAllocator
 from nanovllm.policy import Policy, SchedulerView
 from nanovllm.request import Request, RequestStatus
+from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON
 
 
 class PolicyError(RuntimeError):
@@ -111,6 +112,10 @@ class Scheduler:
         for (request, _), token in zip(out.scheduled, next_tokens):
             if token is None:
                 continue
+            if token == INVALID_TOKEN:  # the sampler refused garbage logits: this request fails, others go on
+                self._finish(request, None, now, RequestStatus.FAILED, NON_FINITE_REASON)
+                finished.append(request)
+                continue
             request.append_token(token, now)
             reason = request.check_stop(max_model_len)
             if reason is not None:
@@ -118,9 +123,11 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _finish(self, request: Request, reason: str, now: float) -> None:
-        request.status = RequestStatus.FINISHED
+    def _finish(self, request: Request, reason: str | None, now: float,
+                status: RequestStatus = RequestStatus.FINISHED, error: str | None = None) -> None:
+        request.status = status
         request.finish_reason = reason
+        request.error = error
         request.finish_time = now
         self.allocator.free(request)
         self.running.remove(request)

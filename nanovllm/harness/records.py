@@ -10,17 +10,19 @@ the engine is gone. All times are seconds since the run started (``perf_counter`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import IO, Any, Iterator, TypedDict
 
 from nanovllm.outputs import StepRecord
 from nanovllm.request import Request
 
 REQUESTS_FILE, STEPS_FILE, METRICS_FILE, CONFIG_FILE = "requests.jsonl", "steps.jsonl", "metrics.json", "config.json"
 
-__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "read_jsonl", "read_metrics", "read_run",
+__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "RunFilesError", "read_jsonl", "read_metrics", "read_run",
            "request_record", "step_record"]
 
 
@@ -87,17 +89,34 @@ def dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(obj, default=_json_default, **kwargs)
 
 
+class RunFilesError(OSError):
+    """A run's files cannot be written (the directory is not writable, a path is taken, the disk is full)."""
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise RunFilesError(f"cannot write the run's files in {path}: {exc.strerror or exc}"
+                            f"{f' ({exc.filename})' if exc.filename else ''}") from exc
+
+
 class RunWriter:
     """Writes one run directory. Steps and requests are streamed line-buffered as they happen, so a crashed or
-    interrupted run keeps everything up to its last step; ``metrics.json`` is written at the summary."""
+    interrupted run keeps everything up to its last step; ``metrics.json`` is written at the summary. Any
+    failure to write raises ``RunFilesError`` naming the directory and the cause."""
 
     def __init__(self, run_dir: str | Path, config: dict | None = None) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if config is not None:
-            (self.run_dir / CONFIG_FILE).write_text(dumps(config, indent=2) + "\n", encoding="utf-8")
-        self._steps: IO[str] | None = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
-        self._requests: IO[str] | None = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
+        self._steps: IO[str] | None = None
+        self._requests: IO[str] | None = None
+        with _writing(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if config is not None:
+                (self.run_dir / CONFIG_FILE).write_text(dumps(config, indent=2) + "\n", encoding="utf-8")
+            self._steps = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
+            self._requests = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
 
     def write_step(self, step: dict) -> None:
         self._write(self._steps, step)
@@ -105,15 +124,19 @@ class RunWriter:
     def write_request(self, record: dict) -> None:
         self._write(self._requests, record)
 
-    @staticmethod
-    def _write(stream: IO[str] | None, row: dict) -> None:
+    def _write(self, stream: IO[str] | None, row: dict) -> None:
         if stream is None:
             raise RuntimeError("RunWriter is closed")
-        stream.write(dumps(row) + "\n")
+        with _writing(self.run_dir):
+            stream.write(dumps(row) + "\n")  # one write of a whole line: a stop between steps never tears it
 
     def write_metrics(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
         metrics = {**summary, "breakdowns": breakdowns or {}}
-        (self.run_dir / METRICS_FILE).write_text(dumps(metrics, indent=2) + "\n", encoding="utf-8")
+        path = self.run_dir / METRICS_FILE
+        with _writing(self.run_dir):  # written aside, then renamed: a reader never sees half a metrics.json
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(dumps(metrics, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
 
     def close(self) -> None:
         for stream in (self._steps, self._requests):

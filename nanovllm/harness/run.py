@@ -50,9 +50,11 @@ class PluginImportError(ImportError):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     # PolicyError lives with the engine, which is imported lazily (it pulls in torch and transformers).
+    from nanovllm.engine.engine import StepError
     from nanovllm.engine.scheduler import PolicyError
+    from nanovllm.harness.records import RunFilesError
 
-    return (ValueError, PolicyError, PluginImportError, FileNotFoundError)
+    return (ValueError, PolicyError, PluginImportError, FileNotFoundError, StepError, RunFilesError)
 
 
 # -- where the configs are -----------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ its latency, as a client would see it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -78,6 +79,10 @@ def serve(
     run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress))
     try:
         run.loop(workload, stop)
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # every request written if possible, then the original error
+            run.record_unfinished(f"engine fault: {type(exc).__name__}")
+        raise
     finally:
         run.progress.close()
     run.check_all_ended(len(run.submitted) if run.interrupted else len(workload))
@@ -151,6 +156,21 @@ class _Run:
         if self.engine.has_unfinished():
             for request in self.engine.step().finished:
                 self._ended(request_record(request, self.t0))
+
+    def record_unfinished(self, reason: str) -> None:
+        """After a fault: abort what the engine still holds (best effort: the engine may be broken) and record
+        every submitted request not yet recorded, so ``requests.jsonl`` accounts for all of them."""
+        with contextlib.suppress(Exception):
+            self.engine.abort_all(reason)
+        with contextlib.suppress(Exception):
+            self.engine.step()  # reports the aborted requests and leaves the engine empty if it still can
+        recorded = {r["request_id"] for r in self.records}
+        for request in self.submitted:
+            if request.request_id not in recorded:
+                record = request_record(request, self.t0)
+                if record["error"] is None and not request.is_finished:
+                    record.update(finish_reason="abort", error=reason)
+                self._ended(record)
 
     def _submit(self, index: int, w: WorkloadRequest) -> None:
         request_id = w.request_id if w.request_id is not None else str(index)
