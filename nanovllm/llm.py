@@ -48,7 +48,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params") if sampling_params is not None \
             else [SamplingParams() for _ in prompts]
-        priorities = _per_prompt(list(priorities), len(prompts), "priorities") if priorities is not None \
+        priorities = _per_prompt(priorities, len(prompts), "priorities") if priorities is not None \
             else [0] * len(prompts)
         requests = []
         for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
@@ -116,6 +116,9 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
@@ -127,6 +130,8 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 def _per_prompt(value, n: int, name: str) -> list:
     if isinstance(value, SamplingParams):
         return [value] * n
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be one value or a list of one per prompt ({n}), got {type(value).__name__}")
     value = list(value)
     if len(value) != n:
         raise ValueError(f"{name} must be one value or one per prompt ({n}), got {len(value)}")

@@ -110,8 +110,14 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> Request:
         """Tokenize and validate a request without adding it (raises ``ValueError`` naming the bad field)."""
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_tokens(token_ids, params)
@@ -128,7 +134,7 @@ class LLMEngine:
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
