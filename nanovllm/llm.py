@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 from nanovllm.chat_template import chat_token_ids
@@ -48,7 +49,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params") if sampling_params is not None \
             else [SamplingParams() for _ in prompts]
-        priorities = _per_prompt(list(priorities), len(prompts), "priorities") if priorities is not None \
+        priorities = _per_prompt(priorities, len(prompts), "priorities") if priorities is not None \
             else [0] * len(prompts)
         requests = []
         for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
@@ -78,13 +79,30 @@ class LLM:
         self.last_steps = []
         finished = output_tokens = 0
         with RequestProgress(len(requests), disable=not use_tqdm or len(requests) < 2, desc="generate") as bar:
-            while self.engine.has_unfinished():
-                result = self.engine.step()
-                self.last_steps.append(result.record)
-                finished += len(result.finished)
-                output_tokens += sum(r.num_output_tokens for r in result.finished)
-                bar.update(finished, output_tokens)
+            try:
+                while self.engine.has_unfinished():
+                    result = self.engine.step()
+                    self.last_steps.append(result.record)
+                    finished += len(result.finished)
+                    output_tokens += sum(r.num_output_tokens for r in result.finished)
+                    bar.update(finished, output_tokens)
+            except BaseException:
+                # Ctrl-C (or a fault) mid-generate: abort what is left so the engine stays usable for the
+                # next call, its blocks free and its queues empty; then let the original exception go on (a
+                # second fault while cleaning up must not hide it).
+                with contextlib.suppress(Exception):
+                    self.abort_unfinished("interrupted")
+                raise
         return [self._output(r) for r in requests]
+
+    def abort_unfinished(self, reason: str = "aborted") -> list[str]:
+        """Abort every request this LLM still has waiting or running (their blocks are freed, the policy hears
+        ``on_finish``) and report them out of the engine at once. Returns their ids. ``generate`` calls it
+        when interrupted; to abort a single request of your own loop use ``llm.engine.abort_request(id)``."""
+        ids = self.engine.abort_all(reason)
+        if self.engine.has_unfinished():
+            self.engine.step()  # nothing left to run: this step only reports the aborted requests
+        return ids
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
@@ -99,6 +117,9 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
@@ -110,6 +131,8 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 def _per_prompt(value, n: int, name: str) -> list:
     if isinstance(value, SamplingParams):
         return [value] * n
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be one value or a list of one per prompt ({n}), got {type(value).__name__}")
     value = list(value)
     if len(value) != n:
         raise ValueError(f"{name} must be one value or one per prompt ({n}), got {len(value)}")

@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # lost its blocks; waits to be recomputed
     FINISHED = "finished"
     FAILED = "failed"        # refused by the engine (``LLMEngine.add_request(request, error=...)``); ``error`` says why
+    ABORTED = "aborted"      # ended early by ``LLMEngine.abort_request`` (finish_reason "abort"); ``error`` says why
 
 
 @dataclass(eq=False)
@@ -84,7 +85,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.ABORTED)
 
     def append_token(self, token_id: int, now: float, logprobs: dict | None = None) -> None:
         self.token_ids.append(token_id)

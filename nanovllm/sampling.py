@@ -10,6 +10,17 @@ import torch
 from nanovllm.outputs import Logprob
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's names and meanings).
@@ -31,31 +42,42 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and what is allowed."""
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        """Raise ``ValueError`` naming the first bad field and what is allowed (bools are not numbers here)."""
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids (ints), got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.stop_token_ids is not None and not (
+                isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0 (top-k per token), got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Like vLLM, a temperature below 1e-5 is greedy: dividing logits by it would overflow to inf.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+# What the sampler returns for a row whose logits are not finite (NaN or +inf): no token is drawn from garbage;
+# the scheduler fails that request with NON_FINITE_REASON and the rest of the batch goes on.
+INVALID_TOKEN = -1
+NON_FINITE_REASON = "the model produced non-finite logits (NaN or +inf); no token was sampled"
 
 
 class Sampler:
     """Batched sampling: greedy rows take the argmax; the others are scaled by temperature, filtered by top-k
-    and top-p, and drawn with their request's generator (or the engine's)."""
+    and top-p, and drawn with their request's generator (or the engine's). A row with a NaN or +inf logit gets
+    ``INVALID_TOKEN`` instead of a token (-inf is a legitimate "never this token")."""
 
     def __call__(
         self,
@@ -64,6 +86,9 @@ class Sampler:
         generators: list[torch.Generator],
     ) -> list[int]:
         logits = logits.float()
+        bad = (logits.isnan() | (logits == float("inf"))).any(dim=-1)
+        if bad.any():
+            logits = logits.masked_fill(bad.unsqueeze(1), 0.0)  # sample the others as if nothing happened
         next_tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -71,7 +96,7 @@ class Sampler:
             probs = self._probabilities(logits[rows], [params[i] for i in random_rows])
             for j, i in enumerate(random_rows):
                 next_tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-        return next_tokens.tolist()
+        return next_tokens.masked_fill(bad, INVALID_TOKEN).tolist()
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

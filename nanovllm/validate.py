@@ -179,7 +179,8 @@ def validate_output(
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOP_K)
     outputs = llm.generate([ids for _, ids in pairs], params, use_tqdm=False)
     if references is None:
-        reference_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch_dtype(dtype))
+        reference_model = AutoModelForCausalLM.from_pretrained(
+            llm.engine.model_dir, dtype=torch_dtype(dtype), trust_remote_code=False, use_safetensors=True)
         references = reference_greedy_top(reference_model.eval(), [ids for _, ids in pairs], max_tokens)
     results = [
         PromptAgreement(label, output.token_ids, ref_tokens,

@@ -6,6 +6,7 @@ history of its own: whoever drives it (``LLM``, the serving loop, the simulator)
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,14 +20,21 @@ from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
+
+
+class StepError(RuntimeError):
+    """An engine step raised. The message names the plugin (allocator, attention backend, policy) in whose code
+    it happened, when it happened in one, and the step; the engine's state after it is not to be trusted."""
 
 
 @dataclass
@@ -66,8 +74,9 @@ class LLMEngine:
         if device.type == "cuda" and not torch.cuda.is_available() and not simulated:
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.model_dir = resolve_model(config.model)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.model_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
+            self.model_dir, trust_remote_code=False)
         model_max = max_positions_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
@@ -126,8 +135,14 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> Request:
         """Tokenize and validate a request without adding it (raises ``ValueError`` naming the bad field)."""
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_tokens(token_ids, params)
@@ -144,7 +159,7 @@ class LLMEngine:
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -185,6 +200,24 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt) if isinstance(prompt, (list, tuple)) else []
 
+    def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
+        """End the waiting or running request ``request_id`` now (status aborted, ``finish_reason`` "abort",
+        ``error`` = ``reason``), freeing its KV blocks at once; the next ``step()`` reports it among the
+        finished and the other requests go on. An unknown or already-ended id is a no-op: it is logged and
+        False is returned, never raised, so a serving loop can abort freely."""
+        if self.scheduler.abort(request_id, time.perf_counter(), reason) is None:
+            logger.info("abort_request(%r): no waiting or running request has this id; nothing to abort",
+                        request_id)
+            return False
+        return True
+
+    def abort_all(self, reason: str = "aborted") -> list[str]:
+        """Abort every waiting and running request; returns their ids (reported by the next ``step()``)."""
+        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+        for request_id in ids:
+            self.abort_request(request_id, reason)
+        return ids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -196,7 +229,32 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         """Run one engine step: schedule, run the model over the batch, let the scheduler append the sampled
-        tokens and finish requests. Returns the requests that ended in this step and the step's record."""
+        tokens and finish requests. Returns the requests that ended in this step and the step's record.
+        Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else."""
+        try:
+            return self._step()
+        except (PolicyError, StepError):
+            raise
+        except Exception as exc:
+            raise StepError(f"engine step {self._num_steps} failed{self._culprit(exc)}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+    def _culprit(self, exc: BaseException) -> str:
+        """' in allocator 'paged' (PagedAllocator.allocate)' for the innermost plugin frame of the traceback."""
+        plugins = {id(self.allocator): "allocator", id(self.runner.backend): "attention backend",
+                   id(self.policy): "policy"}
+        found = ""
+        tb = exc.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if id(owner) in plugins:
+                name = getattr(owner, "registered_name", type(owner).__name__)
+                found = (f" in {plugins[id(owner)]} {name!r} "
+                         f"({type(owner).__name__}.{tb.tb_frame.f_code.co_name})")
+            tb = tb.tb_next
+        return found
+
+    def _step(self) -> StepOutput:
         start = self.clock()
         out = self.scheduler.schedule(start)
         layout = _BatchLayout.of(out.scheduled)

@@ -4,8 +4,9 @@ Each step the running requests get their next tokens first (a decode, or the nex
 first; when blocks run out the policy names a victim among those not yet scheduled, which loses its blocks and
 goes back to waiting. Then, if nothing was preempted, waiting requests are admitted in the policy's order until
 a budget or memory says stop. All decisions of *order* come from the ``Policy``; all *state* changes happen here:
-status (waiting, running, preempted, finished, failed), ``finish_reason``, ``finish_time`` and ``error`` are
-written by this module alone (``update_from_output`` after a step, ``reject`` for a request the engine refuses).
+status (waiting, running, preempted, finished, failed, aborted), ``finish_reason``, ``finish_time`` and ``error``
+are written by this module alone (``update_from_output`` after a step, ``reject`` for a request the engine refuses,
+``abort`` for one its caller gives up on).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Sequence
 from nanovllm.allocator import BlockAllocator
 from nanovllm.policy import Policy, SchedulerView
 from nanovllm.request import Request, RequestStatus
+from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON
 
 
 class PolicyError(RuntimeError):
@@ -60,7 +62,7 @@ class Scheduler:
         self.watermark_blocks = int(watermark * allocator.num_blocks)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._rejected: list[Request] = []   # failed on arrival; reported by the next update_from_output
+        self._rejected: list[Request] = []   # failed on arrival or aborted; reported by the next update_from_output
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
@@ -74,6 +76,24 @@ class Scheduler:
         request.error = error
         request.finish_time = now
         self._rejected.append(request)
+
+    def abort(self, request_id: str, now: float, reason: str = "aborted") -> Request | None:
+        """End the waiting or running request ``request_id`` now: status aborted, ``finish_reason`` "abort",
+        ``error`` = ``reason``; its blocks go back to the allocator at once (a prefix cache keeps their content
+        reusable) and the policy hears ``on_finish``. It is reported by the next ``update_from_output``, like a
+        rejected request. Returns the request, or None when no unfinished request has that id (a no-op)."""
+        request = next((r for r in (*self.running, *self.waiting) if r.request_id == request_id), None)
+        if request is None:
+            return None
+        (self.running if request in self.running else self.waiting).remove(request)
+        self.allocator.free(request)
+        request.status = RequestStatus.ABORTED
+        request.finish_reason = "abort"
+        request.error = reason
+        request.finish_time = now
+        self._rejected.append(request)
+        self._ask("on_finish", request, now)
+        return request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._rejected)
@@ -93,6 +113,10 @@ class Scheduler:
         for (request, _), token, token_logprobs in zip(out.scheduled, next_tokens, logprobs):
             if token is None:
                 continue
+            if token == INVALID_TOKEN:  # the sampler refused garbage logits: this request fails, others go on
+                self._finish(request, None, now, RequestStatus.FAILED, NON_FINITE_REASON)
+                finished.append(request)
+                continue
             request.append_token(token, now, token_logprobs)
             reason = request.check_stop(max_model_len)
             if reason is not None:
@@ -100,9 +124,11 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _finish(self, request: Request, reason: str, now: float) -> None:
-        request.status = RequestStatus.FINISHED
+    def _finish(self, request: Request, reason: str | None, now: float,
+                status: RequestStatus = RequestStatus.FINISHED, error: str | None = None) -> None:
+        request.status = status
         request.finish_reason = reason
+        request.error = error
         request.finish_time = now
         self.allocator.free(request)
         self.running.remove(request)

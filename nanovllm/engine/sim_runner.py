@@ -41,8 +41,8 @@ class VirtualClock:
             raise ValueError(f"a step cannot take {seconds!r} seconds (the step-time model must give >= 0)")
         self.time += seconds
 
-    def wait_until(self, t: float) -> None:
-        """Idle until ``t`` (nothing sleeps: the clock jumps)."""
+    def wait_until(self, t: float, stop: Any = None) -> None:
+        """Idle until ``t`` (nothing sleeps: the clock jumps; ``stop`` is checked by the loop itself)."""
         self.time = max(self.time, t)
 
 

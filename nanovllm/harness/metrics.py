@@ -8,7 +8,7 @@ Key names and definitions follow ``vllm bench serve`` so numbers can be compared
 * E2EL  = finish_time - arrival_time
 
 Conventions: only *completed* requests (no error, a finish time) enter latency and token statistics;
-failed ones (error set) are only counted. A statistic over an empty sample (e.g. TPOT when every request
+failed ones (error set) and aborted ones (finish_reason "abort", error saying why) are only counted. A statistic over an empty sample (e.g. TPOT when every request
 produced one token) or a ratio with a zero denominator is ``None`` -- never a misleading 0. Throughputs over
 a zero-length run are 0.0. Nothing here raises or warns on empty input.
 """
@@ -148,14 +148,16 @@ def _goodput(done: Sequence[RequestRecord], total: int, duration: float, slo: SL
 
 
 def _counts(requests: Sequence[RequestRecord], done: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
-    failed = sum(r["error"] is not None for r in requests)
+    aborted = sum(r["finish_reason"] == "abort" for r in requests)
+    failed = sum(r["error"] is not None for r in requests) - aborted
     total_in = sum(r["num_prompt_tokens"] for r in done)
     total_out = sum(r["num_output_tokens"] for r in done)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     return {
         "completed": len(done),
         "failed": failed,
-        "unfinished": len(requests) - len(done) - failed,  # neither finished nor failed (a run cut short)
+        "aborted": aborted,
+        "unfinished": len(requests) - len(done) - failed - aborted,  # none of those (a run cut short)
         "duration": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -236,6 +238,7 @@ _WIDTH = 50
 _LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
     (None, [
         ("Successful requests", "completed"), ("Failed requests", "failed"),
+        ("Aborted requests", "aborted"),
         ("Unfinished requests", "unfinished"), ("Benchmark duration (s)", "duration"),
         ("Total input tokens", "total_input_tokens"), ("Total generated tokens", "total_output_tokens"),
         ("Request throughput (req/s)", "request_throughput"),

@@ -11,10 +11,12 @@ the engine is gone. All times are seconds since the run started (``perf_counter`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import IO, Any, Iterator, TypedDict
 
 from nanovllm.outputs import StepRecord
 from nanovllm.request import Request
@@ -22,8 +24,8 @@ from nanovllm.request import Request
 REQUESTS_FILE, STEPS_FILE, METRICS_FILE, CONFIG_FILE = "requests.jsonl", "steps.jsonl", "metrics.json", "config.json"
 BLOCKS_FILE, ENGINE_FILE = "blocks.jsonl", "engine.json"
 
-__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "JsonlTail", "is_run_dir", "read_jsonl",
-           "read_metrics", "read_run", "request_record", "step_record"]
+__all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "RunFilesError", "JsonlTail", "is_run_dir",
+           "read_jsonl", "read_metrics", "read_run", "request_record", "step_record"]
 
 
 class RequestRecord(TypedDict):
@@ -39,8 +41,8 @@ class RequestRecord(TypedDict):
     num_cached_tokens: int              # prompt tokens served from the prefix cache at (last) admission
     num_output_tokens: int
     num_preemptions: int
-    finish_reason: str | None           # "stop", "length", or None when it failed
-    error: str | None                   # why the engine rejected it; None when it ran
+    finish_reason: str | None           # "stop", "length", "abort", or None when it failed
+    error: str | None                   # why it was rejected or aborted ("interrupted", ...); None when it ran
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -89,21 +91,36 @@ def dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(obj, default=_json_default, **kwargs)
 
 
+class RunFilesError(OSError):
+    """A run's files cannot be written (the directory is not writable, a path is taken, the disk is full)."""
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise RunFilesError(f"cannot write the run's files in {path}: {exc.strerror or exc}"
+                            f"{f' ({exc.filename})' if exc.filename else ''}") from exc
+
+
 class RunWriter:
     """Writes one run directory. Steps and requests are streamed line-buffered as they happen, so a crashed or
-    interrupted run keeps everything up to its last step; ``metrics.json`` is written at the summary."""
+    interrupted run keeps everything up to its last step; ``metrics.json`` is written at the summary. Any
+    failure to write raises ``RunFilesError`` naming the directory and the cause."""
 
     def __init__(self, run_dir: str | Path, config: dict | None = None, core_files: bool = True) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if config is not None:
-            (self.run_dir / CONFIG_FILE).write_text(dumps(config, indent=2) + "\n", encoding="utf-8")
         self._steps: IO[str] | None = None
         self._requests: IO[str] | None = None
         self._blocks: IO[str] | None = None
-        if core_files:
-            self._steps = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
-            self._requests = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
+        with _writing(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if config is not None:
+                (self.run_dir / CONFIG_FILE).write_text(dumps(config, indent=2) + "\n", encoding="utf-8")
+            if core_files:
+                self._steps = open(self.run_dir / STEPS_FILE, "w", buffering=1, encoding="utf-8")
+                self._requests = open(self.run_dir / REQUESTS_FILE, "w", buffering=1, encoding="utf-8")
 
     @classmethod
     def for_extras(cls, run_dir: str | Path) -> "RunWriter":
@@ -117,11 +134,11 @@ class RunWriter:
     def write_request(self, record: dict) -> None:
         self._write(self._requests, record)
 
-    @staticmethod
-    def _write(stream: IO[str] | None, row: dict) -> None:
+    def _write(self, stream: IO[str] | None, row: dict) -> None:
         if stream is None:
             raise RuntimeError("RunWriter is closed")
-        stream.write(dumps(row) + "\n")
+        with _writing(self.run_dir):
+            stream.write(dumps(row) + "\n")  # one write of a whole line: a stop between steps never tears it
 
     def write_blocks(self, snapshot: dict) -> None:
         """One KV block-ownership snapshot into ``blocks.jsonl`` (opened on first use: only live runs have it)."""
@@ -135,7 +152,11 @@ class RunWriter:
 
     def write_metrics(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
         metrics = {**summary, "breakdowns": breakdowns or {}}
-        (self.run_dir / METRICS_FILE).write_text(dumps(metrics, indent=2) + "\n", encoding="utf-8")
+        path = self.run_dir / METRICS_FILE
+        with _writing(self.run_dir):  # written aside, then renamed: a reader never sees half a metrics.json
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(dumps(metrics, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
 
     def close(self) -> None:
         for stream in (self._steps, self._requests, self._blocks):

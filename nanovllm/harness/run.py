@@ -37,6 +37,7 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.live.config import LiveConfig
+from nanovllm.harness.interrupt import STOP
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.harness.metrics import SLO, format_summary
 from nanovllm.harness.monitor import MonitorConfig
@@ -58,9 +59,11 @@ class PluginImportError(ImportError):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     # PolicyError lives with the engine, which is imported lazily (it pulls in torch and transformers).
+    from nanovllm.engine.engine import StepError
     from nanovllm.engine.scheduler import PolicyError
+    from nanovllm.harness.records import RunFilesError
 
-    return (ValueError, PolicyError, PluginImportError, FileNotFoundError)
+    return (ValueError, PolicyError, PluginImportError, FileNotFoundError, StepError, RunFilesError)
 
 
 # -- where the configs are -----------------------------------------------------------------------------------------
@@ -242,7 +245,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
                        loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
                        clock=sim.clock if sim is not None else None,
-                       annotations=sim.annotations if sim is not None else None)
+                       annotations=sim.annotations if sim is not None else None, stop=STOP.event)
     except BaseException:
         live.close()
         raise
@@ -264,9 +267,15 @@ def _task(cfg: DictConfig) -> float | None:
     returns the run's objective (``objective.metric``); None otherwise, and for a multirun job that failed
     (Optuna: a failed trial)."""
     hc = HydraConfig.get()
+    if STOP.requested:  # a later job of an interrupted multirun: do not start it
+        _stopped(f"not run: the sweep was interrupted by {STOP.name}")
+        return None
     try:
         objective = _prepare_job(cfg, hc)
         summary = run(cfg)
+        if STOP.requested:
+            _stopped(f"interrupted by {STOP.name}; the run's files hold what finished")
+            return None
         optimizing = hc.mode == RunMode.MULTIRUN and hc.sweeper.get("direction") is not None
         return objective_value(summary, objective) if optimizing else None
     except Exception as exc:
@@ -281,6 +290,18 @@ def _task(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+def _stopped(message: str) -> None:
+    """After a stop request: a single run exits with the signal's status (130 / 143); a multirun job notes it
+    in ``error.txt`` and the sweep summary, written over the jobs that ran, exits with that status."""
+    print(f"error: {message}", file=sys.stderr)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        Path(hc.runtime.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(hc.runtime.output_dir, "error.txt").write_text(f"{message}\n", encoding="utf-8")
+        return
+    sys.exit(STOP.exit_status)
 
 
 # -- beyond one process: launchers run jobs side by side, sweepers read the objective ------------------------------
@@ -311,7 +332,8 @@ def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> None:
 def main() -> None:
     """Entry point of ``python -m nanovllm.run`` and the ``nanovllm-run`` console script."""
     register_configs()
-    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    with STOP.installed():
+        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 
 if __name__ == "__main__":

