@@ -172,58 +172,21 @@ def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]
     out["num_preemptions"] = sum(r["num_preemptions"] for r in requests)
     out["prefix_cache_hit_rate"] = _ratio(sum(r["num_cached_tokens"] for r in done),
                                           sum(r["num_prompt_tokens"] for r in done))
+    # Recompute is wasted work whoever the victim was: over every request (files before it existed: 0).
+    out["recomputed_tokens"] = sum(r.get("num_recomputed_tokens", 0) for r in requests)
     return out
 
 
-def _step_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
-    usage = [s["kv_blocks_used"] / s["kv_blocks_total"] for s in steps if s["kv_blocks_total"] > 0]
-    durations = [s["duration"] for s in steps]
+def _memory_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+    """Prefix-cache and fragmentation figures from the step records (None for runs recorded before them).
+    Internal fragmentation is the mean, over steps, of allocated KV slots not holding a computed token."""
+    if not steps or "kv_slots_unused" not in steps[0]:
+        return {"num_evictions": None, "mean_kv_slots_unused": None, "mean_kv_blocks_cached": None}
     return {
-        "peak_kv_usage": max(usage) if usage else None,
-        "mean_kv_usage": float(np.mean(usage)) if usage else None,
-        "num_steps": len(steps),
-        "mean_step_ms": float(np.mean(durations)) * 1000.0 if durations else None,
+        "num_evictions": sum(s["num_evictions"] for s in steps),
+        "mean_kv_slots_unused": float(np.mean([s["kv_slots_unused"] for s in steps])),
+        "mean_kv_blocks_cached": float(np.mean([s["kv_blocks_cached"] for s in steps])),
     }
-
-
-def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (),
-              duration: float | None = None, slo: SLO | None = None) -> dict[str, Any]:
-    """The flat serving summary of a run, with ``vllm bench serve`` key names (see the module docstring).
-
-    ``duration`` defaults to last finish - first arrival; pass the wall time of the run to match a
-    benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``).
-    """
-    requests = list(requests)
-    done = [r for r in requests if is_completed(r)]
-    duration = run_duration(requests) if duration is None else float(duration)
-    summary = _counts(requests, done, duration)
-    summary.update(_goodput(done, len(requests), duration, slo))
-    for name, values in _latencies_s(done).items():
-        summary.update(_stats_ms(values, name, _LATENCY_STATS))
-    summary.update(_scheduling(requests, done))
-    summary.update(_step_stats(steps))
-    return summary
-
-
-def _group_key(value: Any) -> tuple:
-    """Sort groups by value, numbers before strings, None last."""
-    return (value is None, isinstance(value, str), value if value is not None else 0)
-
-
-def breakdown(requests: Sequence[RequestRecord], by: str, **kw: Any) -> dict[str, dict[str, Any]]:
-    """``summarize`` per value of a request field (``"priority"`` or ``"client_id"``), keyed by ``str(value)``.
-
-    Every group shares the whole run's duration (unless ``duration`` is given), so per-group throughputs add
-    up to the run's. Step statistics are global, so they are left out unless ``steps`` is passed in ``kw``.
-    """
-    if requests and by not in requests[0]:
-        raise ValueError(f"breakdown(by={by!r}): not a request record field; try 'priority' or 'client_id'")
-    kw.setdefault("duration", run_duration(requests))
-    kw.setdefault("steps", ())
-    groups: dict[Any, list[RequestRecord]] = {}
-    for r in requests:
-        groups.setdefault(r[by], []).append(r)
-    return {str(value): summarize(groups[value], **kw) for value in sorted(groups, key=_group_key)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -250,7 +213,9 @@ _LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
     ("Scheduling", [
         ("Mean queue time (ms)", "mean_queue_time_ms"), ("Median queue time (ms)", "median_queue_time_ms"),
         ("P99 queue time (ms)", "p99_queue_time_ms"), ("Preemptions", "num_preemptions"),
-        ("Prefix cache hit rate", "prefix_cache_hit_rate"), ("Peak KV cache usage", "peak_kv_usage"),
+        ("Prefix cache hit rate", "prefix_cache_hit_rate"), ("Recomputed tokens", "recomputed_tokens"),
+        ("Evicted cached blocks", "num_evictions"), ("Mean unused KV slots", "mean_kv_slots_unused"),
+        ("Mean cached free blocks", "mean_kv_blocks_cached"), ("Peak KV cache usage", "peak_kv_usage"),
         ("Mean KV cache usage", "mean_kv_usage"), ("Engine steps", "num_steps"),
         ("Mean step time (ms)", "mean_step_ms"),
     ]),
