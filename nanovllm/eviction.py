@@ -49,9 +49,11 @@ class EvictionTracker:
         use.uses += 1
         use.last_used = next(self._clock)
 
-    def release(self, block: int) -> None:
-        """``block`` may be evicted now (no request holds it); its last use ends now."""
-        self._use[block].last_used = next(self._clock)
+    def release(self, block: int, touch: bool = True) -> None:
+        """``block`` may be evicted now (no request holds it); with ``touch`` its last use ends now (a tree
+        cache passes False for a node that became a leaf because its children were evicted)."""
+        if touch:
+            self._use[block].last_used = next(self._clock)
         self._candidates.add(block)
 
     def pin(self, block: int) -> None:
