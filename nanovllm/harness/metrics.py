@@ -189,6 +189,58 @@ def _memory_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
     }
 
 
+def _step_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+    usage = [s["kv_blocks_used"] / s["kv_blocks_total"] for s in steps if s["kv_blocks_total"] > 0]
+    durations = [s["duration"] for s in steps]
+    return {
+        "peak_kv_usage": max(usage) if usage else None,
+        "mean_kv_usage": float(np.mean(usage)) if usage else None,
+        "num_steps": len(steps),
+        "mean_step_ms": float(np.mean(durations)) * 1000.0 if durations else None,
+    }
+
+
+def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (),
+              duration: float | None = None, slo: SLO | None = None) -> dict[str, Any]:
+    """The flat serving summary of a run, with ``vllm bench serve`` key names (see the module docstring).
+
+    ``duration`` defaults to last finish - first arrival; pass the wall time of the run to match a
+    benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``).
+    """
+    requests = list(requests)
+    done = [r for r in requests if is_completed(r)]
+    duration = run_duration(requests) if duration is None else float(duration)
+    summary = _counts(requests, done, duration)
+    summary.update(_goodput(done, len(requests), duration, slo))
+    for name, values in _latencies_s(done).items():
+        summary.update(_stats_ms(values, name, _LATENCY_STATS))
+    summary.update(_scheduling(requests, done))
+    summary.update(_step_stats(steps))
+    summary.update(_memory_stats(steps))
+    return summary
+
+
+def _group_key(value: Any) -> tuple:
+    """Sort groups by value, numbers before strings, None last."""
+    return (value is None, isinstance(value, str), value if value is not None else 0)
+
+
+def breakdown(requests: Sequence[RequestRecord], by: str, **kw: Any) -> dict[str, dict[str, Any]]:
+    """``summarize`` per value of a request field (``"priority"`` or ``"client_id"``), keyed by ``str(value)``.
+
+    Every group shares the whole run's duration (unless ``duration`` is given), so per-group throughputs add
+    up to the run's. Step statistics are global, so they are left out unless ``steps`` is passed in ``kw``.
+    """
+    if requests and by not in requests[0]:
+        raise ValueError(f"breakdown(by={by!r}): not a request record field; try 'priority' or 'client_id'")
+    kw.setdefault("duration", run_duration(requests))
+    kw.setdefault("steps", ())
+    groups: dict[Any, list[RequestRecord]] = {}
+    for r in requests:
+        groups.setdefault(r[by], []).append(r)
+    return {str(value): summarize(groups[value], **kw) for value in sorted(groups, key=_group_key)}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Console output
 # --------------------------------------------------------------------------------------------------------------
