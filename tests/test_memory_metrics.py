@@ -6,7 +6,7 @@ from __future__ import annotations
 from nanovllm import LLM, SamplingParams
 from nanovllm.harness.metrics import summarize
 from nanovllm.harness.records import request_record
-from policy_sim import make_request, simulate
+from nanovllm.harness.scheduler_sim import make_request, simulate
 
 
 def test_tokens_recomputed_after_preemption_are_counted_per_request():

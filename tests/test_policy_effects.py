@@ -11,7 +11,7 @@ import pytest
 from nanovllm import POLICIES, RequestStatus
 from nanovllm.engine.scheduler import PolicyError, Scheduler
 from nanovllm import ALLOCATORS
-from policy_sim import make_request, mean, p99, simulate
+from nanovllm.harness.scheduler_sim import make_request, mean, p99, simulate
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:

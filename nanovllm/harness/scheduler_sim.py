@@ -1,9 +1,12 @@
-"""A model-free driver for policy-effect tests: the real ``Scheduler`` with a real policy and allocator, stepped
-as the engine would step it, on a clock counted in engine steps or in tokens (never wall time).
+"""A model-free driver of the real ``Scheduler`` with a real policy and allocator, stepped as the engine would
+step it, on a clock counted in engine steps or in tokens (never wall time). The policy-effect tests and the
+policy-library study (``experiments/policy_library.py``) use it: scheduling and memory decisions are exactly
+the engine's, only the model is absent (every sampled token is the same id).
 
 ``clock="steps"``: each step lasts 1. ``clock="tokens"``: a step lasts ``step_overhead`` plus the tokens it
 computes, the first-order cost of a step on any hardware (a long prefill is a long step), so inter-token
-latency reflects what a step-count alone would hide."""
+latency reflects what a step-count alone would hide; ``time_per_token`` scales it to seconds (e.g. 0.001 with
+``step_overhead=16``: a machine computing 1,000 tokens/s with 16 ms of fixed cost per step)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int, arrival: float = 
 class SimResult:
     requests: list[Request]
     num_steps: int
+    scheduler: Scheduler
     scheduled_tokens: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # rid -> (time, tokens)
 
     def by_id(self) -> dict[str, Request]:
@@ -51,12 +55,12 @@ class SimResult:
 
 def simulate(policy, requests: list[Request], allocator="paged", num_blocks: int = 256, block_size: int = 8,
              max_num_seqs: int = 4, max_num_batched_tokens: int = 2048, clock: str = "steps",
-             step_overhead: int = 16, max_steps: int = 100_000) -> SimResult:
+             step_overhead: int = 16, time_per_token: float = 1.0, max_steps: int = 100_000) -> SimResult:
     """Serve ``requests`` (arrival times on the chosen clock) until every one has ended; returns them."""
     scheduler = Scheduler(POLICIES.build(policy), ALLOCATORS.build(allocator, num_blocks, block_size),
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     pending = sorted(requests, key=lambda r: r.arrival_time)
-    result = SimResult(requests, 0)
+    result = SimResult(requests, 0, scheduler)
     now = 0.0
     for step in range(max_steps):
         while pending and pending[0].arrival_time <= now:
@@ -71,7 +75,7 @@ def simulate(policy, requests: list[Request], allocator="paged", num_blocks: int
         assert out.num_tokens <= scheduler.max_num_batched_tokens
         for request, n in out.scheduled:
             result.scheduled_tokens.setdefault(request.request_id, []).append((now, n))
-        now += 1.0 if clock == "steps" else step_overhead + out.num_tokens
+        now += 1.0 if clock == "steps" else (step_overhead + out.num_tokens) * time_per_token
         tokens = [7 if r.num_computed_tokens + n == r.num_tokens else None for r, n in out.scheduled]
         scheduler.update_from_output(out, tokens, now, max_model_len=10**9)
     raise AssertionError("the simulation did not finish")
