@@ -1,38 +1,44 @@
 """Hash-based automatic prefix caching (vLLM's APC): full blocks are keyed by a hash of their tokens and of
 everything before them, so requests sharing a prompt prefix share its KV blocks. Freed blocks keep their
-content and are evicted least-recently-used only when a fresh block is needed."""
+content and are evicted only when a fresh block is needed, in the order ``eviction`` says (``lru``, the
+default, ``lfu`` or ``fifo``; see ``nanovllm.eviction``).
+
+A hash hit is not trusted on the hash alone: the cached block's own tokens are compared with the request's
+(Python's tuple hash can collide), and a mismatch is a miss."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from nanovllm import BlockAllocator, Request, register_allocator
+from nanovllm import BlockAllocator, EvictionTracker, Request, register_allocator
 
 
 @register_allocator("prefix")
 class PrefixCachingAllocator(BlockAllocator):
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: str = "lru") -> None:
         super().__init__(num_blocks, block_size)
+        self.eviction = EvictionTracker(eviction)
         self._ref_count = [0] * num_blocks
         self._never_used = list(range(num_blocks - 1, -1, -1))   # stack: pop() gives block 0 first
-        self._evictable: OrderedDict[int, None] = OrderedDict()   # ref 0 but cached, oldest first
         self._hash_of_block: dict[int, int] = {}
+        self._tokens_of_block: dict[int, tuple[int, ...]] = {}
         self._block_of_hash: dict[int, int] = {}
         self._published: dict[str, tuple[int, int | None]] = {}   # request_id -> (blocks hashed, last hash)
 
     # -- accounting -----------------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
-        return len(self._never_used) + len(self._evictable)
+        return len(self._never_used) + self.eviction.num_evictable()
 
     def num_cached_blocks(self) -> int:
-        return len(self._evictable)
+        return self.eviction.num_evictable()
 
     def _take_block(self) -> int:
         if self._never_used:
             block = self._never_used.pop()
         else:
-            block, _ = self._evictable.popitem(last=False)
+            block = self.eviction.victim()
+            self.eviction.forget(block)
             del self._block_of_hash[self._hash_of_block.pop(block)]
+            del self._tokens_of_block[block]
+            self.num_evictions += 1
         self._ref_count[block] = 1
         return block
 
@@ -44,34 +50,45 @@ class PrefixCachingAllocator(BlockAllocator):
         request.block_table.extend(self._take_block() for _ in range(needed))
 
     def free(self, request: Request) -> None:
-        # Tail blocks first, so the evictable order drops a prompt's tail before its (more shared) head.
+        # Tail blocks first, so LRU order drops a prompt's tail before its (more shared) head.
         for block in reversed(request.block_table):
             self._ref_count[block] -= 1
             if self._ref_count[block] == 0:
                 if block in self._hash_of_block:
-                    self._evictable[block] = None
+                    self.eviction.release(block)
                 else:
                     self._never_used.append(block)
         request.block_table.clear()
         self._published.pop(request.request_id, None)
 
-    def match_prefix(self, request: Request) -> int:
-        # Never match the last token: the step must compute at least one token to produce logits.
+    def _cached_blocks(self, request: Request) -> tuple[list[int], int | None]:
+        """The cached blocks holding a prefix of ``request`` (never its last token: the step must compute at
+        least one token to produce logits), and the hash of the last one."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         parent: int | None = None
-        matched = 0
+        blocks: list[int] = []
         for i in range(max_blocks):
             key = self._block_hash(parent, request.token_ids, i)
             block = self._block_of_hash.get(key)
-            if block is None:
+            if block is None or self._tokens_of_block[block] != self._chunk(request.token_ids, i):
                 break
+            blocks.append(block)
+            parent = key
+        return blocks, parent
+
+    def cached_prefix_len(self, request: Request) -> int:
+        return len(self._cached_blocks(request)[0]) * self.block_size
+
+    def match_prefix(self, request: Request) -> int:
+        blocks, parent = self._cached_blocks(request)
+        for block in blocks:
             if self._ref_count[block] == 0:
-                del self._evictable[block]
+                self.eviction.pin(block)
             self._ref_count[block] += 1
+            self.eviction.hit(block)
             request.block_table.append(block)
-            parent, matched = key, matched + 1
-        self._published[request.request_id] = (matched, parent)
-        return matched * self.block_size
+        self._published[request.request_id] = (len(blocks), parent)
+        return len(blocks) * self.block_size
 
     def on_tokens_computed(self, request: Request) -> None:
         done, parent = self._published.get(request.request_id, (0, None))
@@ -82,9 +99,13 @@ class PrefixCachingAllocator(BlockAllocator):
             if key not in self._block_of_hash and block not in self._hash_of_block:
                 self._block_of_hash[key] = block
                 self._hash_of_block[block] = key
+                self._tokens_of_block[block] = self._chunk(request.token_ids, i)
+                self.eviction.cached(block)
             parent = key
         self._published[request.request_id] = (max(done, full), parent)
 
+    def _chunk(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+
     def _block_hash(self, parent: int | None, token_ids: list[int], index: int) -> int:
-        start = index * self.block_size
-        return hash((parent, tuple(token_ids[start:start + self.block_size])))
+        return hash((parent, self._chunk(token_ids, index)))

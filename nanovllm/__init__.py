@@ -4,7 +4,8 @@ from nanovllm.allocator import ALLOCATORS, BlockAllocator, register_allocator
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
 from nanovllm.config import EngineConfig
 from nanovllm.outputs import RequestMetrics, RequestOutput
-from nanovllm.policy import POLICIES, Policy, SchedulerView, register_policy
+from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
+from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
 from nanovllm.registry import Registry, UnknownPluginError
 from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import SamplingParams
@@ -21,7 +22,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig",
-    "Policy", "SchedulerView", "BlockAllocator", "AttentionBackend", "AttentionMetadata",
+    "Policy", "SchedulerView", "StepBudget", "EvictionTracker", "EVICTION_POLICIES", "BlockAllocator", "AttentionBackend", "AttentionMetadata",
     "register_policy", "register_allocator", "register_attention",
     "POLICIES", "ALLOCATORS", "ATTENTION_BACKENDS", "Registry", "UnknownPluginError", "Request", "RequestStatus",
 ]

@@ -21,6 +21,7 @@ class BlockAllocator(ABC):
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_evictions = 0   # cached blocks whose content was dropped to make room (caching allocators)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -56,6 +57,12 @@ class BlockAllocator(ABC):
     def match_prefix(self, request: Request) -> int:
         """Attach cached blocks holding a prefix of ``request``'s tokens; return how many tokens they cover
         (a multiple of ``block_size``, always fewer than the request's tokens). Default: no prefix cache."""
+        return 0
+
+    def cached_prefix_len(self, request: Request) -> int:
+        """How many of ``request``'s tokens ``match_prefix`` would cover now, without attaching anything and
+        without changing the cache's state (recency, hit counts): a pure lookup for policies (lpm). Default:
+        no prefix cache."""
         return 0
 
     def on_tokens_computed(self, request: Request) -> None:

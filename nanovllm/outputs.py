@@ -28,6 +28,11 @@ class StepRecord(TypedDict):
     context_tokens: int                 # sum over scheduled requests of their context length after the step
     attn_pairs: int                     # (query, key) pairs attended this step, causal mask respected
     num_sampled: int                    # sequences that produced logits (and a token) this step
+    prefix_hit_tokens: int              # prompt tokens served from the prefix cache at this step's admissions
+    recomputed_tokens: int              # tokens computed again this step because a preemption dropped them
+    num_evictions: int                  # cached blocks evicted during this step
+    kv_slots_unused: int                # internal fragmentation: allocated slots of running requests not
+                                        # holding a computed token, after the step
 
 
 @dataclass

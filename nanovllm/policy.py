@@ -12,7 +12,7 @@ A minimal policy overrides ``priority``::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nanovllm.registry import Registry
 from nanovllm.request import Request
@@ -30,6 +30,22 @@ class SchedulerView:
     num_free_blocks: int
     num_total_blocks: int
     block_size: int
+    max_num_batched_tokens: int = 2048   # the engine's hard cap on tokens per step
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What a policy asks of the step being built (``Policy.step_budget``).
+
+    ``max_tokens``: tokens the step may compute (the scheduler caps it at ``max_num_batched_tokens``).
+    ``decodes_first`` True (default, stall-free as in Sarathi-Serve): running decodes get their token first,
+    then running prefill chunks, then new prefills chunked into what is left. False (prefill-first, as in
+    vLLM's original scheduler and Orca): whenever prefill work can run, the step runs prefills only, whole
+    where the budget allows, and decodes wait for a step without prefills.
+    """
+
+    max_tokens: int
+    decodes_first: bool = True
 
 
 class Policy:
@@ -40,6 +56,7 @@ class Policy:
     """
 
     registered_name: str = "custom"
+    _prefix_lookup: Callable[[Request], int] | None = None
 
     def priority(self, request: Request, now: float) -> Any:
         """A sortable key; smaller runs first. Orders the waiting queue for admission and the running batch for
@@ -60,6 +77,27 @@ class Policy:
         """``waiting`` cannot be admitted (no free slot or blocks). Return a running request to preempt in its
         favour, or None (the default: never preempt for a waiting request)."""
         return None
+
+    def step_budget(self, view: SchedulerView, now: float) -> StepBudget:
+        """The token budget and prefill/decode mix of the step about to be built. Default: the engine's
+        ``max_num_batched_tokens``, decodes first."""
+        return StepBudget(view.max_num_batched_tokens)
+
+    def reject_reason(self, request: Request, now: float) -> str | None:
+        """Asked of every waiting request at the start of each step: a reason string ends ``request`` as
+        failed with that reason (counted as failed in the metrics, e.g. a deadline that can no longer be met);
+        None (the default) keeps it waiting."""
+        return None
+
+    def cached_prefix_len(self, request: Request) -> int:
+        """How many of ``request``'s tokens the allocator's prefix cache holds now, without touching the cache
+        (no reference taken, no recency or hit count changed). 0 when the allocator caches nothing or before
+        the scheduler has bound the policy to its allocator."""
+        return self._prefix_lookup(request) if self._prefix_lookup is not None else 0
+
+    def bind_prefix_lookup(self, lookup: Callable[[Request], int]) -> None:
+        """Called by the scheduler with its allocator's side-effect-free ``cached_prefix_len``."""
+        self._prefix_lookup = lookup
 
     # Callbacks for stateful rules (VTC counters, MLFQ demotion). They must not mutate requests.
     def on_arrival(self, request: Request, now: float) -> None:

@@ -35,6 +35,8 @@ class Request:
     client_id: str | None = None
     prompt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    slo_ttft: float | None = None     # seconds from arrival to the first token this request should meet (edf)
+    slo_e2el: float | None = None     # seconds from arrival to the last token this request should meet (edf)
 
     token_ids: list[int] = field(init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -42,6 +44,8 @@ class Request:
     block_table: list[int] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
+    num_recomputed_tokens: int = field(default=0, init=False)  # tokens computed again after a preemption
+    max_computed_tokens: int = field(default=0, init=False)    # high-water mark of num_computed_tokens
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finish_time: float | None = field(default=None, init=False)

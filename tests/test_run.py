@@ -294,6 +294,9 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     (["plugins=[broken_plugin]"], ["broken_plugin", "failed to import", "RuntimeError", "broken on purpose"]),
     (["workload.num_requests=0"], ["workload.num_requests=0", "integer >= 1"]),
     (["engine.block_size=0"], ["engine.block_size", ">= 1"]),
+    (["allocator=radix", "allocator.eviction=mru"], ["allocator.eviction must be one of lru, lfu, fifo", "'mru'"]),
+    (["scheduler=sjf", "scheduler.predictor=psychic"],
+     ["scheduler.predictor must be one of oracle, prompt_length, client_history", "'psychic'"]),
 ])
 def test_bad_input_fails_before_the_model_loads_with_one_line(tmp_path: Path, overrides, expected) -> None:
     # A module name (not a path) is looked up in the working directory, also from the console script.

@@ -164,3 +164,55 @@ def test_mlfq_demotes_long_jobs_so_short_ones_finish_first():
     _drive(scheduler)
     finished_order = sorted(shorts + [long_job], key=lambda r: r.finish_time)
     assert finished_order[-1] is long_job
+
+
+def test_a_policy_rejection_ends_the_request_failed_with_its_reason_and_tells_the_policy():
+    finished = []
+
+    class RejectOdd(Policy):
+        registered_name = "reject_odd"
+
+        def reject_reason(self, request, now):
+            return "odd ids are not served" if int(request.request_id[1:]) % 2 else None
+
+        def on_finish(self, request, now):
+            finished.append(request.request_id)
+
+    scheduler = Scheduler(RejectOdd(), ALLOCATORS.get("paged")(32, 4), 4, 64)
+    requests = [_request(f"r{i}", 4, max_tokens=2) for i in range(4)]
+    for r in requests:
+        scheduler.add(r, 0.0)
+    _drive(scheduler)
+    assert [r.status.value for r in requests] == ["finished", "failed", "finished", "failed"]
+    assert requests[1].error == "rejected by policy 'reject_odd': odd ids are not served"
+    assert sorted(finished) == ["r0", "r1", "r2", "r3"]
+    assert scheduler.allocator.num_free_blocks() == 32
+
+
+def test_step_budget_caps_every_step_and_decodes_go_first():
+    from nanovllm import StepBudget
+
+    class Small(Policy):
+        def step_budget(self, view, now):
+            return StepBudget(6)
+
+    scheduler = Scheduler(Small(), ALLOCATORS.get("paged")(64, 4), 4, 64)
+    scheduler.add(_request("a", 3, max_tokens=8), 0.0)
+    out = scheduler.schedule(0.0)
+    scheduler.update_from_output(out, _sampled(out), 0.0, max_model_len=10**9)   # "a" now decodes
+    scheduler.add(_request("b", 20, max_tokens=2, arrival=1.0), 1.0)
+    out = scheduler.schedule(1.0)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 5)]
+
+
+def test_a_step_budget_that_is_not_a_step_budget_is_reported():
+    class Bad(Policy):
+        registered_name = "bad_budget"
+
+        def step_budget(self, view, now):
+            return 0
+
+    scheduler = Scheduler(Bad(), ALLOCATORS.get("paged")(8, 4), 2, 16)
+    scheduler.add(_request("a", 4), 0.0)
+    with pytest.raises(PolicyError, match=r"policy 'bad_budget': step_budget must return a StepBudget"):
+        scheduler.schedule(0.0)

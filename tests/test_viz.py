@@ -41,7 +41,9 @@ def _steps(n: int = 8) -> list[dict]:
              "num_decode_tokens": min(k, 3), "num_prefill_seqs": int(k % 3 == 0), "num_decode_seqs": min(k, 3),
              "num_running": min(k + 1, 3), "num_waiting": max(2 - k, 0), "num_preempted": int(k == 4),
              "kv_blocks_used": 2 + k, "kv_blocks_cached": 1, "kv_blocks_free": 14 - k, "kv_blocks_total": 16,
-             "context_tokens": 20 + k, "attn_pairs": 100, "num_sampled": min(k + 1, 3)} for k in range(n)]
+             "context_tokens": 20 + k, "attn_pairs": 100, "num_sampled": min(k + 1, 3),
+             "prefix_hit_tokens": 8 if k % 3 == 0 else 0, "recomputed_tokens": 4 if k == 5 else 0,
+             "num_evictions": int(k == 6), "kv_slots_unused": k % 4} for k in range(n)]
 
 
 def write_run(run_dir: Path, summary: dict = SUMMARY) -> Path:
@@ -80,13 +82,13 @@ def test_cli_single_run_writes_pngs_and_report(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "run")
     run_cli(run_dir)  # default output: run/viz
     out = run_dir / "viz"
-    for name in ("timeline", "kv_usage", "batch", "latency_cdf"):
+    for name in ("timeline", "kv_usage", "batch", "cache", "latency_cdf"):
         _assert_png(out / f"{name}.png")
     html = (out / "report.html").read_text()
     for key in SUMMARY:
         assert key in html
     assert "breakdowns" not in html and "by client_id" in html  # breakdowns as their own tables
-    assert html.count("data:image/png;base64,") == 4  # self-contained: every image embedded
+    assert html.count("data:image/png;base64,") == 5  # self-contained: every image embedded
     assert "src=\"http" not in html and "src='http" not in html
 
 
@@ -97,12 +99,12 @@ def test_cli_compares_runs_into_out_dir(tmp_path: Path) -> None:
     run_cli(fast, slow, "--out", out)
     _assert_png(out / "latency_cdf.png")
     for label in ("fcfs", "sjf"):
-        for name in ("timeline", "kv_usage", "batch"):
+        for name in ("timeline", "kv_usage", "batch", "cache"):
             _assert_png(out / label / f"{name}.png")
     html = (out / "report.html").read_text()
     for key in [*SUMMARY, "extra_metric", "fcfs", "sjf"]:
         assert key in html
-    assert html.count("data:image/png;base64,") == 1 + 2 * 3
+    assert html.count("data:image/png;base64,") == 1 + 2 * 4
 
 
 def test_empty_run_still_plots(tmp_path: Path) -> None:

@@ -112,6 +112,7 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._num_steps = 0
+        self._evictions_seen = 0
 
     def _make_runner(self, config: EngineConfig, attention: PluginSpec, device: torch.device) -> ModelRunner:
         """The real model in this process, or split over ``tensor_parallel_size`` worker processes."""
@@ -133,6 +134,8 @@ class LLMEngine:
         priority: int = 0,
         client_id: str | None = None,
         request_id: str | None = None,
+        slo_ttft: float | None = None,
+        slo_e2el: float | None = None,
     ) -> Request:
         """Tokenize and validate a request without adding it (raises ``ValueError`` naming the bad field)."""
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -151,6 +154,7 @@ class LLMEngine:
             prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority, client_id=client_id, prompt=text, eos_token_ids=self.eos_token_ids,
+            slo_ttft=slo_ttft, slo_e2el=slo_e2el,
         )
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -267,6 +271,9 @@ class LLMEngine:
     def _step_record(self, start: float, out: SchedulerOutput, layout: "_BatchLayout",
                      num_sampled: int) -> StepRecord:
         self._num_steps += 1
+        evictions, self._evictions_seen = self.allocator.num_evictions - self._evictions_seen, \
+            self.allocator.num_evictions
+        block_size = self.allocator.block_size
         return StepRecord(
             step=self._num_steps - 1,
             start_time=start,
@@ -285,6 +292,11 @@ class LLMEngine:
             context_tokens=layout.context_tokens,
             attn_pairs=layout.attn_pairs,
             num_sampled=num_sampled,
+            prefix_hit_tokens=out.num_prefix_hit_tokens,
+            recomputed_tokens=out.num_recomputed_tokens,
+            num_evictions=evictions,
+            kv_slots_unused=sum(len(r.block_table) * block_size - r.num_computed_tokens
+                                for r in self.scheduler.running),
         )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from nanovllm.allocator import BlockAllocator
-from nanovllm.policy import Policy, SchedulerView
+from nanovllm.policy import Policy, SchedulerView, StepBudget
 from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON
 
@@ -31,6 +31,8 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # request, tokens to compute now
     preempted: list[Request] = field(default_factory=list)
+    num_prefix_hit_tokens: int = 0      # prompt tokens served from the prefix cache at this step's admissions
+    num_recomputed_tokens: int = 0      # tokens computed again after a preemption (set by update_from_output)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._rejected: list[Request] = []   # failed on arrival or aborted; reported by the next update_from_output
+        policy.bind_prefix_lookup(allocator.cached_prefix_len)
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
@@ -106,7 +109,13 @@ class Scheduler:
         their blocks) and tell the policy. Returns the requests that ended, rejected ones included."""
         finished, self._rejected = self._rejected, []
         for request, num_new in out.scheduled:
+            # Tokens below the high-water mark were computed before a preemption threw them away.
+            recomputed = max(0, min(request.num_computed_tokens + num_new, request.max_computed_tokens)
+                             - request.num_computed_tokens)
+            request.num_recomputed_tokens += recomputed
+            out.num_recomputed_tokens += recomputed
             request.num_computed_tokens += num_new
+            request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
             self.allocator.on_tokens_computed(request)
         self._ask("on_step", out.scheduled, now)
         logprobs = next_logprobs if next_logprobs is not None else [None] * len(next_tokens)
@@ -138,32 +147,73 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step, in this order:
 
+        0. ``reject_reason``: waiting requests the policy rejects end failed with its reason.
         1. ``preempt_for``: while the most urgent waiting request cannot be admitted, the policy may name a
            running request to preempt in its favour.
-        2. Running requests, most urgent first, get their next tokens (a decode or the next prefill chunk)
-           within the token budget; when blocks run out the policy's ``select_victim`` gives way.
+        2. ``step_budget`` sets the step's token budget and mix. Decodes first (the default): running decodes,
+           then running prefill chunks, each group most urgent first, get their next tokens within the budget;
+           when blocks run out the policy's ``select_victim`` gives way. Prefill first: only running prefills
+           and admissions run while any can; decodes run in steps without prefill work.
         3. Admission: waiting requests join in the policy's order while slots, tokens and blocks last --
            skipped entirely after a preemption for memory (admitting would only thrash the cache).
         """
         out = SchedulerOutput()
+        self._reject_hopeless(now)
         self._sort(self.waiting, now)
         self._preempt_for_waiting(out, now)
         self._sort(self.running, now)
-        num_policy_preemptions = len(out.preempted)
-        budget = self._schedule_running(out, now)
-        # After a preemption for memory, admitting new work would only thrash the cache (vLLM does the same).
-        if len(out.preempted) == num_policy_preemptions:
-            self._admit_waiting(out, budget, now)
+        plan = self._step_budget(out, now)
+        if plan.decodes_first or not self._schedule_prefills_only(out, plan.max_tokens, now):
+            self._schedule_decodes_first(out, plan.max_tokens, now)
         for request, _ in out.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
-        budget = self.max_num_batched_tokens
+    def _schedule_decodes_first(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Decodes, then running prefill chunks, then admissions (each group in the policy's order)."""
+        # A stable partition: the policy's order holds within decodes and within prefills.
+        self.running.sort(key=lambda r: r.is_prefill)
+        num_policy_preemptions = len(out.preempted)
+        budget = self._schedule_running(out, budget, now)
+        # After a preemption for memory, admitting new work would only thrash the cache (vLLM does the same).
+        if len(out.preempted) == num_policy_preemptions:
+            self._admit_waiting(out, budget, now)
+
+    def _schedule_prefills_only(self, out: SchedulerOutput, budget: int, now: float) -> bool:
+        """Prefill-first: running prefills, then admissions, no decodes. False if no prefill could run (the
+        step then falls back to decodes first)."""
+        num_policy_preemptions = len(out.preempted)
+        budget = self._schedule_running(out, budget, now, only_prefills=True)
+        if len(out.preempted) == num_policy_preemptions:
+            self._admit_waiting(out, budget, now)
+        return bool(out.scheduled)
+
+    def _step_budget(self, out: SchedulerOutput, now: float) -> StepBudget:
+        plan = self._ask("step_budget", self._view(out, self.max_num_batched_tokens), now)
+        if not isinstance(plan, StepBudget) or not isinstance(plan.max_tokens, int) or plan.max_tokens < 1:
+            raise PolicyError(f"policy {self.policy.registered_name!r}: step_budget must return a StepBudget "
+                              f"with max_tokens >= 1, got {plan!r}")
+        return StepBudget(min(plan.max_tokens, self.max_num_batched_tokens), plan.decodes_first)
+
+    def _reject_hopeless(self, now: float) -> None:
+        """Waiting requests the policy rejects end failed with its reason (freed, reported, told back)."""
+        for request in list(self.waiting):
+            reason = self._ask("reject_reason", request, now)
+            if reason is None:
+                continue
+            self.waiting.remove(request)
+            self._undo_prefix_match(request)
+            self.reject(request, f"rejected by policy {self.policy.registered_name!r}: {reason}", now)
+            self._ask("on_finish", request, now)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float, only_prefills: bool = False) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if only_prefills and not request.is_prefill:
+                index += 1
+                continue
             num_new = min(request.num_uncomputed_tokens, budget)
             if not self._make_room(request, num_new, self.running[index:], out, now):
                 continue  # ``request`` itself was preempted; the list shrank under ``index``
@@ -208,6 +258,7 @@ class Scheduler:
                 self._undo_prefix_match(request)
                 break
             self.allocator.allocate(request, num_new)
+            out.num_prefix_hit_tokens += request.num_cached_tokens
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -263,7 +314,7 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_scheduled_tokens=out.num_tokens, token_budget_left=budget, max_num_seqs=self.max_num_seqs,
             num_free_blocks=self.allocator.num_free_blocks(), num_total_blocks=self.allocator.num_blocks,
-            block_size=self.allocator.block_size,
+            block_size=self.allocator.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
     def _ask(self, method: str, *args: Any) -> Any:

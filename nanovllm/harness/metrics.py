@@ -174,7 +174,21 @@ def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]
     out["num_preemptions"] = sum(r["num_preemptions"] for r in requests)
     out["prefix_cache_hit_rate"] = _ratio(sum(r["num_cached_tokens"] for r in done),
                                           sum(r["num_prompt_tokens"] for r in done))
+    # Recompute is wasted work whoever the victim was: over every request (files before it existed: 0).
+    out["recomputed_tokens"] = sum(r.get("num_recomputed_tokens", 0) for r in requests)
     return out
+
+
+def _memory_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+    """Prefix-cache and fragmentation figures from the step records (None for runs recorded before them).
+    Internal fragmentation is the mean, over steps, of allocated KV slots not holding a computed token."""
+    if not steps or "kv_slots_unused" not in steps[0]:
+        return {"num_evictions": None, "mean_kv_slots_unused": None, "mean_kv_blocks_cached": None}
+    return {
+        "num_evictions": sum(s["num_evictions"] for s in steps),
+        "mean_kv_slots_unused": float(np.mean([s["kv_slots_unused"] for s in steps])),
+        "mean_kv_blocks_cached": float(np.mean([s["kv_blocks_cached"] for s in steps])),
+    }
 
 
 def _step_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
@@ -204,6 +218,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (
         summary.update(_stats_ms(values, name, _LATENCY_STATS))
     summary.update(_scheduling(requests, done))
     summary.update(_step_stats(steps))
+    summary.update(_memory_stats(steps))
     return summary
 
 
@@ -253,7 +268,9 @@ _LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
     ("Scheduling", [
         ("Mean queue time (ms)", "mean_queue_time_ms"), ("Median queue time (ms)", "median_queue_time_ms"),
         ("P99 queue time (ms)", "p99_queue_time_ms"), ("Preemptions", "num_preemptions"),
-        ("Prefix cache hit rate", "prefix_cache_hit_rate"), ("Peak KV cache usage", "peak_kv_usage"),
+        ("Prefix cache hit rate", "prefix_cache_hit_rate"), ("Recomputed tokens", "recomputed_tokens"),
+        ("Evicted cached blocks", "num_evictions"), ("Mean unused KV slots", "mean_kv_slots_unused"),
+        ("Mean cached free blocks", "mean_kv_blocks_cached"), ("Peak KV cache usage", "peak_kv_usage"),
         ("Mean KV cache usage", "mean_kv_usage"), ("Engine steps", "num_steps"),
         ("Mean step time (ms)", "mean_step_ms"),
     ]),

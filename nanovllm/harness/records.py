@@ -41,6 +41,7 @@ class RequestRecord(TypedDict):
     num_cached_tokens: int              # prompt tokens served from the prefix cache at (last) admission
     num_output_tokens: int
     num_preemptions: int
+    num_recomputed_tokens: int          # tokens computed again after preemptions threw them away
     finish_reason: str | None           # "stop", "length", "abort", or None when it failed
     error: str | None                   # why it was rejected or aborted ("interrupted", ...); None when it ran
 
@@ -64,6 +65,7 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         num_cached_tokens=request.num_cached_tokens,
         num_output_tokens=request.num_output_tokens,
         num_preemptions=request.num_preemptions,
+        num_recomputed_tokens=request.num_recomputed_tokens,
         finish_reason=request.finish_reason,
         error=request.error,
     )

@@ -132,7 +132,12 @@ def _import_module(name: str) -> None:
 
 def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
     """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
-    return registry.check(dict(node), where)
+    spec = registry.check(dict(node), where)
+    if registry.kind in ("policy", "allocator"):
+        # Their constructors validate option values (an eviction or predictor name); a throwaway instance (a
+        # one-block allocator) reports a bad value before the model loads rather than after.
+        registry.build(spec, *([1] * len(registry.engine_args)))
+    return spec
 
 
 def _check_missing(cfg: DictConfig) -> None:

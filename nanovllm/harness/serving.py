@@ -202,7 +202,9 @@ class _Run:
         request_id = w.request_id if w.request_id is not None else str(index)
         params = SamplingParams(temperature=self.temperature, max_tokens=w.max_tokens, ignore_eos=w.ignore_eos)
         fields = dict(arrival_time=self.t0 + w.arrival_time, priority=w.priority, client_id=w.client_id,
-                      request_id=request_id)
+                      request_id=request_id,
+                      slo_ttft=None if w.ttft_slo_ms is None else w.ttft_slo_ms / 1000.0,
+                      slo_e2el=None if w.e2el_slo_ms is None else w.e2el_slo_ms / 1000.0)
         try:
             request, error = self.engine.make_request(w.prompt, params, **fields), None
         except ValueError as exc:

@@ -8,6 +8,8 @@ goes through Agg.
 
 from __future__ import annotations
 
+import itertools
+
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -170,6 +172,30 @@ def plot_batch_composition(run: RunData) -> Figure:
     return fig
 
 
+def plot_cache_activity(run: RunData) -> Figure:
+    """Prefix-cache and memory activity per step, cumulative: prompt tokens served from the cache, tokens
+    recomputed after preemptions, cached blocks evicted; and allocated KV slots not holding a token (internal
+    fragmentation). Runs recorded before these step fields existed show "no data"."""
+    fig = Figure(figsize=(10, 6))
+    work_ax, slots_ax = fig.subplots(2, 1, sharex=True)
+    if not run.steps or "kv_slots_unused" not in run.steps[0]:
+        _no_data(work_ax, "cache steps")
+        return fig
+    x = [s["step"] for s in run.steps]
+    for key, label, color in (("prefix_hit_tokens", "prefix-cache hit tokens", DECODE),
+                              ("recomputed_tokens", "recomputed tokens", PREFILL),
+                              ("num_evictions", "evicted blocks", QUEUED)):
+        work_ax.step(x, list(itertools.accumulate(s[key] for s in run.steps)), where="post", label=label,
+                     color=color)
+    work_ax.set_ylabel("cumulative count")
+    work_ax.legend(loc="upper left", fontsize=8)
+    work_ax.set_title(f"{run.label}: prefix cache and memory")
+    slots_ax.step(x, [s["kv_slots_unused"] for s in run.steps], where="post", color=DECODE)
+    slots_ax.set_xlabel("engine step")
+    slots_ax.set_ylabel("allocated slots unused")
+    return fig
+
+
 def _plot_cdf(ax: Axes, values: list[float], label: str) -> None:
     values = sorted(values)
     n = len(values)
@@ -219,6 +245,7 @@ PER_RUN_PLOTS = {
     "timeline": plot_timeline,
     "kv_usage": plot_kv_usage,
     "batch": plot_batch_composition,
+    "cache": plot_cache_activity,
 }
 
 

@@ -20,6 +20,8 @@ class WorkloadRequest:
     ignore_eos: bool = False
     request_id: str | None = None
     messages: list[dict] | None = None  # the chat it came from; `prompt` then holds the templated ids
+    ttft_slo_ms: float | None = None    # this request's own TTFT target (scheduler=edf orders by it)
+    e2el_slo_ms: float | None = None    # this request's own end-to-end latency target
 
 
 @dataclass
@@ -60,6 +62,8 @@ class SyntheticWorkloadConfig:
     priority_weights: list[float] = field(default_factory=lambda: [1.0])
     num_clients: int = 1
     client_rate_shares: list[float] | None = None  # None: every client gets an equal share
+    ttft_slo_ms: list[float] | None = None  # per-request TTFT target, one per entry of priority_classes
+    e2el_slo_ms: list[float] | None = None  # per-request end-to-end target, one per entry of priority_classes
     ignore_eos: bool = True             # so each request really produces its sampled output length
     seed: int = 0
 
@@ -80,6 +84,8 @@ class ChatWorkloadConfig:
     priority_weights: list[float] = field(default_factory=lambda: [1.0])
     num_clients: int = 1
     client_rate_shares: list[float] | None = None
+    ttft_slo_ms: list[float] | None = None  # per-request TTFT target, one per entry of priority_classes
+    e2el_slo_ms: list[float] | None = None  # per-request end-to-end target, one per entry of priority_classes
     seed: int = 0
 
     def __post_init__(self) -> None:

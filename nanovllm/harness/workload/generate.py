@@ -31,7 +31,8 @@ def _synthetic_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     clients = _sample_clients(cfg, n, _rng(cfg.seed, "client"))
     return [
         WorkloadRequest(arrival_time=float(arrivals[i]), prompt=prompts[i], max_tokens=int(output_lens[i]),
-                        priority=priorities[i], client_id=clients[i], ignore_eos=bool(cfg.ignore_eos))
+                        priority=priorities[i], client_id=clients[i], ignore_eos=bool(cfg.ignore_eos),
+                        **_slo_targets(cfg, priorities[i]))
         for i in range(n)
     ]
 
@@ -48,9 +49,16 @@ def _chat_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     return [
         WorkloadRequest(arrival_time=float(arrivals[i]), prompt=chat_token_ids(tokenizer, convs[j]),
                         max_tokens=int(cfg.max_tokens), priority=priorities[i], client_id=clients[i],
-                        ignore_eos=False, messages=convs[j])
+                        ignore_eos=False, messages=convs[j], **_slo_targets(cfg, priorities[i]))
         for i, j in enumerate(order)
     ]
+
+
+def _slo_targets(cfg: Any, priority: int) -> dict[str, float | None]:
+    """A request's own SLO targets: the entry of ``ttft_slo_ms`` / ``e2el_slo_ms`` for its priority class."""
+    index = list(cfg.priority_classes).index(priority)
+    return {key: (None if getattr(cfg, key, None) is None else float(getattr(cfg, key)[index]))
+            for key in ("ttft_slo_ms", "e2el_slo_ms")}
 
 
 def _trace_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:

@@ -56,6 +56,13 @@ def _check_classes(cfg: Any) -> None:
     shares = getattr(cfg, "client_rate_shares", None)
     if shares is not None:
         _check_shares("client_rate_shares", list(shares), cfg.num_clients, "num_clients")
+    for slo_field in ("ttft_slo_ms", "e2el_slo_ms"):
+        targets = getattr(cfg, slo_field, None)
+        if targets is None:
+            continue
+        if len(targets) != len(classes) or any(not _is_number(t) or not t > 0 for t in targets):
+            raise _bad(slo_field, list(targets), f"must be one target in ms > 0 per entry of priority_classes "
+                                                 f"({len(classes)}), or null")
 
 
 def _check_length(dist: Any, where: str) -> None:

@@ -1,0 +1,86 @@
+"""Which cached block a caching allocator drops when it needs room: ``lru``, ``lfu`` or ``fifo``.
+
+An ``EvictionTracker`` keeps, per cached block, when its content was cached, when it was last used and how many
+requests used it, and the set of blocks that may be evicted now (no request holds them; for a tree cache, only
+leaves). Allocators tell it what happens; ``victim()`` names the block to drop:
+
+* ``lru``: least recently used (released or matched longest ago) -- vLLM's and SGLang's default.
+* ``lfu``: fewest uses (the request that cached it counts as one, each prefix hit adds one), ties by recency.
+* ``fifo``: cached longest ago, however often or recently it was used since.
+
+Choose it per allocator: ``allocator=prefix allocator.eviction=lfu`` or ``LLM(allocator={"name": "prefix",
+"eviction": "lfu"})``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+
+
+@dataclass
+class _BlockUse:
+    cached_at: int
+    last_used: int
+    uses: int = 1
+
+
+class EvictionTracker:
+    """Bookkeeping behind one caching allocator's eviction choice (see the module docstring)."""
+
+    def __init__(self, policy: str = "lru") -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"allocator.eviction must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self._clock = itertools.count()
+        self._use: dict[int, _BlockUse] = {}
+        self._candidates: set[int] = set()
+
+    def cached(self, block: int) -> None:
+        """``block`` now holds reusable content (its creator is its first use)."""
+        tick = next(self._clock)
+        self._use[block] = _BlockUse(cached_at=tick, last_used=tick)
+
+    def hit(self, block: int) -> None:
+        """A request matched ``block`` as part of its prefix."""
+        use = self._use[block]
+        use.uses += 1
+        use.last_used = next(self._clock)
+
+    def release(self, block: int, touch: bool = True) -> None:
+        """``block`` may be evicted now (no request holds it); with ``touch`` its last use ends now (a tree
+        cache passes False for a node that became a leaf because its children were evicted)."""
+        if touch:
+            self._use[block].last_used = next(self._clock)
+        self._candidates.add(block)
+
+    def pin(self, block: int) -> None:
+        """``block`` may not be evicted now (a request holds it, or a tree node grew a child under it)."""
+        self._candidates.discard(block)
+
+    def forget(self, block: int) -> None:
+        """``block``'s content is gone (evicted)."""
+        self._candidates.discard(block)
+        del self._use[block]
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._use
+
+    def victim(self) -> int:
+        """The evictable block to drop first under this policy (``KeyError`` when none is evictable)."""
+        if not self._candidates:
+            raise KeyError("no evictable cached block")
+        return min(self._candidates, key=self._key)
+
+    def num_evictable(self) -> int:
+        return len(self._candidates)
+
+    def _key(self, block: int) -> tuple[int, ...]:
+        use = self._use[block]
+        if self.policy == "lru":
+            return (use.last_used,)
+        if self.policy == "lfu":
+            return (use.uses, use.last_used)
+        return (use.cached_at,)
