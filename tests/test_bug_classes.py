@@ -108,7 +108,8 @@ def test_no_admission_in_a_step_that_preempted_for_memory():
 def test_a_preempted_request_forgets_its_computed_tokens_and_recomputes_them_all():
     scheduler = Scheduler(POLICIES.build("fcfs"), ALLOCATORS.get("paged")(6, 4), max_num_seqs=4,
                           max_num_batched_tokens=64)
-    early, late = _request("early", 8, max_tokens=20, arrival=0.0), _request("late", 8, max_tokens=20, arrival=1.0)
+    # 6 blocks of 4 tokens: each request fits alone (8 + 12 tokens = 5 blocks), both together do not.
+    early, late = _request("early", 8, max_tokens=12, arrival=0.0), _request("late", 8, max_tokens=12, arrival=1.0)
     scheduler.add(early, 0.0)
     scheduler.add(late, 0.0)
     for step in range(20):
@@ -117,9 +118,10 @@ def test_a_preempted_request_forgets_its_computed_tokens_and_recomputes_them_all
             break
     assert out.preempted == [late]
     assert late.num_computed_tokens == 0 and late.block_table == [] and late.num_output_tokens > 0
-    while not any(r is late for r, _ in out.scheduled):
-        out = _step(scheduler, 100.0 + step)
-        step += 1
+    for step in range(100, 200):  # bounded: a scheduler that never readmits it fails here instead of hanging
+        out = _step(scheduler, float(step))
+        if any(r is late for r, _ in out.scheduled):
+            break
     [num_new] = [n for r, n in out.scheduled if r is late]
     assert num_new == late.num_tokens - 1  # prompt and outputs recomputed (the newest token was just sampled)
 
