@@ -36,7 +36,7 @@ class StepTimeModel(abc.ABC):
 
     @abc.abstractmethod
     def predict(self, features: Mapping[str, int], now: float) -> float:
-        raise NotImplementedError
+        """Seconds the step with these features (a ``StepRecord``'s batch fields) takes."""
 
     def describe(self) -> str:
         """What the run's ``metrics.json`` says under ``step_time_model``."""
