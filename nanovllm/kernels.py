@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "bindings.cpp")]
+HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -40,7 +42,7 @@ def load():
     """The compiled extension module. Raises ``RuntimeError`` saying what is missing if the build fails."""
     from torch.utils import cpp_extension
 
-    key = "\n".join([*(p.read_text() for p in SOURCES), " ".join(CFLAGS), torch.__version__, _cpu_fingerprint()])
+    key = "\n".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__, _cpu_fingerprint()])
     name = f"nanovllm_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     build_dir = extension_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)

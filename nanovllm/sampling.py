@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -85,15 +86,12 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> list[int]:
-        logits = logits.float()
-        bad = (logits.isnan() | (logits == float("inf"))).any(dim=-1)
-        if bad.any():
-            logits = logits.masked_fill(bad.unsqueeze(1), 0.0)  # sample the others as if nothing happened
-        next_tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        next_tokens, bad = greedy_tokens(logits)
+        bad_rows = bad.tolist()
+        random_rows = [i for i, p in enumerate(params) if not p.greedy and not bad_rows[i]]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            probs = self._probabilities(logits[rows], [params[i] for i in random_rows])
+            probs = self._probabilities(logits[rows].float(), [params[i] for i in random_rows])
             for j, i in enumerate(random_rows):
                 next_tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
         return next_tokens.masked_fill(bad, INVALID_TOKEN).tolist()
@@ -120,6 +118,31 @@ class Sampler:
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits.softmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` [rows, vocab]: the argmax (first index on ties) as int64, and whether the row holds
+    a NaN or +inf logit. On CPU one C++ pass over the logits in their own dtype (``nanovllm/csrc/sampling.cpp``);
+    elsewhere, or if the kernels cannot be built, the same in torch ops."""
+    if logits.device.type == "cpu" and logits.dim() == 2:
+        kernels = _cpu_kernels()
+        if kernels is not None:
+            return kernels.greedy_sample(logits)
+    logits = logits.float()
+    bad = (logits.isnan() | (logits == float("inf"))).any(dim=-1)
+    return logits.masked_fill(bad.unsqueeze(1), 0.0).argmax(dim=-1), bad
+
+
+@functools.cache
+def _cpu_kernels():
+    """The compiled CPU kernels, or None where they cannot be built (the torch ops above then do the work; the
+    failed build is not retried on every step)."""
+    from nanovllm import kernels
+
+    try:
+        return kernels.load()
+    except RuntimeError:
+        return None
 
 
 def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list[dict[int, Logprob] | None]:

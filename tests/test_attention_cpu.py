@@ -34,11 +34,13 @@ def _random_step(rng: random.Random, block_size: int, num_blocks: int, num_seqs:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("heads", [(6, 2), (4, 4)], ids=["gqa", "mha"])
-@pytest.mark.parametrize("sdpa_min_query", [16, 10**9], ids=["long-chunks-on-sdpa", "all-on-kernel"])
-def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, sdpa_min_query):
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (9, 3), (16, 2)], ids=["gqa", "mha", "gqa3", "gqa8"])
+# 64 and 128 take the kernel's AVX-512 path (where the CPU has it), 32 its plain loop.
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("sdpa_min_query", [16, None], ids=["long-chunks-on-sdpa", "all-on-kernel"])
+def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, head_dim, sdpa_min_query):
     num_heads, num_kv_heads = heads
-    head_dim, num_seqs = 32, 7
+    num_seqs = 7
     rng = random.Random(block_size * 100 + num_heads)
     torch.manual_seed(block_size + num_heads)
     num_blocks = num_seqs * (-(-200 // block_size)) + 4
@@ -61,21 +63,22 @@ def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, sdpa_min_
     torch.testing.assert_close(outputs[1], outputs[0], atol=tol, rtol=tol)
 
 
-def test_cpu_backend_reads_only_the_blocks_in_its_table():
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_cpu_backend_reads_only_the_blocks_in_its_table(head_dim):
     """A decode whose table points at a few blocks ignores everything else in the cache (NaNs there included)."""
-    backend = ATTENTION_BACKENDS.build("cpu", 2, 1, 8, 8 ** -0.5)
-    cache = torch.full((2, 6, 4, 1, 8), float("nan"))
-    cache[:, [4, 1]] = torch.randn(2, 2, 4, 1, 8)
+    backend = ATTENTION_BACKENDS.build("cpu", 2, 1, head_dim, head_dim ** -0.5)
+    cache = torch.full((2, 6, 4, 1, head_dim), float("nan"))
+    cache[:, [4, 1]] = torch.randn(2, 2, 4, 1, head_dim)
     backend.bind_kv_caches([(cache[0], cache[1])])
     meta = AttentionMetadata(query_lens=[1], seq_lens=[7], block_tables=[[4, 1]],
                              slot_mapping=torch.tensor([1 * 4 + 2]), block_size=4)
     backend.plan(meta)
-    out = backend.forward(0, torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+    out = backend.forward(0, torch.randn(1, 2, head_dim), torch.randn(1, 1, head_dim), torch.randn(1, 1, head_dim))
     assert torch.isfinite(out).all()
 
 
 def test_bad_sdpa_min_query_is_a_clear_error():
-    with pytest.raises(ValueError, match="sdpa_min_query must be an integer >= 2"):
+    with pytest.raises(ValueError, match="sdpa_min_query must be None or an integer >= 2"):
         ATTENTION_BACKENDS.build({"name": "cpu", "sdpa_min_query": 1}, 2, 1, 8, 1.0)
 
 

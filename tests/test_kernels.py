@@ -39,3 +39,24 @@ def test_rotary_in_place_on_fused_projection_views(dtype):
     torch.testing.assert_close(q.float(), expected_q.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(k.float(), expected_k.float(), atol=tol, rtol=tol)
     assert torch.equal(v_view, v_before)  # v, beside q and k in the same buffer, is untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_greedy_sample_is_argmax_and_flags_nan_and_inf_rows(dtype, vocab):
+    """One pass per row: torch.argmax's token (first index on ties), and a flag for NaN / +inf rows; -inf is a
+    legitimate logit. 16-lane chunks plus a tail (vocab 1000, 7), and the plain loop (float16)."""
+    torch.manual_seed(vocab)
+    logits = (torch.randn(9, vocab) * 4).to(dtype)
+    logits[1, vocab // 2] = float("nan")
+    logits[2, vocab - 1] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[3, vocab // 3] = 0.0                      # one finite value among -inf
+    logits[4, :] = 1.0                               # all tied: the first index
+    logits[5, vocab - 1] = 1e4                       # the maximum in the tail
+    logits[6, 0] = float("-inf")
+    tokens, bad = kernels.load().greedy_sample(logits)
+    assert bad.tolist() == [False, True, True, False, False, False, False, False, False]
+    expected = logits.float().argmax(dim=-1)
+    assert tokens[~bad].tolist() == expected[~bad].tolist()
+    assert tokens[4] == 0 and tokens[5] == vocab - 1 and tokens[3] == vocab // 3
