@@ -62,7 +62,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int) -> dict:
+def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int, keep_outputs: bool = False) -> dict:
+    """Both engines on the same prompts in ``dtype``. ``keep_outputs`` adds the prompts, nano-vllm's outputs and
+    the model directory (for a third engine to run the same thing: bench_vs_vllm.py)."""
     llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048)
     prompts = chat_prompts(llm, num_prompts)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
@@ -76,7 +78,9 @@ def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int) -> 
                           key=lambda r: r[0])
     ours_b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
     hf_b1 = batch1_decode_ms(lambda p, n: run_transformers(model, [p], n, pad_id), prompts[0], max_tokens)
+    extra = {"prompts": prompts, "nanovllm_outputs": ours_tokens, "model_dir": str(llm.engine.model_dir)}
     return {
+        **(extra if keep_outputs else {}),
         "dtype": dtype, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,
         "ratio": hf_s / ours_s, "identical_outputs": sum(a == b for a, b in zip(ours_tokens, hf_tokens)),
         "nanovllm_batch1_ms_per_token": ours_b1, "transformers_batch1_ms_per_token": hf_b1,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "bindings.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 

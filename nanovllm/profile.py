@@ -31,7 +31,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
-LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise"})
+LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise", "nanovllm::gemv_bf16"})
 SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
 
 

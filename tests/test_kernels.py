@@ -60,3 +60,28 @@ def test_greedy_sample_is_argmax_and_flags_nan_and_inf_rows(dtype, vocab):
     expected = logits.float().argmax(dim=-1)
     assert tokens[~bad].tolist() == expected[~bad].tolist()
     assert tokens[4] == 0 and tokens[5] == vocab - 1 and tokens[3] == vocab // 3
+
+
+@pytest.mark.parametrize("k", [576, 100, 64, 33])
+@pytest.mark.parametrize("n", [960, 37])
+def test_gemv_matches_a_float_matmul_and_packed_linear_uses_it_for_few_rows(k, n):
+    """The few-row bf16 GEMV (K and N tails included) against float32 math on the same bf16 inputs; and
+    PackedLinear gives the same result whether a batch goes through it (1-2 rows) or oneDNN (3+ rows)."""
+    from nanovllm.models.fast_path import PackedLinear, can_prepack
+
+    compiled = kernels.load()
+    if not compiled.gemv_available():
+        pytest.skip("this CPU has no AVX-512 BF16: PackedLinear uses oneDNN for every row count")
+    torch.manual_seed(k + n)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(5, k).bfloat16()
+    expected = x.float() @ weight.float().T + bias.float()
+    for rows in (1, 2, 5):
+        got = compiled.gemv_bf16(x[:rows], weight, bias)
+        torch.testing.assert_close(got.float(), expected[:rows], atol=2e-2, rtol=1e-2)
+    if can_prepack(weight):
+        packed = PackedLinear(weight, bias, kernels=compiled)
+        few, many = packed(x[:2]), packed(x)
+        assert few.shape == (2, n) and many.shape == (5, n)
+        torch.testing.assert_close(few.float(), many[:2].float(), atol=2e-2, rtol=1e-2)

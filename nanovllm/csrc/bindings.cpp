@@ -7,10 +7,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 std::tuple<torch::Tensor, torch::Tensor> greedy_sample(torch::Tensor logits);
+bool gemv_available();
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
   m.def("rms_norm", &rms_norm, "transformers-style RMSNorm in one pass (CPU)");
   m.def("rotary_", &rotary_, "In-place rotary embedding of q and k (CPU)");
+  m.def("gemv_available", &gemv_available, "Whether gemv_bf16 was built (AVX-512 BF16 CPUs)");
+  m.def("gemv_bf16", &gemv_bf16, "x W^T + b for a few bfloat16 rows, bound by reading W once (CPU)");
   m.def("greedy_sample", &greedy_sample, "Per-row argmax and NaN/+inf flag of logits in one read (CPU)");
 }

@@ -25,6 +25,7 @@ namespace {
 using nanovllm::to_float;
 #if defined(__AVX512F__)
 using nanovllm::load16;
+using nanovllm::sum_each16;
 #endif
 
 template <typename scalar_t>
@@ -126,21 +127,6 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
-}
-
-// Lane i of the result is the sum of the 16 lanes of v[i].
-inline __m512 sum_each16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)  // lanes of each 128-bit quarter: pairwise sums of v[2i] and v[2i+1], interleaved
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int j = 0; j < 4; ++j) {  // each 128-bit quarter: one partial sum of each of v[4j .. 4j+3]
-    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
-    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], even), _mm512_shuffle_f32x4(x[0], x[1], odd));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], even), _mm512_shuffle_f32x4(x[2], x[3], odd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, even), _mm512_shuffle_f32x4(y0, y1, odd));
 }
 
 template <typename scalar_t, int D, int G>

@@ -109,7 +109,7 @@ class Attention(nn.Module):
     def use_fast_path(self, kernels) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
-        prepack(self, ("qkv_proj", "o_proj"))
+        prepack(self, ("qkv_proj", "o_proj"), kernels)
         self.kernels = kernels
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -140,10 +140,10 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj: nn.Module | None = None  # set by use_fast_path()
 
-    def use_fast_path(self) -> None:
+    def use_fast_path(self, kernels=None) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
-        prepack(self, ("gate_up_proj", "down_proj"))
+        prepack(self, ("gate_up_proj", "down_proj"), kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -198,13 +198,14 @@ class LlamaForCausalLM(nn.Module):
         kernels = load_kernels() if on_cpu else None
         for layer in self.layers:
             layer.self_attn.use_fast_path(kernels)
-            layer.mlp.use_fast_path()
+            layer.mlp.use_fast_path(kernels)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.norm.kernels = kernels
         self.kernels = kernels
         weight = self.lm_head.weight
         if can_prepack(weight):
-            self.lm_head_chunks = nn.ModuleList(PackedLinear(w) for w in weight.detach().split(self.LOGITS_CHUNK))
+            self.lm_head_chunks = nn.ModuleList(PackedLinear(w, kernels=kernels)
+                                                     for w in weight.detach().split(self.LOGITS_CHUNK))
         self.fast_path = True
         return self
 

