@@ -21,8 +21,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.harness.loggers import JsonlLogger
 from nanovllm.harness.records import RunWriter, read_run
 from nanovllm.harness.serving import serve
-from nanovllm.harness.sim import Hardware, Simulation, check_runner
-from nanovllm.harness.sim import step_time
+from nanovllm.harness.sim import Hardware, Simulation, check_runner, step_time
 from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
