@@ -1,33 +1,37 @@
 """Calibrate the simulator on this machine, then compare it with the real engine.
 
-    python experiments/sim_accuracy.py calibrate   # real calibration runs -> the shipped profile
-    python experiments/sim_accuracy.py compare     # real vs simulated runs -> experiments/results/sim_accuracy.md
-    python experiments/sim_accuracy.py all
+    python experiments/sim_accuracy.py calibrate [--dtype D]  # real calibration runs -> the shipped profile
+    python experiments/sim_accuracy.py compare [--dtype D]    # real vs simulated -> results/sim_accuracy_D.md
+    python experiments/sim_accuracy.py all [--dtype D]        # D: bfloat16 (default, the engine's) or float32
 
-``calibrate`` serves two workloads on the real engine (seed 1) and fits the shipped profile
-``nanovllm/harness/sim/profiles/smollm2-135m-float32-cpu.yaml`` from their ``steps.jsonl``. ``compare`` serves
+Every run, real and simulated, uses ``engine.dtype=D`` (and the default attention backend); one profile is
+shipped per dtype. ``calibrate`` serves two workloads on the real engine (seed 1) and fits the shipped profile
+``nanovllm/harness/sim/profiles/smollm2-135m-D-cpu.yaml`` from their ``steps.jsonl``. ``compare`` serves
 three workloads (chat at a low and a saturating Poisson rate, a bursty synthetic workload with two priority
 classes; seed 0) under fcfs and priority on the real engine, then simulates each workload with a profile
 fitted on the other workloads' real runs only, and tabulates p50/p90 TTFT, p50 TPOT, p50 E2E latency and
 output throughput with the simulator's error. The simulated runs take each request's output length from the
 real run they are compared with (chat requests end at EOS, which only the model knows); the step times come
 from the profile alone. Finished real runs are reused when the script is run again. Run files go under
-``experiments/results/sim_runs/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
+``experiments/results/sim_runs/D/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
 2-core machine two OpenMP threads competing with other processes spin and make steps up to tenfold slower and
 erratic, so the profile describes the engine with one thread.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm.harness.sim.step_time import default_profile_path
+
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "experiments" / "results" / "sim_runs"
-PROFILE = ROOT / "nanovllm" / "harness" / "sim" / "profiles" / "smollm2-135m-float32-cpu.yaml"
-TABLE = ROOT / "experiments" / "results" / "sim_accuracy.md"
+RESULTS = ROOT / "experiments" / "results"
+DTYPES = ("bfloat16", "float32")
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 ENGINE = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
 
@@ -54,42 +58,62 @@ METRICS = [("p50 TTFT ms", "median_ttft_ms"), ("p90 TTFT ms", "p90_ttft_ms"), ("
            ("p50 E2E ms", "median_e2el_ms"), ("output tok/s", "output_throughput")]
 
 
-def run(overrides: list[str], run_dir: Path) -> None:
-    command = [sys.executable, "-m", "nanovllm.run", *overrides, *ENGINE, f"hydra.run.dir={run_dir}"]
-    print("$", " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
+@dataclass(frozen=True)
+class Setup:
+    """Where one dtype's runs, profile and table go."""
+
+    dtype: str
+
+    @property
+    def runs(self) -> Path:
+        return RESULTS / "sim_runs" / self.dtype
+
+    @property
+    def profile(self) -> Path:
+        return default_profile_path(self.dtype)
+
+    @property
+    def table(self) -> Path:
+        return RESULTS / f"sim_accuracy_{self.dtype}.md"
+
+    def run(self, overrides: list[str], run_dir: Path) -> None:
+        command = [sys.executable, "-m", "nanovllm.run", *overrides, *ENGINE, f"engine.dtype={self.dtype}",
+                   f"hydra.run.dir={run_dir}"]
+        print("$", " ".join(command[1:]), flush=True)
+        subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
 
 
-def calibrate() -> None:
+def calibrate(setup: Setup) -> None:
     dirs = []
     for name, overrides in CALIBRATION.items():
-        run(overrides, RUNS / name)
-        dirs.append(str((RUNS / name).relative_to(ROOT)))
+        setup.run(overrides, setup.runs / name)
+        dirs.append(str((setup.runs / name).relative_to(ROOT)))
     subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *dirs, "--out",
-                    str(PROFILE.relative_to(ROOT))], check=True, cwd=ROOT)
+                    str(setup.profile.relative_to(ROOT))], check=True, cwd=ROOT)
 
 
-def compare(reuse: bool = True) -> None:
+def compare(setup: Setup, reuse: bool = True) -> None:
     """Real runs first (all of them, back to back, so they share the machine's conditions), then for each
     workload a profile fitted on the *other* workloads' real runs (leave one workload out: the calibration
     data are never the runs compared) and the simulated runs with it."""
     from nanovllm.harness.records import read_metrics
     from nanovllm.harness.sim.calibrate import calibrate as fit
 
+    runs = setup.runs
     for workload, overrides in WORKLOADS.items():
         for policy in POLICIES:
-            real_dir = RUNS / f"{workload}_{policy}_real"
+            real_dir = runs / f"{workload}_{policy}_real"
             if not (reuse and read_metrics(real_dir)):
-                run([*overrides, f"scheduler={policy}"], real_dir)
+                setup.run([*overrides, f"scheduler={policy}"], real_dir)
     rows = ["| workload | policy | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
     errors = []
     for workload, overrides in WORKLOADS.items():
-        others = [RUNS / f"{w}_{p}_real" for w in WORKLOADS if w != workload for p in POLICIES]
-        profile = RUNS / f"profile_without_{workload}.yaml"
+        others = [runs / f"{w}_{p}_real" for w in WORKLOADS if w != workload for p in POLICIES]
+        profile = runs / f"profile_without_{workload}.yaml"
         fit(others, profile, command="leave-one-workload-out fit in experiments/sim_accuracy.py")
         for policy in POLICIES:
-            real_dir, sim_dir = RUNS / f"{workload}_{policy}_real", RUNS / f"{workload}_{policy}_sim"
-            run([*overrides, f"scheduler={policy}", "runner=sim", f"runner.profile={profile}",
+            real_dir, sim_dir = runs / f"{workload}_{policy}_real", runs / f"{workload}_{policy}_sim"
+            setup.run([*overrides, f"scheduler={policy}", "runner=sim", f"runner.profile={profile}",
                  f"runner.output_lengths_from={real_dir}"], sim_dir)
             real, sim = read_metrics(real_dir), read_metrics(sim_dir)
             for label, key in METRICS:
@@ -98,19 +122,29 @@ def compare(reuse: bool = True) -> None:
                 rows.append(f"| {workload} | {policy} | {label} | {real[key]:,.1f} | {sim[key]:,.1f} | {error:+.1%} |")
     within = sum(e <= 0.15 for e in errors)
     text = "\n".join([
-        "# Simulator accuracy: calibrated simulator vs the real engine", "",
-        "Made by `python experiments/sim_accuracy.py compare`: real runs (seed 0, one torch thread) of three "
+        f"# Simulator accuracy: calibrated simulator vs the real engine ({setup.dtype})", "",
+        f"Made by `python experiments/sim_accuracy.py compare --dtype {setup.dtype}`: real runs "
+        f"(engine.dtype={setup.dtype}, seed 0, one torch thread) of three "
         "workloads under fcfs and priority; each workload simulated with a profile fitted on the other two "
         "workloads' real runs only (leave one workload out), with each request's output length taken from the "
         f"real run. {within} of {len(errors)} figures within 15%; median absolute error "
         f"{sorted(errors)[len(errors) // 2]:.1%}, largest {max(errors):.1%}.", "", *rows, ""])
-    TABLE.write_text(text, encoding="utf-8")
+    setup.table.write_text(text, encoding="utf-8")
     print(text)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", nargs="?", choices=("calibrate", "compare", "all"), default="all")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="engine.dtype of every real and simulated run (one shipped profile per dtype)")
+    args = parser.parse_args()
+    setup = Setup(args.dtype)
+    if args.what in ("calibrate", "all"):
+        calibrate(setup)
+    if args.what in ("compare", "all"):
+        compare(setup)
+
+
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if what in ("calibrate", "all"):
-        calibrate()
-    if what in ("compare", "all"):
-        compare()
+    main()

@@ -15,14 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from nanovllm.config import EngineConfig
 from nanovllm.harness.loggers import JsonlLogger
-from nanovllm.harness.records import read_run
+from nanovllm.harness.records import RunWriter, read_run
 from nanovllm.harness.serving import serve
-from nanovllm.harness.sim import Hardware, Simulation, check_runner
-from nanovllm.harness.sim.calibrate import MIN_STEPS, fit_profile
-from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES
+from nanovllm.harness.sim import Hardware, Simulation, check_runner, step_time
+from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
+from nanovllm.harness.sim.step_time import (
+    CALIBRATION_FEATURES,
+    CalibratedStepTime,
+    default_profile_path,
+    shipped_profile,
+    shipped_profiles,
+)
 from nanovllm.harness.workload import WorkloadRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,9 +192,10 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_cli_simulates_many_requests_and_writes_the_run_files(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    proc = _cli("runner=sim", "workload=synthetic", "workload.num_requests=2000", "workload.request_rate=40",
-                "workload.input_len.mean=64", "workload.output_len.kind=fixed", "workload.output_len.mean=16",
-                "scheduler=priority",
+    # float32: the calibrated model's default profile is the shipped one for the engine's dtype.
+    proc = _cli("runner=sim", "engine.dtype=float32", "workload=synthetic", "workload.num_requests=2000",
+                "workload.request_rate=40", "workload.input_len.mean=64", "workload.output_len.kind=fixed",
+                "workload.output_len.mean=16", "scheduler=priority",
                 "engine.max_num_seqs=32", "engine.num_kv_blocks=256", "monitor.calibrate=false",
                 "progress=false", f"hydra.run.dir={run_dir}", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -207,6 +215,78 @@ def test_cli_bad_step_time_model_is_one_error_line(tmp_path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "error: runner.step_time: unknown step-time model 'roofline'. Registered step-time model names: "
         "analytical, calibrated, replay."]
+
+
+def _run_dir(path: Path, dtype: str, steps: list[dict]) -> Path:
+    """A real run's directory as the harness writes it: its config and steps (durations set by the test)."""
+    writer = RunWriter(path, config={"model": {"path": None}, "engine": {"dtype": dtype},
+                                     "attention": {"name": "cpu"}})
+    for step in steps:
+        writer.write_step(step)
+    writer.write_metrics({"simulated": False})
+    writer.close()
+    return path
+
+
+def _timed_steps(n: int, seed: int, per_prefill_token: float) -> list[dict]:
+    steps = _synthetic_steps(n, np.random.default_rng(seed))
+    for step in steps:
+        step["duration"] = 0.01 + per_prefill_token * step["num_prefill_tokens"] + 1e-3 * step["num_decode_seqs"]
+    return steps
+
+
+def test_profile_records_the_runs_dtype_and_the_simulator_keeps_to_it(tmp_path) -> None:
+    bf16 = [_run_dir(tmp_path / f"bf16_{i}", "bfloat16", _timed_steps(60, i, 2e-4)) for i in range(2)]
+    profile = calibrate(bf16, tmp_path / "bf16.yaml")
+    assert (profile["model"], profile["dtype"], profile["attention"]) == (None, "bfloat16", "cpu")
+    assert profile["coefficients"]["num_prefill_tokens"] == pytest.approx(2e-4, rel=1e-3)
+    assert calibrate(bf16, tmp_path / "bf16.yaml") == profile  # what was written reads back the same
+
+    fp32 = _run_dir(tmp_path / "fp32", "float32", _timed_steps(60, 3, 5e-4))
+    with pytest.raises(ValueError, match=r"runs use different engine.dtype \(bfloat16, float32\)"):
+        calibrate([*bf16, fp32], tmp_path / "mixed.yaml")
+
+    model = CalibratedStepTime(profile=str(tmp_path / "bf16.yaml"), dtype="bfloat16")
+    features = {"num_prefill_tokens": 100, "num_decode_seqs": 4, "num_sampled": 5, "context_tokens": 300,
+                "attn_pairs": 5000}
+    assert model.predict(features, 0.0) == pytest.approx(0.01 + 2e-4 * 100 + 1e-3 * 4, rel=1e-3)
+    with pytest.raises(ValueError, match=r"runner.profile: bf16.yaml was calibrated with engine.dtype=bfloat16, "
+                                         r"but this run uses engine.dtype=float32"):
+        CalibratedStepTime(profile=str(tmp_path / "bf16.yaml"), dtype="float32")
+    # A profile that does not say its dtype (fitted from Python) is taken as given.
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(fit_profile(_timed_steps(60, 4, 2e-4))))
+    assert CalibratedStepTime(profile=str(tmp_path / "plain.yaml"), dtype="float32").predict(features, 0.0) > 0
+
+
+def test_default_profile_is_the_shipped_one_for_the_engines_dtype(tmp_path, monkeypatch) -> None:
+    # The shipped float32 profile is chosen for float32 and says so.
+    assert shipped_profile("float32") == default_profile_path("float32")
+    assert yaml.safe_load(default_profile_path("float32").read_text())["dtype"] == "float32"
+    assert CalibratedStepTime(dtype="float32").describe() == "calibrated:smollm2-135m-float32-cpu.yaml"
+    # Which dtypes have a shipped profile changes with calibration: a profiles directory of the test's own.
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "smollm2-135m-bfloat16-cpu.yaml").write_text(
+        yaml.safe_dump({"dtype": "bfloat16", **fit_profile(_timed_steps(60, 5, 2e-4))}))
+    monkeypatch.setattr(step_time, "PROFILES_DIR", profiles)
+    assert shipped_profiles() == {"bfloat16": profiles / "smollm2-135m-bfloat16-cpu.yaml"}
+    assert CalibratedStepTime(dtype="bfloat16").describe() == "calibrated:smollm2-135m-bfloat16-cpu.yaml"
+    with pytest.raises(ValueError, match=r"^runner.profile: no calibration profile is shipped for the default model "
+                                         r"in engine.dtype=float32 \(shipped: bfloat16\); pass runner.profile=FILE"):
+        CalibratedStepTime(dtype="float32")
+    with pytest.raises(ValueError, match=r"^runner.profile: no calibration profile is shipped for model '/m' "
+                                         r"\(only for the default model, SmolLM2-135M\); pass runner.profile=FILE"):
+        CalibratedStepTime(dtype="bfloat16", model="/m")
+
+
+def test_cli_no_shipped_profile_for_the_model_is_one_error_line(tmp_path) -> None:
+    proc = _cli("runner=sim", f"model.path={ROOT / 'nanovllm/data/models/llama-3-8b'}", f"hydra.run.dir={tmp_path}",
+                cwd=ROOT)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: runner.profile: no calibration profile is shipped for "
+                                                   "model"), proc.stderr
+    assert "runner.profile=FILE" in lines[0]
 
 
 def test_an_architecture_without_weights_or_tokenizer_is_simulated_on_hardware() -> None:

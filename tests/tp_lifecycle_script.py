@@ -15,6 +15,11 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
 def main(mode: str) -> None:
+    # Ctrl-C must raise KeyboardInterrupt here, as in an interactive program. Python arranges that at startup
+    # only if SIGINT was not ignored when the process started -- and a command started in the background of a
+    # non-interactive shell (`pytest ... &`, as a long suite run often is) starts with SIGINT ignored, which
+    # the child inherits: the signal would then be dropped and the generation would finish with status 0.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(tensor_parallel_size=2, num_kv_blocks=128, max_model_len=512)
     print("worker pids:", *llm.engine.runner.worker_pids, flush=True)
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)

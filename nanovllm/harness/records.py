@@ -25,7 +25,7 @@ REQUESTS_FILE, STEPS_FILE, METRICS_FILE, CONFIG_FILE = "requests.jsonl", "steps.
 BLOCKS_FILE, ENGINE_FILE = "blocks.jsonl", "engine.json"
 
 __all__ = ["RequestRecord", "StepRecord", "RunData", "RunWriter", "RunFilesError", "JsonlTail", "is_run_dir",
-           "read_jsonl", "read_metrics", "read_run", "request_record", "step_record"]
+           "read_config", "read_jsonl", "read_metrics", "read_run", "request_record", "step_record"]
 
 
 class RequestRecord(TypedDict):
@@ -179,6 +179,12 @@ def read_jsonl(path: Path, missing_ok: bool = False) -> list[dict]:
 def read_metrics(run_dir: str | Path) -> dict | None:
     """A run's ``metrics.json``, or None when the run did not get that far."""
     path = Path(run_dir) / METRICS_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def read_config(run_dir: str | Path) -> dict | None:
+    """A run's ``config.json`` (the resolved config it ran with), or None when it has none."""
+    path = Path(run_dir) / CONFIG_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 

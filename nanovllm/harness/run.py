@@ -8,7 +8,8 @@ into Hydra's run directory beside ``.hydra/``::
     python -m nanovllm.run plugins=[experiments/my_policy.py] scheduler.name=shortest_prompt_first
 
 Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/conf_schema.py``. Mistakes
-in the config itself are reported by Hydra; everything else a user can get wrong (an unknown plugin name, a
+in the config itself are reported by Hydra, except an unknown config-group option (``hardware=nope``:
+``nanovllm.harness.group_options``); that and everything else a user can get wrong (an unknown plugin name, a
 plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with
 one ``error: ...`` line on stderr and exit status 1 -- the traceback only with ``HYDRA_FULL_ERROR=1``.
 Everything that can be checked before the model loads is.
@@ -36,6 +37,7 @@ from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.group_options import check_group_choices
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.interrupt import STOP
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
@@ -334,9 +336,22 @@ def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> None:
     (job_dir / "error.txt").write_text(f"{message}\n", encoding="utf-8")
 
 
+def _check_group_choices_or_exit(argv: list[str]) -> None:
+    """An unknown config-group option (``hardware=nope``) is one ``error:`` line and exit status 1, like every
+    other bad input, instead of Hydra's multi-line report."""
+    try:
+        check_group_choices(argv, config_dir())
+    except ValueError as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main() -> None:
     """Entry point of ``python -m nanovllm.run`` and the ``nanovllm-run`` console script."""
     register_configs()
+    _check_group_choices_or_exit(sys.argv[1:])
     with STOP.installed():
         hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 

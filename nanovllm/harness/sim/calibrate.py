@@ -4,7 +4,8 @@
 
 Non-negative least squares (``scipy.optimize.nnls``) of each step's duration on a per-step intercept and the
 features the engine records (``CALIBRATION_FEATURES``), so every feature can only add time. The profile keeps
-the coefficients, the range of every feature seen, the fit's error and the command that made it.
+the coefficients, the range of every feature seen, the fit's error, the command that made it and the runs'
+model, ``dtype`` and attention backend (the simulator refuses a profile of another dtype than the run's).
 
 A calibration the simulator could not trust stops with one ``error:`` line naming the cause: fewer than
 ``MIN_STEPS`` steps, or a feature that never varies across the steps (nothing to fit it from: e.g. runs with
@@ -23,7 +24,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from nanovllm.harness.records import read_run
+from nanovllm.harness.records import read_config, read_run
 from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES
 
 MIN_STEPS = 30
@@ -61,17 +62,40 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
     }
 
 
+def run_setup(run_dir: str | Path) -> dict[str, Any]:
+    """What a profile depends on besides the batch, from the run's ``config.json``: the model (None: the
+    default one), ``dtype`` and attention backend; {} for a run without a config (written from Python)."""
+    config = read_config(run_dir) or {}
+    if not config:
+        return {}
+    return {"model": (config.get("model") or {}).get("path"), "dtype": (config.get("engine") or {}).get("dtype"),
+            "attention": (config.get("attention") or {}).get("name")}
+
+
 def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None) -> dict:
-    """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it."""
+    """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it. The profile records
+    the runs' model, dtype and attention backend (``run_setup``); runs in different dtypes are an error (one
+    profile describes one dtype's step times)."""
     steps: list[dict] = []
     configs = []
+    setups = []
     for run_dir in run_dirs:
         data = read_run(run_dir, missing_ok=False)
         steps.extend(s for s in data.steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0)
         configs.append(data.metrics.get("simulated", False))
+        setups.append(run_setup(run_dir))
     if any(configs):
         raise ValueError("calibration: a run directory holds a simulated run; calibrate from real runs only")
-    metadata = {"runs": [str(Path(r)) for r in run_dirs], "command": command or ""}
+    dtypes = sorted({str(setup["dtype"]) for setup in setups if setup.get("dtype")})
+    if len(dtypes) > 1:
+        raise ValueError(f"calibration: the runs use different engine.dtype ({', '.join(dtypes)}); a profile "
+                         "describes one dtype, so calibrate each from its own runs")
+    metadata: dict[str, Any] = {}
+    for key in ("model", "dtype", "attention"):
+        values = {setup.get(key) for setup in setups}
+        if all(setups) and len(values) == 1:  # only what every run's config says alike
+            metadata[key] = values.pop()
+    metadata.update(runs=[str(Path(r)) for r in run_dirs], command=command or "")
     profile = fit_profile(steps, source=f"in {len(run_dirs)} run(s)", metadata=metadata)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")

@@ -80,7 +80,7 @@ class Simulation:
             if config.num_kv_blocks is None and config.kv_cache_memory is None:
                 config = dataclasses.replace(config, kv_cache_memory=kv_bytes)
         model = STEP_TIME_MODELS.build({"name": step_time, "profile": profile, "run": replay_run, "cost": cost,
-                                        "hardware": hardware, "dtype": config.dtype})
+                                        "hardware": hardware, "dtype": config.dtype, "model": config.model})
         if output_lengths is None and replay_run:
             output_lengths = output_lengths_of(replay_run)
         clock = VirtualClock()

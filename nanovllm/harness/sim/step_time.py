@@ -6,7 +6,8 @@ A model is a plugin like a policy (``STEP_TIME_MODELS``, ``@register_step_time``
 same numbers the engine writes to ``steps.jsonl``, so a model fitted on real runs reads them unchanged.
 
 * ``calibrated``: a linear model fitted on real runs (``nanovllm.harness.sim.calibrate``), loaded from a
-  profile YAML. Coefficients are non-negative: each feature can only add time.
+  profile YAML (by default the shipped one for the default model in the engine's dtype,
+  ``profiles/smollm2-135m-{dtype}-cpu.yaml``). Coefficients are non-negative: each feature can only add time.
 * ``analytical``: a roofline estimate from the monitor's cost model (FLOPs and bytes of the step) and a
   hardware description: ``overhead + max(flops / achievable FLOP/s, bytes / achievable bytes/s)``. An estimate.
 * ``replay``: the step timeline of a recorded run, in order -- each step ends when the recorded run's next
@@ -55,14 +56,21 @@ def register_step_time(name: str):
 class CalibratedStepTime(StepTimeModel):
     """``intercept + sum(coefficient[f] * features[f])`` from a profile written by ``calibrate``."""
 
-    def __init__(self, profile: str | Path | None = None, **context: Any) -> None:
-        path = Path(profile) if profile else default_profile_path()
+    def __init__(self, profile: str | Path | None = None, dtype: str = "float32", model: str | None = None,
+                 **context: Any) -> None:
+        """``profile``: a profile YAML; None picks the shipped one for ``model`` (None: the default model) in
+        ``dtype`` (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error."""
+        path = Path(profile) if profile else shipped_profile(dtype, model)
         if not path.is_file():
             raise ValueError(f"runner.profile: calibration profile {str(path)!r} does not exist "
                              "(make one with python -m nanovllm.harness.sim.calibrate RUN_DIR... --out FILE)")
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict) or "intercept" not in data:
             raise ValueError(f"runner.profile: {path} is not a calibration profile (needs intercept and coefficients)")
+        if data.get("dtype") and data["dtype"] != dtype:
+            raise ValueError(f"runner.profile: {path.name} was calibrated with engine.dtype={data['dtype']}, but this "
+                             f"run uses engine.dtype={dtype}; give a profile calibrated in {dtype} or set "
+                             f"engine.dtype={data['dtype']}")
         self.path = path
         self.profile = data
         self.intercept = float(data["intercept"])
@@ -129,6 +137,33 @@ class ReplayStepTime(StepTimeModel):
         return self.durations[k]
 
 
-def default_profile_path() -> Path:
-    """The shipped calibration profile for the default model (float32) on the development CPU."""
-    return Path(__file__).resolve().parent / "profiles" / "smollm2-135m-float32-cpu.yaml"
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def default_profile_path(dtype: str = "float32") -> Path:
+    """Where the shipped calibration profile for the default model (SmolLM2-135M) in ``dtype`` on the
+    development CPU lives; ``shipped_profiles()`` says which exist."""
+    return PROFILES_DIR / f"smollm2-135m-{dtype}-cpu.yaml"
+
+
+def shipped_profiles() -> dict[str, Path]:
+    """dtype -> the shipped profile of the default model in that dtype, for each one that exists."""
+    prefix, suffix = "smollm2-135m-", "-cpu.yaml"
+    return {p.name[len(prefix):-len(suffix)]: p for p in sorted(PROFILES_DIR.glob(f"{prefix}*{suffix}"))}
+
+
+def shipped_profile(dtype: str, model: str | None = None) -> Path:
+    """The profile the ``calibrated`` model uses without ``runner.profile``: the shipped one for the default
+    model in ``dtype``. An error naming ``runner.profile`` when none is shipped for that model or dtype."""
+    how = ("pass runner.profile=FILE, a profile calibrated from real runs of this setup "
+           "(python -m nanovllm.harness.sim.calibrate RUN_DIR... --out FILE)")
+    if model not in (None, ""):
+        raise ValueError(f"runner.profile: no calibration profile is shipped for model {model!r} (only for the "
+                         f"default model, SmolLM2-135M); {how}")
+    shipped = shipped_profiles()
+    if dtype not in shipped:
+        raise ValueError(f"runner.profile: no calibration profile is shipped for the default model in "
+                         f"engine.dtype={dtype} (shipped: {', '.join(shipped) or 'none'}); {how}, e.g. with "
+                         f"python experiments/sim_accuracy.py calibrate --dtype {dtype}; or set engine.dtype to a "
+                         "shipped one")
+    return shipped[dtype]
