@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import platform
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,15 +39,35 @@ def extension_dir() -> Path:
     return cache_root() / "extensions"
 
 
+# A build takes 1-3 minutes; torch's lock file older than this was left by a build that was killed (Ctrl-C
+# during the first run), and torch would wait for it forever.
+STALE_LOCK_S = 20 * 60
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"removing {lock}, left {age / 60:.0f} minutes ago by an interrupted kernel build", stacklevel=3)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def load():
     """The compiled extension module. Raises ``RuntimeError`` saying what is missing if the build fails."""
     from torch.utils import cpp_extension
 
-    key = "\n".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__, _cpu_fingerprint()])
+    # torch's install path is part of the key: the build files name it, so two virtualenvs sharing one key
+    # would rebuild each other's library on every load.
+    key = "\n".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__,
+                     str(Path(torch.__file__).parent), _cpu_fingerprint()])
     name = f"nanovllm_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     build_dir = extension_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir)
     try:
         return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)

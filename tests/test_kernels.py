@@ -85,3 +85,20 @@ def test_gemv_matches_a_float_matmul_and_packed_linear_uses_it_for_few_rows(k, n
         few, many = packed(x[:2]), packed(x)
         assert few.shape == (2, n) and many.shape == (5, n)
         torch.testing.assert_close(few.float(), many[:2].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    """torch's build lock waits forever for a build that was killed; one older than any real build is removed
+    (with a warning), a fresh one (a build in progress elsewhere) is left alone."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._remove_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="interrupted kernel build"):
+        kernels._remove_stale_lock(tmp_path)
+    assert not lock.exists()
