@@ -85,6 +85,9 @@ class Registry(Generic[T]):
         name = spec.get("name")
         if not name:
             raise ValueError(f"{where}.name is not set; registered {self.kind} names: {', '.join(self.names())}")
+        if not isinstance(name, str):
+            raise ValueError(f"{where}.name must be a registered name (a string), got {name!r}; registered "
+                             f"{self.kind} names: {', '.join(self.names())}")
         cls = self.get(name)  # UnknownPluginError lists the names and the closest match
         options = {k: v for k, v in spec.items() if k != "name"}
         try:

@@ -8,6 +8,7 @@ as credit."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Sequence
 
@@ -17,6 +18,10 @@ from nanovllm import Policy, Request, register_policy
 @register_policy("fair")
 class VirtualTokenCounter(Policy):
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+        for key, weight in (("input_weight", input_weight), ("output_weight", output_weight)):
+            # A negative weight would make a client's counter fall as it is served: it would never give way.
+            if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"scheduler.{key} must be a finite number >= 0, got {weight!r}")
         self.input_weight = input_weight
         self.output_weight = output_weight
         self.counters: dict[str, float] = defaultdict(float)

@@ -17,8 +17,9 @@ from nanovllm import Policy, Request, register_policy
 @register_policy("mlfq")
 class MultiLevelFeedbackQueue(Policy):
     def __init__(self, quantum: int = 64, num_levels: int = 8, preempt: bool = False) -> None:
-        if quantum < 1 or num_levels < 1:
-            raise ValueError(f"quantum and num_levels must be >= 1, got {quantum} and {num_levels}")
+        for key, value in (("quantum", quantum), ("num_levels", num_levels)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"scheduler.{key} must be an integer >= 1, got {value!r}")
         self.quantum = quantum
         self.num_levels = num_levels
         self.preempt = preempt

@@ -36,6 +36,10 @@ class ShortestJobFirst(Policy):
                  output_per_prompt_token: float = 1.0) -> None:
         if not (isinstance(max_wait, (int, float)) and max_wait > 0):
             raise ValueError(f"scheduler.max_wait must be > 0 seconds (inf: no aging), got {max_wait!r}")
+        if not (isinstance(output_per_prompt_token, (int, float)) and math.isfinite(output_per_prompt_token)
+                and output_per_prompt_token >= 0):
+            raise ValueError("scheduler.output_per_prompt_token must be a finite number >= 0, "
+                             f"got {output_per_prompt_token!r}")
         self.max_wait = max_wait
         self.output_per_prompt_token = output_per_prompt_token
         self.predictor_name = predictor if isinstance(predictor, str) else getattr(predictor, "__name__", "callable")

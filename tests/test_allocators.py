@@ -69,10 +69,15 @@ def test_prefix_cache_shares_full_blocks_and_evicts_lru():
     d = _request("d", shared + [5])
     assert allocator.match_prefix(d) == 4
     allocator.free(d)
-    # Never the whole request: one token is always left to compute.
     allocator.free(c)
+    # The head block survived c's evictions (tails go first), so e hits it. (e's second block could not count
+    # either way: one token is always left to compute.)
     e = _request("e", shared)
-    assert allocator.match_prefix(e) <= 4
+    assert allocator.match_prefix(e) == 4
+    # Never the whole request: one token is always left to compute, so a prompt that is exactly the cached
+    # head block matches nothing.
+    f = _request("f", shared[:4])
+    assert allocator.match_prefix(f) == 0
 
 
 def test_contiguous_reserves_prompt_plus_max_tokens_in_one_run():

@@ -1,6 +1,9 @@
 """Contracts every registered plugin must keep, parametrized over the registries: a new policy, allocator or
-attention backend is tested here for free. Greedy tokens are identical to the FCFS/paged/torch baseline (the
-order of work changes, the tokens do not), no request is lost or duplicated, every block comes back."""
+attention backend is tested here for free. Each plugin serves the same prompts (mixed priorities and clients, a
+tight cache that preempts) in float32, and its greedy tokens must equal transformers' (``hf_greedy``, one
+prompt at a time): the order of work changes, the tokens do not. The reference is independent of the engine,
+so a bug in shared engine code (the scheduler, the runner, sampling) cannot hide by changing both sides. No
+request is lost or duplicated, each ends the way the reference did, every block comes back."""
 
 from __future__ import annotations
 
@@ -10,12 +13,25 @@ import torch
 from nanovllm import ALLOCATORS, ATTENTION_BACKENDS, LLM, POLICIES, SamplingParams
 
 MAX_TOKENS = 10
+# Short and long prompts, in an order that is neither shortest- nor priority-first.
+PROMPT_ORDER = (12, 3, 5, 16, 0, 9, 14, 6, 11, 8)  # 8 (a short answer) ends on EOS within MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
 def prompts(parity_prompts):
-    # Short and long prompts, in an order that is neither shortest- nor priority-first.
-    return [parity_prompts[i] for i in (12, 3, 5, 16, 0, 9, 14, 6, 11, 1)]
+    return [parity_prompts[i] for i in PROMPT_ORDER]
+
+
+@pytest.fixture(scope="module")
+def expected(hf_greedy, llm):
+    """request_id -> (transformers' greedy tokens, the finish reason they imply). A greedy run of
+    ``MAX_TOKENS`` is the first ``MAX_TOKENS`` tokens of the longer reference run."""
+    eos = llm.engine.hf_config.eos_token_id
+    out = {}
+    for i, index in enumerate(PROMPT_ORDER):
+        tokens = hf_greedy[index][:MAX_TOKENS]
+        out[f"req{i}"] = (tokens, "stop" if tokens[-1] == eos else "length")
+    return out
 
 
 def _serve(prompts, **options):
@@ -35,37 +51,42 @@ def _serve(prompts, **options):
     return engine, requests, finished
 
 
-@pytest.fixture(scope="module")
-def baseline(prompts):
-    _, requests, _ = _serve(prompts)
-    return {r.request_id: r.output_token_ids for r in requests}
-
-
-def _check(engine, requests, finished, baseline):
-    ids = [r.request_id for r in finished]
-    assert sorted(ids) == sorted(baseline), "a request was lost or finished twice"
-    assert all(r.finish_reason in ("stop", "length") for r in requests)
-    assert {r.request_id: r.output_token_ids for r in requests} == baseline
+def _check(engine, requests, finished, expected):
+    assert sorted(r.request_id for r in finished) == sorted(expected), "a request was lost or finished twice"
+    assert {r.request_id: (r.output_token_ids, r.finish_reason) for r in requests} == expected
     assert engine.allocator.num_free_blocks() == engine.allocator.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
+def test_the_prompts_exercise_both_endings_and_preemption(prompts, expected):
+    # Without both finish reasons and some preemption, the contracts below would not test them.
+    assert {reason for _, reason in expected.values()} == {"stop", "length"}
+    engine = LLM(max_num_seqs=3, num_kv_blocks=40, block_size=8, max_model_len=1024).engine
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                               request_id=f"req{i}"))
+    preemptions = 0
+    while engine.has_unfinished():
+        preemptions += engine.step().record["num_preempted"]
+    assert preemptions > 0
+
+
 @pytest.mark.parametrize("policy", POLICIES.names())
-def test_policy_contract(policy, prompts, baseline):
-    _check(*_serve(prompts, scheduler=policy), baseline)
+def test_policy_contract(policy, prompts, expected):
+    _check(*_serve(prompts, scheduler=policy), expected)
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS.names())
-def test_allocator_contract(allocator, prompts, baseline):
-    _check(*_serve(prompts, allocator=allocator), baseline)
+def test_allocator_contract(allocator, prompts, expected):
+    _check(*_serve(prompts, allocator=allocator), expected)
 
 
 @pytest.mark.parametrize("attention", ATTENTION_BACKENDS.names())
-def test_attention_backend_contract(attention, prompts, baseline):
+def test_attention_backend_contract(attention, prompts, expected):
     backend = ATTENTION_BACKENDS.get(attention)
     if not backend.is_available(torch.device("cpu")):
         pytest.skip(f"attention backend {attention!r} needs CUDA")
-    _check(*_serve(prompts, attention=attention), baseline)
+    _check(*_serve(prompts, attention=attention), expected)
 
 
 def test_priority_requests_get_their_first_token_in_fewer_steps(llm):

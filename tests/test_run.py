@@ -297,6 +297,9 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     (["allocator=radix", "allocator.eviction=mru"], ["allocator.eviction must be one of lru, lfu, fifo", "'mru'"]),
     (["scheduler=sjf", "scheduler.predictor=psychic"],
      ["scheduler.predictor must be one of oracle, prompt_length, client_history", "'psychic'"]),
+    # Found by Hydra while composing, folded into one line by nanovllm/harness/config_errors.py
+    (["engine.num_kv_blocks=many"], ["engine.num_kv_blocks=many", "could not be converted to Integer"]),
+    (["slo.ttft=100"], ["slo.ttft", "not in 'SLO'"]),
 ])
 def test_bad_input_fails_before_the_model_loads_with_one_line(tmp_path: Path, overrides, expected) -> None:
     # A module name (not a path) is looked up in the working directory, also from the console script.
@@ -375,6 +378,18 @@ def test_group_choice_check_passes_what_hydra_accepts() -> None:
         check_group_choices(["allocator=pagd"], conf)
     with pytest.raises(ValueError, match=r"^workload=\[chat,nope\]|^workload=nope"):
         check_group_choices(["workload=[chat,nope]"], conf)
+
+
+def test_trace_file_of_the_wrong_schema_is_one_line_naming_file_and_field(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_time": 0, "prompt": "hi"}\n{"arrival_time": 1, "promt": "typo"}\n')
+    # The workload is read once the engine is built; the simulated one loads no weights, and torch attention
+    # needs no kernel build.
+    proc = run_cli(tmp_path, "workload=trace", f"workload.path={trace}", "runner=sim", "attention=torch",
+                   "progress=false",
+                   f"hydra.run.dir={tmp_path / 'run'}", timeout=180)
+    line = _one_error_line(proc)
+    assert f"{trace}:2:" in line and "'promt'" in line
 
 
 def test_full_traceback_with_hydra_full_error(tmp_path: Path) -> None:

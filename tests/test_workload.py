@@ -340,6 +340,13 @@ def test_jsonl_max_requests(tokenizer, tmp_path):
     ({"arrival_time": 1.0, "prompt_len": 0}, "'prompt_len' must be an integer >= 1"),
     ({"arrival_time": 1.0, "prompt": "x", "output_len": "ten"}, "'output_len'"),
     ([1, 2], "expected a JSON object"),
+    ({"arrival_time": "soon", "prompt": "x"}, "'arrival_time' must be a number"),
+    ('{"arrival_time": NaN, "prompt": "x"}', "'arrival_time' must be a number"),
+    ({"arrival_time": 1.0, "prompt": ""}, "'prompt' must be a non-empty string"),
+    ({"arrival_time": 1.0, "prompt": "x", "priority": 1.5}, "'priority' must be an integer"),
+    ({"arrival_time": 1.0, "prompt": "x", "client_id": 7}, "'client_id' must be a string"),
+    ({"arrival_time": 1.0, "prompt": "x", "request_id": {"a": 1}}, "'request_id' must be a string or an integer"),
+    ({"arrival_time": 1.0, "prompt": "x", "output_length": 3}, "unknown field(s) 'output_length'"),
 ])
 def test_jsonl_malformed_line_names_file_and_line(tokenizer, tmp_path, bad, message):
     path = _write_lines(tmp_path / "bad.jsonl", [
@@ -347,6 +354,21 @@ def test_jsonl_malformed_line_names_file_and_line(tokenizer, tmp_path, bad, mess
     with pytest.raises(ValueError) as e:
         generate_workload(TraceWorkloadConfig(path=path), tokenizer)
     assert "bad.jsonl:3: " in str(e.value) and message in str(e.value)
+
+
+def test_jsonl_repeated_request_id_names_both_lines(tokenizer, tmp_path):
+    path = _write_lines(tmp_path / "dup.jsonl", [
+        {"arrival_time": 0.0, "prompt": "a", "request_id": "r"}, {"arrival_time": 0.5, "prompt": "b", "request_id": 7},
+        {"arrival_time": 1.0, "prompt": "c", "request_id": "r"}])
+    with pytest.raises(ValueError, match=r"dup\.jsonl:3: 'request_id' 'r' repeats line 1"):
+        generate_workload(TraceWorkloadConfig(path=path), tokenizer)
+
+
+def test_jsonl_out_of_order_arrivals_are_served_in_time_order(tokenizer, tmp_path):
+    path = _write_lines(tmp_path / "t.jsonl", [{"arrival_time": 2.0, "prompt": "late", "request_id": "late"},
+                                               {"arrival_time": 0.5, "prompt": "early", "request_id": "early"}])
+    reqs = generate_workload(TraceWorkloadConfig(path=path), tokenizer)
+    assert [(r.request_id, r.arrival_time) for r in reqs] == [("early", 0.5), ("late", 2.0)]
 
 
 def test_sharegpt(tokenizer, tmp_path):

@@ -89,6 +89,9 @@ class JsonlLogger(RunLogger):
 # -- Weights & Biases -------------------------------------------------------------------------------------------
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared")  # wandb.init's modes
+
+
 @dataclass
 class WandbLoggerConfig:
     """Arguments of the ``wandb`` logger. ``mode=None`` defers to ``WANDB_MODE`` (and wandb's own default);
@@ -99,6 +102,11 @@ class WandbLoggerConfig:
     mode: str | None = "offline"
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # wandb.init would only fail on a bad mode once the model has loaded and the run has started.
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.mode must be one of {', '.join(WANDB_MODES)} or null, got {self.mode!r}")
 
 
 def _is_number(value: Any) -> bool:

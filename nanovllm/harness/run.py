@@ -37,6 +37,7 @@ from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.config_errors import one_line_composition_errors
 from nanovllm.harness.group_options import check_group_choices
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.interrupt import STOP
@@ -48,6 +49,7 @@ from nanovllm.harness.objective import (
     check_sweeper_direction,
     objective_value,
 )
+from nanovllm.harness.option_types import check_option_types
 from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.policy import POLICIES
@@ -94,7 +96,7 @@ def import_plugins(plugins: list[str]) -> None:
         except PluginImportError:
             raise
         except Exception as exc:
-            raise PluginImportError(f"plugin {entry!r} failed to import: {type(exc).__name__}: {exc}") from exc
+            raise PluginImportError(f"plugins: {entry!r} failed to import: {type(exc).__name__}: {exc}") from exc
 
 
 _imported_files: set[Path] = set()  # each file once per process, however many multirun jobs name it
@@ -102,7 +104,7 @@ _imported_files: set[Path] = set()  # each file once per process, however many m
 
 def _import_file(path: Path) -> None:
     if not path.is_file():
-        raise PluginImportError(f"plugin file {str(path)!r} does not exist (cwd: {os.getcwd()})")
+        raise PluginImportError(f"plugins: file {str(path)!r} does not exist (cwd: {os.getcwd()})")
     if path.resolve() in _imported_files:
         return
     # Its own name when free (so reprs and pickles read naturally), else one that cannot clash.
@@ -135,11 +137,19 @@ def _import_module(name: str) -> None:
 def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
     """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
     spec = registry.check(dict(node), where)
-    if registry.kind in ("policy", "allocator"):
-        # Their constructors validate option values (an eviction or predictor name); a throwaway instance (a
-        # one-block allocator) reports a bad value before the model loads rather than after.
+    check_option_types(registry.get(spec["name"]), node, where)
+    if registry.kind in ("policy", "allocator", "logger"):
+        # Their constructors validate option values (an eviction or predictor name, a W&B mode); a throwaway
+        # instance (a one-block allocator; a logger not yet started) reports a bad value before the model loads.
         registry.build(spec, *([1] * len(registry.engine_args)))
     return spec
+
+
+def _check_model_path(path: str | None) -> None:
+    """A set ``model.path`` must exist (null: the default model); what is inside is the loader's to check."""
+    if path is not None and not Path(path).expanduser().exists():
+        raise ValueError(f"model.path={path!r}: no such file or directory (cwd: {os.getcwd()}); expected a local "
+                         "HF directory with config.json or a .gguf file")
 
 
 def _check_missing(cfg: DictConfig) -> None:
@@ -179,10 +189,25 @@ class _Checked:
     hardware: dict[str, Any] | None = None
 
 
+# The free-form nodes of the schema (typed Any, so Hydra lets any value through): each must be a mapping.
+_MAPPING_NODES = ("scheduler", "allocator", "attention", "logger", "workload", "runner")
+
+
+def _check_mappings(cfg: DictConfig) -> None:
+    for key in (*_MAPPING_NODES, "hardware"):
+        node = cfg.get(key)
+        if not isinstance(node, DictConfig) and not (key == "hardware" and node is None):
+            allowed = "a mapping or null" if key == "hardware" else "a mapping"
+            raise ValueError(f"{key} must be {allowed} (pick a file with {key}=<option>, or set {key}.name=...), "
+                             f"got {node!r}")
+
+
 def check_config(cfg: DictConfig) -> _Checked:
     _check_missing(cfg)
+    _check_mappings(cfg)
     import_plugins(list(cfg.plugins))  # first: a plugin may register the names checked below
     validate_workload_config(cfg.workload)
+    _check_model_path(cfg.model.path)
     with _engine_field_errors():
         engine = EngineConfig.from_options(model=cfg.model.path, **cfg.engine)
     SamplingParams(temperature=cfg.temperature)  # validates it
@@ -351,8 +376,10 @@ def _check_group_choices_or_exit(argv: list[str]) -> None:
 def main() -> None:
     """Entry point of ``python -m nanovllm.run`` and the ``nanovllm-run`` console script."""
     register_configs()
+    # An unknown group option is caught before Hydra starts (with the options and a close match, and before
+    # any job of a sweep runs); whatever else Hydra finds while composing is folded into one line too.
     _check_group_choices_or_exit(sys.argv[1:])
-    with STOP.installed():
+    with STOP.installed(), one_line_composition_errors():
         hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 

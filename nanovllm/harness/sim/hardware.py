@@ -47,7 +47,11 @@ class Hardware:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"hardware: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
-        data["peak_flops"] = {str(k): float(v) for k, v in dict(data.get("peak_flops") or {}).items()}
+        peak_flops = data.get("peak_flops") or {}
+        if not isinstance(peak_flops, Mapping) or not all(_positive(v) for v in peak_flops.values()):
+            raise ValueError("hardware.peak_flops must map dtype names to FLOP/s > 0, e.g. "
+                             f"{{bfloat16: 989.4e12}}, got {peak_flops!r}")
+        data["peak_flops"] = {str(k): float(v) for k, v in peak_flops.items()}
         return cls(**data)
 
     def peak_flops_for(self, dtype: str) -> float:

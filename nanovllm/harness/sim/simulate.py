@@ -27,6 +27,7 @@ from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, StepTimeModel
 from nanovllm.request import Request
 
 RUNNER_NAMES = ("real", "sim")
+SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from")  # conf/runner/sim.yaml
 
 
 def check_runner(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None) -> None:
@@ -34,6 +35,11 @@ def check_runner(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None) 
     name = runner.get("name")
     if name not in RUNNER_NAMES:
         raise ValueError(f"runner.name must be one of {', '.join(RUNNER_NAMES)}, got {name!r}")
+    allowed = SIM_RUNNER_KEYS if name == "sim" else ("name",)
+    unknown = sorted(set(runner) - set(allowed))
+    if unknown:
+        raise ValueError(f"runner: unknown key(s) {', '.join(unknown)} for runner={name}; allowed: "
+                         f"{', '.join(allowed)}")
     if name == "real":
         return
     step_time = runner.get("step_time")
@@ -41,6 +47,11 @@ def check_runner(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None) 
         STEP_TIME_MODELS.get(str(step_time))
     except KeyError as exc:
         raise ValueError(f"runner.step_time: {exc}") from None
+    for key in ("profile", "replay_run", "output_lengths_from"):
+        # Found now, not after the engine is built: each names a file or run directory to read.
+        value = runner.get(key)
+        if value is not None and not Path(str(value)).expanduser().exists():
+            raise ValueError(f"runner.{key}={value!r}: no such file or directory (cwd: {Path.cwd()})")
     if step_time == "analytical" or hardware is not None:
         Hardware.from_config(hardware)
 

@@ -16,6 +16,10 @@ from nanovllm.harness.workload.prompts import _normal_token_ids, _random_tokens
 from nanovllm.harness.workload.validation import _is_number
 
 
+# The fields of a JSONL trace line: arrival_time and one of prompt / prompt_len are required.
+TRACE_FIELDS = ("arrival_time", "prompt", "prompt_len", "output_len", "priority", "client_id", "request_id")
+
+
 def _line_error(path: Path, lineno: int, what: str) -> ValueError:
     return ValueError(f"{path}:{lineno}: {what}")
 
@@ -34,6 +38,10 @@ def _parse_trace_line(obj: Any, path: Path, lineno: int, cfg: Any, token_ids: np
     """One JSONL object -> a request; every problem names the file and (1-based) line."""
     if not isinstance(obj, dict):
         raise _line_error(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(TRACE_FIELDS))
+    if unknown:  # a misspelt field (output_length) would silently fall back to its default
+        raise _line_error(path, lineno, f"unknown field(s) {', '.join(map(repr, unknown))}; a trace line has "
+                                        f"{', '.join(TRACE_FIELDS)}")
     t = obj.get("arrival_time")
     if not _is_number(t) or not math.isfinite(t) or t < 0:
         raise _line_error(path, lineno, f"'arrival_time' must be a number of seconds >= 0, got {t!r}")
@@ -49,6 +57,8 @@ def _parse_trace_line(obj: Any, path: Path, lineno: int, cfg: Any, token_ids: np
     if client is not None and not isinstance(client, str):
         raise _line_error(path, lineno, f"'client_id' must be a string, got {client!r}")
     request_id = obj.get("request_id")
+    if request_id is not None and (not isinstance(request_id, (str, int)) or isinstance(request_id, bool)):
+        raise _line_error(path, lineno, f"'request_id' must be a string or an integer, got {request_id!r}")
     return WorkloadRequest(
         arrival_time=float(t) * cfg.time_scale, prompt=prompt,
         max_tokens=_get_int(obj, "output_len", 1, path, lineno, default=cfg.default_output_len),
@@ -62,6 +72,7 @@ def read_jsonl_trace(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     token_ids = _normal_token_ids(tokenizer)
     rng = _rng(cfg.seed, "prompts")
     out: list[WorkloadRequest] = []
+    first_line_of: dict[str, int] = {}
     try:
         lines = path.read_text(encoding="utf-8").split("\n")  # file lines only (not str.splitlines's set)
     except UnicodeDecodeError as e:
@@ -75,7 +86,14 @@ def read_jsonl_trace(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise _line_error(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
-        out.append(_parse_trace_line(obj, path, lineno, cfg, token_ids, rng))
+        request = _parse_trace_line(obj, path, lineno, cfg, token_ids, rng)
+        if request.request_id is not None:
+            # The engine, the policies and abort_request find a request by its id: two would be confused.
+            if request.request_id in first_line_of:
+                raise _line_error(path, lineno, f"'request_id' {request.request_id!r} repeats line "
+                                                f"{first_line_of[request.request_id]}; ids must be unique")
+            first_line_of[request.request_id] = lineno
+        out.append(request)
     return out
 
 
