@@ -4,7 +4,16 @@ to the code would alter; none needs the model."""
 
 from __future__ import annotations
 
-from nanovllm import Request, SamplingParams
+import functools
+import math
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nanovllm import POLICIES, Request, SamplingParams, SchedulerView, StepBudget
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _request(n_prompt: int, max_tokens: int, **params) -> Request:
@@ -21,3 +30,229 @@ def test_a_request_stops_at_exactly_max_tokens_or_max_model_len():
     long = _request(3, max_tokens=100)
     long.append_token(7, 0.0)
     assert long.check_stop(5) is None and long.check_stop(4) == "length"   # 4 tokens reach a 4-token limit
+
+
+def test_eos_stops_unless_ignored_and_logprobs_are_kept_per_token():
+    request = _request(3, max_tokens=10)
+    request.eos_token_ids = frozenset({2})
+    request.append_token(5, 0.0)                            # no logprobs asked: none kept
+    assert request.logprobs is None
+    request.append_token(2, 1.0, {2: "lp-a"})
+    assert request.check_stop(10**9) == "stop"
+    request.append_token(6, 2.0, {6: "lp-b"})
+    assert request.logprobs == [{2: "lp-a"}, {6: "lp-b"}]
+
+
+# -- policies: the Python defaults are the Hydra configs' ----------------------------------------------------------
+
+def _policy_class_defaults(name: str) -> dict:
+    import inspect
+
+    signature = inspect.signature(POLICIES.get(name).__init__)
+    return {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+@pytest.mark.parametrize("name", ["fair", "mlfq", "lpm", "sarathi", "sjf", "edf"])
+def test_policy_python_defaults_equal_the_hydra_config(name):
+    """`LLM(scheduler=name)` and `python -m nanovllm.run scheduler=name` run the same policy. (edf's
+    require_slo differs on purpose: the run config catches a workload without SLOs; see policies/edf.py.)"""
+    config = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "scheduler" / f"{name}.yaml"))
+    config.pop("name")
+    if name == "edf":
+        config.pop("require_slo")
+    assert config == {k: v for k, v in _policy_class_defaults(name).items() if k in config}
+    assert set(config) == set(_policy_class_defaults(name)) - {"require_slo"}
+
+
+def test_random_policy_default_seed_is_zero():
+    requests = [_req(f"r{i}") for i in range(8)]
+    default, zero = POLICIES.build("random"), POLICIES.build({"name": "random", "seed": 0})
+    assert [default.priority(r, 0.0) for r in requests] == [zero.priority(r, 0.0) for r in requests]
+
+
+@pytest.mark.parametrize("spec, accepted", [
+    ({"name": "mlfq", "quantum": 1, "num_levels": 1}, True), ({"name": "mlfq", "quantum": 0}, False),
+    ({"name": "mlfq", "num_levels": 0}, False),
+    ({"name": "sarathi", "token_budget": 1}, True), ({"name": "sarathi", "token_budget": 0}, False),
+    ({"name": "sarathi", "token_budget": True}, False), ({"name": "sarathi", "token_budget": 2.0}, False),
+    ({"name": "lpm", "max_wait": 0.5}, True), ({"name": "lpm", "max_wait": 0}, False),
+    ({"name": "lpm", "max_wait": -1}, False), ({"name": "lpm", "max_wait": math.nan}, False),
+    ({"name": "lpm", "max_wait": "soon"}, False),
+    ({"name": "sjf", "max_wait": 0.5}, True), ({"name": "sjf", "max_wait": 0}, False),
+    ({"name": "sjf", "max_wait": "soon"}, False),
+    ({"name": "edf", "step_time": 0}, True), ({"name": "edf", "step_time": -0.1}, False),
+    ({"name": "edf", "default_slo_ms": 0.5}, True), ({"name": "edf", "default_slo_ms": 100}, True),
+    ({"name": "edf", "default_slo_ms": 0}, False),
+])
+def test_policy_parameters_at_their_bounds(spec, accepted):
+    if accepted:
+        POLICIES.build(dict(spec))
+    else:
+        with pytest.raises(ValueError):
+            POLICIES.build(dict(spec))
+
+
+# -- policies: behaviour ---------------------------------------------------------------------------------------
+
+def _req(rid: str, n_prompt: int = 4, max_tokens: int = 4, arrival: float = 0.0, client: str | None = None,
+         **fields) -> Request:
+    request = Request(rid, list(range(1, 1 + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      arrival_time=arrival, client_id=client)
+    for key, value in fields.items():
+        setattr(request, key, value)
+    return request
+
+
+def test_edf_rejects_exactly_when_the_remaining_steps_no_longer_fit():
+    e2el = POLICIES.build({"name": "edf", "deadline": "e2el", "step_time": 0.25})
+    two = _req("two", max_tokens=2, slo_e2el=1.0, slo_ttft=10.0)
+    assert e2el.reject_reason(two, 0.5) is None               # 0.5 + 2 steps * 0.25 = the deadline: still fits
+    assert "cannot meet its e2el deadline (1000 ms after arrival)" in e2el.reject_reason(two, 0.51)
+    one = _req("one", max_tokens=1, slo_e2el=1.0)
+    assert e2el.reject_reason(one, 0.75) is None and e2el.reject_reason(one, 0.76) is not None
+    ttft = POLICIES.build({"name": "edf", "deadline": "ttft", "step_time": 0.25})
+    first = _req("first", max_tokens=8, slo_ttft=1.0, slo_e2el=100.0)
+    assert ttft.reject_reason(first, 0.75) is None and ttft.reject_reason(first, 0.76) is not None
+    assert POLICIES.build("edf").reject_reason(_req("late", slo_ttft=1.0), 0.99) is None   # step_time 0: now only
+
+
+def test_edf_deadlines_use_the_chosen_target_or_the_default():
+    both = _req("both", slo_ttft=1.0, slo_e2el=5.0, arrival=2.0)
+    assert POLICIES.build({"name": "edf", "deadline": "e2el"}).deadline_of(both) == 7.0
+    assert POLICIES.build({"name": "edf", "deadline": "ttft"}).deadline_of(both) == 3.0
+    assert POLICIES.build({"name": "edf", "default_slo_ms": 500}).slo_of(_req("none")) == 0.5
+
+
+def test_vtc_lifts_a_returning_client_to_the_least_served_active_one():
+    policy = POLICIES.build("fair")
+    a1, a2, b, a3 = _req("a1", client="a"), _req("a2", client="a"), _req("b", client="b"), _req("a3", client="a")
+    policy.on_arrival(a1, 0.0)
+    a1.num_computed_tokens = 4
+    policy.on_step([(a1, 4)], 0.0)                          # a: 4 prompt tokens at input weight 1
+    policy.on_arrival(a2, 0.0)
+    policy.on_finish(a1, 0.0)                               # a still has a2 running
+    policy.on_arrival(b, 0.0)
+    assert policy.counters["b"] == 4.0                      # lifted to a's counter: idleness is no credit
+    b.num_computed_tokens = 4
+    policy.on_step([(b, 4)], 0.0)
+    policy.on_finish(a2, 0.0)                               # a is idle now
+    policy.on_arrival(a3, 0.0)
+    assert policy.counters["a"] == 8.0                      # lifted to b's 8 when it comes back
+
+
+def test_vtc_charges_the_last_prompt_token_as_input_and_a_clientless_request_to_default():
+    policy = POLICIES.build("fair")                         # defaults: input 1, output 2
+    request = _req("r", n_prompt=5)
+    request.num_computed_tokens = 5                         # a final prefill chunk of one token
+    policy.on_step([(request, 1)], 0.0)
+    request.num_computed_tokens = 3                         # a middle chunk of one token
+    policy.on_step([(request, 1)], 0.0)
+    request.num_computed_tokens = 6                         # a decode
+    policy.on_step([(request, 1)], 0.0)
+    assert dict(policy.counters) == {"default": 1.0 + 1.0 + 2.0}
+
+
+def test_lpm_ages_exactly_past_max_wait():
+    policy = POLICIES.build({"name": "lpm", "max_wait": 10.0})
+    policy.bind_prefix_lookup(lambda r: 8 if r.request_id == "cached" else 0)
+    old, cached = _req("old", arrival=0.0), _req("cached", arrival=0.5)
+    order = lambda now: sorted([old, cached], key=lambda r: policy.priority(r, now))   # noqa: E731
+    assert order(10.0) == [cached, old]                     # waited exactly max_wait: not yet starving
+    assert order(10.01) == [old, cached]
+    late_old, late_cached = _req("old", arrival=6.0), _req("cached", arrival=6.5)
+    assert sorted([late_old, late_cached], key=lambda r: policy.priority(r, 7.0)) == [late_cached, late_old]
+
+
+def test_mlfq_levels_are_capped_and_demoted_at_the_quantum_and_reset_on_finish():
+    policy = POLICIES.build({"name": "mlfq", "quantum": 4, "num_levels": 3})
+    short = _req("short", n_prompt=1)
+    policy.on_step([(short, 3)], 0.0)
+    assert policy.level(short) == 0                         # 3 tokens: log2(1 + 3/4) < 1
+    policy.on_step([(short, 1)], 0.0)
+    assert policy.level(short) == 1                         # 4 tokens: one quantum
+    policy.on_step([(short, 1000)], 0.0)
+    assert policy.level(short) == 2                         # capped at num_levels - 1
+    policy.on_finish(short, 0.0)
+    assert policy.level(short) == 0                         # a finished request's service is forgotten
+
+
+def test_mlfq_preempts_only_when_asked_and_only_for_a_strictly_higher_level():
+    running = [_req("low-early", n_prompt=64, arrival=0.0), _req("low-late", n_prompt=64, arrival=1.0),
+               _req("top", n_prompt=1, arrival=2.0)]
+    waiting = _req("new", n_prompt=1, arrival=3.0)
+    assert POLICIES.build("mlfq").preempt_for(waiting, running, 0.0) is None        # preempt is off by default
+    policy = POLICIES.build({"name": "mlfq", "preempt": True})
+    assert policy.preempt_for(waiting, running, 0.0) is running[1]                 # lowest level, latest arrival
+    assert policy.preempt_for(waiting, running[2:], 0.0) is None                   # same level: no preemption
+
+
+def test_prefill_first_asks_for_prefills_before_decodes():
+    view = SchedulerView(num_running=0, num_waiting=1, num_scheduled_tokens=0, token_budget_left=64,
+                         max_num_seqs=4, num_free_blocks=8, num_total_blocks=8, block_size=4,
+                         max_num_batched_tokens=64)
+    assert POLICIES.build("prefill_first").step_budget(view, 0.0) == StepBudget(64, decodes_first=False)
+
+
+def test_random_policy_forgets_finished_requests():
+    policy = POLICIES.build("random")
+    requests = [_req(f"r{i}") for i in range(5)]
+    for request in requests:
+        policy.on_arrival(request, 0.0)
+    for request in requests:
+        policy.on_finish(request, 0.0)
+    assert policy._rank == {}                               # bounded memory over a long run
+
+
+def three_tokens(request: Request) -> float:
+    """A 'module:function' predictor for the sjf test."""
+    return 3
+
+
+def minus_one(request: Request, offset: int = 0) -> float:
+    return -1 + offset
+
+
+def test_sjf_predictors_from_history_prompt_length_and_a_module_path():
+    history = POLICIES.build({"name": "sjf", "predictor": "client_history"})
+    fresh = _req("fresh", max_tokens=50, client="a")
+    assert history.predicted_output_len(fresh) == 50        # nobody finished yet: max_tokens
+    for rid, client, n in (("x", "a", 4), ("y", "a", 8), ("z", None, 30)):
+        done = _req(rid, client=client)
+        done.token_ids += [7] * n
+        history.on_finish(done, 0.0)
+    assert history.predicted_output_len(fresh) == 6         # a's mean
+    assert history.predicted_output_len(_req("n", client=None)) == 30    # the default client's own
+    assert history.predicted_output_len(_req("c", client="c")) == 14     # everyone's mean: (4 + 8 + 30) / 3
+    assert POLICIES.build({"name": "sjf", "predictor": "prompt_length"}).predicted_output_len(_req("p", 6)) == 6
+    scaled = POLICIES.build({"name": "sjf", "predictor": "prompt_length", "output_per_prompt_token": 2.0})
+    assert scaled.predicted_output_len(_req("p", 6)) == 12
+    by_path = POLICIES.build({"name": "sjf", "predictor": f"{__name__}:three_tokens"})
+    assert by_path.predicted_output_len(_req("p")) == 3
+
+
+@pytest.mark.parametrize("predictor, name", [
+    (minus_one, "minus_one"), (functools.partial(minus_one, offset=0), "callable"),
+    (f"{__name__}:minus_one", f"{__name__}:minus_one")])
+def test_sjf_names_a_predictor_that_returns_a_bad_length(predictor, name):
+    policy = POLICIES.build({"name": "sjf", "predictor": predictor})
+    with pytest.raises(ValueError, match=f"scheduler.predictor={name!r} must return a number"):
+        policy.predicted_output_len(_req("r"))
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (0.5, True), (-1, False), (True, False)])
+def test_sjf_accepts_any_length_from_zero(value, ok):
+    policy = POLICIES.build({"name": "sjf", "predictor": lambda r: value})
+    if ok:
+        assert policy.predicted_output_len(_req("r")) == value
+    else:
+        with pytest.raises(ValueError):
+            policy.predicted_output_len(_req("r"))
+
+
+def test_sjf_ages_exactly_past_max_wait():
+    policy = POLICIES.build({"name": "sjf", "max_wait": 10.0})
+    long, short = _req("long", max_tokens=100, arrival=0.0), _req("short", max_tokens=1, arrival=0.5)
+    assert sorted([long, short], key=lambda r: policy.priority(r, 10.0)) == [short, long]
+    assert sorted([long, short], key=lambda r: policy.priority(r, 10.01)) == [long, short]
+    late_long, late_short = _req("long", max_tokens=100, arrival=6.0), _req("short", max_tokens=1, arrival=6.5)
+    assert sorted([late_long, late_short], key=lambda r: policy.priority(r, 7.0)) == [late_short, late_long]
