@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nanovllm import POLICIES, Request, SamplingParams, SchedulerView, StepBudget
+from nanovllm import ALLOCATORS, POLICIES, Policy, Request, RequestStatus, SamplingParams, SchedulerView, StepBudget
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -256,3 +258,161 @@ def test_sjf_ages_exactly_past_max_wait():
     assert sorted([long, short], key=lambda r: policy.priority(r, 10.01)) == [long, short]
     late_long, late_short = _req("long", max_tokens=100, arrival=6.0), _req("short", max_tokens=1, arrival=6.5)
     assert sorted([late_long, late_short], key=lambda r: policy.priority(r, 7.0)) == [late_short, late_long]
+
+
+# -- the scheduler -------------------------------------------------------------------------------------------------
+
+class RecordingPolicy(Policy):
+    """FCFS that notes the time every scheduler call passes it (a user policy that ages requests needs it)."""
+
+    def __init__(self, decodes_first: bool = True) -> None:
+        self.decodes_first = decodes_first
+        self.times: list[tuple[str, object]] = []
+        self.finished: list[str] = []
+
+    def priority(self, request, now):
+        self.times.append(("priority", now))
+        return (request.arrival_time,)
+
+    def select_victim(self, candidates, now):
+        self.times.append(("select_victim", now))
+        return super().select_victim(candidates, now)
+
+    def should_expand_batch(self, request, view, now):
+        self.times.append(("should_expand_batch", now))
+        return True
+
+    def step_budget(self, view, now):
+        self.times.append(("step_budget", now))
+        return StepBudget(view.max_num_batched_tokens, decodes_first=self.decodes_first)
+
+    def on_finish(self, request, now):
+        self.times.append(("on_finish", now))
+        self.finished.append(request.request_id)
+
+
+def _scheduler(policy: Policy, num_blocks: int, allocator: str = "paged", watermark: float = 0.01,
+               max_num_batched_tokens: int = 64) -> Scheduler:
+    return Scheduler(policy, ALLOCATORS.get(allocator)(num_blocks, 4), max_num_seqs=4,
+                     max_num_batched_tokens=max_num_batched_tokens, watermark=watermark)
+
+
+def _run_step(scheduler: Scheduler, now: float, token: int = 7):
+    out = scheduler.schedule(now)
+    tokens = [token if r.num_computed_tokens + n == r.num_tokens else None for r, n in out.scheduled]
+    return out, scheduler.update_from_output(out, tokens, now, max_model_len=10**9)
+
+
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_every_policy_call_gets_the_steps_time(decodes_first):
+    policy = RecordingPolicy(decodes_first)
+    scheduler = _scheduler(policy, 6)
+    for rid, arrival in (("early", 0.0), ("late", 1.0)):
+        scheduler.add(_req(rid, n_prompt=8, max_tokens=12, arrival=arrival), 0.0)
+    preempted = 0
+    for step in range(1, 40):
+        out, _ = _run_step(scheduler, float(step))
+        preempted += len(out.preempted)
+        if not scheduler.has_unfinished():
+            break
+    assert preempted >= 1 and sorted(policy.finished) == ["early", "late"]
+    assert {name for name, _ in policy.times} >= {"priority", "select_victim", "step_budget", "on_finish",
+                                                   "should_expand_batch"}
+    assert all(isinstance(now, float) for _, now in policy.times)
+
+
+def test_preemption_marks_counts_and_accounts_the_recomputed_tokens():
+    scheduler = _scheduler(POLICIES.build("fcfs"), 6)
+    early, late = _req("early", n_prompt=8, max_tokens=12, arrival=0.0), _req("late", n_prompt=8, max_tokens=12,
+                                                                                arrival=1.0)
+    scheduler.add(early, 0.0)
+    scheduler.add(late, 0.0)
+    for step in range(20):
+        out, _ = _run_step(scheduler, float(step))
+        if out.preempted:
+            break
+    assert out.preempted == [late] and late.status is RequestStatus.PREEMPTED and late.num_preemptions == 1
+    assert all(r is not late for r, _ in out.scheduled)    # the request that gave way is not run this step
+    assert late in scheduler.waiting and late not in scheduler.running
+    assert early.num_recomputed_tokens == 0
+
+
+def test_recomputed_tokens_are_those_below_the_high_water_mark_summed_over_chunks_and_requests():
+    scheduler = _scheduler(POLICIES.build("fcfs"), 16)
+    r1, r2, fresh = _req("r1", n_prompt=12), _req("r2", n_prompt=8), _req("fresh", n_prompt=4)
+    r1.max_computed_tokens, r2.max_computed_tokens = 10, 6     # computed before a preemption threw them away
+    scheduler.running += [r1, r2, fresh]
+    out = SchedulerOutput(scheduled=[(r1, 4), (r2, 8), (fresh, 4)])
+    scheduler.update_from_output(out, [None, 9, 9], 0.0, max_model_len=10**9)
+    assert (r1.num_recomputed_tokens, r2.num_recomputed_tokens, fresh.num_recomputed_tokens) == (4, 6, 0)
+    assert out.num_recomputed_tokens == 10
+    out = SchedulerOutput(scheduled=[(r1, 8)])
+    scheduler.update_from_output(out, [9], 1.0, max_model_len=10**9)
+    assert r1.num_recomputed_tokens == 10 and out.num_recomputed_tokens == 6 and r1.max_computed_tokens == 12
+
+
+def test_finish_reason_and_error_of_a_finished_and_of_a_failed_request():
+    scheduler = _scheduler(POLICIES.build("fcfs"), 8)
+    done, garbage = _req("done", max_tokens=1), _req("garbage", max_tokens=1)
+    scheduler.add(done, 0.0)
+    scheduler.add(garbage, 0.0)
+    out = scheduler.schedule(0.0)
+    finished = scheduler.update_from_output(out, [7, INVALID_TOKEN], 2.0, max_model_len=10**9)
+    assert finished == [done, garbage]
+    assert (done.status, done.finish_reason, done.error, done.finish_time) == (RequestStatus.FINISHED, "length",
+                                                                             None, 2.0)
+    assert (garbage.status, garbage.finish_reason, garbage.error) == (RequestStatus.FAILED, None, NON_FINITE_REASON)
+
+
+def test_reject_and_abort_end_requests_and_report_them_at_the_next_update():
+    policy = RecordingPolicy()
+    scheduler = _scheduler(policy, 8)
+    refused, waiting, running = _req("refused"), _req("waiting", arrival=1.0), _req("running")
+    scheduler.add(running, 0.0)
+    _run_step(scheduler, 0.0)
+    scheduler.reject(refused, "too long", 3.0)
+    scheduler.add(waiting, 1.0)
+    assert scheduler.abort("nobody", 4.0) is None
+    assert scheduler.abort("running", 4.0) is running
+    assert scheduler.abort("waiting", 5.0, reason="client went away") is waiting
+    assert scheduler.running == [] and scheduler.waiting == [] and running.block_table == []
+    assert scheduler.allocator.num_free_blocks() == 8
+    assert (refused.status, refused.error, refused.finish_time) == (RequestStatus.FAILED, "too long", 3.0)
+    assert (running.status, running.finish_reason, running.error, running.finish_time) == (
+        RequestStatus.ABORTED, "abort", "aborted", 4.0)
+    assert (waiting.finish_reason, waiting.error, waiting.finish_time) == ("abort", "client went away", 5.0)
+    assert policy.finished == ["running", "waiting"] and ("on_finish", 5.0) in policy.times
+    assert scheduler.update_from_output(SchedulerOutput(), [], 6.0, max_model_len=10**9) == [refused, running,
+                                                                                              waiting]
+    assert not scheduler.has_unfinished()
+
+
+def test_a_failed_admission_gives_back_its_prefix_match():
+    scheduler = _scheduler(POLICIES.build("fcfs"), 8, allocator="prefix", watermark=0.0)
+    first = _req("first", n_prompt=8, max_tokens=1)
+    scheduler.add(first, 0.0)
+    _run_step(scheduler, 0.0)                               # caches two blocks
+    hog = Request("hog", list(range(100, 120)), SamplingParams(max_tokens=50, ignore_eos=True), 1.0)
+    scheduler.add(hog, 1.0)
+    _run_step(scheduler, 1.0)
+    _run_step(scheduler, 2.0)                               # 6 of the 8 blocks are the hog's now
+    twin = Request("twin", list(range(1, 9)) + list(range(50, 58)), SamplingParams(max_tokens=4), 3.0)
+    scheduler.add(twin, 3.0)
+    out, _ = _run_step(scheduler, 3.0)
+    assert all(r is not twin for r, _ in out.scheduled) and twin in scheduler.waiting
+    assert (twin.num_computed_tokens, twin.num_cached_tokens, twin.block_table) == (0, 0, [])
+    assert scheduler.allocator.num_cached_blocks() == 2     # the matched blocks are evictable again
+
+
+@pytest.mark.parametrize("watermark, extra_blocks, preempts", [(0.0, 0, False), (0.0, 1, True), (0.25, 0, True)])
+def test_priority_preempts_for_a_waiting_request_exactly_when_it_does_not_fit(watermark, extra_blocks, preempts):
+    scheduler = _scheduler(POLICIES.build("priority"), 16, watermark=watermark)
+    low = Request("low", list(range(1, 17)), SamplingParams(max_tokens=50, ignore_eos=True), 0.0, priority=5)
+    scheduler.add(low, 0.0)
+    _run_step(scheduler, 0.0)                               # low holds 4 blocks: 12 free when step 1 starts
+    # 12 blocks fit exactly with no watermark; 13 do not, nor do 12 plus a 4-block watermark.
+    urgent = Request("urgent", list(range(200, 200 + 4 * (12 + extra_blocks))), SamplingParams(max_tokens=2), 1.0,
+                     priority=0)
+    scheduler.add(urgent, 1.0)
+    out, _ = _run_step(scheduler, 1.0)
+    assert (out.preempted == [low]) is preempts
