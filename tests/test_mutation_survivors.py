@@ -286,6 +286,9 @@ class RecordingPolicy(Policy):
         self.times.append(("step_budget", now))
         return StepBudget(view.max_num_batched_tokens, decodes_first=self.decodes_first)
 
+    def on_step(self, scheduled, now):
+        self.times.append(("on_step", now))
+
     def on_finish(self, request, now):
         self.times.append(("on_finish", now))
         self.finished.append(request.request_id)
@@ -317,7 +320,7 @@ def test_every_policy_call_gets_the_steps_time(decodes_first):
             break
     assert preempted >= 1 and sorted(policy.finished) == ["early", "late"]
     assert {name for name, _ in policy.times} >= {"priority", "select_victim", "step_budget", "on_finish",
-                                                   "should_expand_batch"}
+                                                   "should_expand_batch", "on_step"}
     assert all(isinstance(now, float) for _, now in policy.times)
 
 
@@ -346,6 +349,7 @@ def test_recomputed_tokens_are_those_below_the_high_water_mark_summed_over_chunk
     scheduler.update_from_output(out, [None, 9, 9], 0.0, max_model_len=10**9)
     assert (r1.num_recomputed_tokens, r2.num_recomputed_tokens, fresh.num_recomputed_tokens) == (4, 6, 0)
     assert out.num_recomputed_tokens == 10
+    assert (r1.output_token_ids, r2.output_token_ids, fresh.output_token_ids) == ([], [9], [9])   # r1: a chunk
     out = SchedulerOutput(scheduled=[(r1, 8)])
     scheduler.update_from_output(out, [9], 1.0, max_model_len=10**9)
     assert r1.num_recomputed_tokens == 10 and out.num_recomputed_tokens == 6 and r1.max_computed_tokens == 12
@@ -357,8 +361,9 @@ def test_finish_reason_and_error_of_a_finished_and_of_a_failed_request():
     scheduler.add(done, 0.0)
     scheduler.add(garbage, 0.0)
     out = scheduler.schedule(0.0)
-    finished = scheduler.update_from_output(out, [7, INVALID_TOKEN], 2.0, max_model_len=10**9)
-    assert finished == [done, garbage]
+    finished = scheduler.update_from_output(out, [7, INVALID_TOKEN], 2.0, max_model_len=10**9,
+                                            next_logprobs=[{7: "lp"}, None])
+    assert finished == [done, garbage] and done.logprobs == [{7: "lp"}] and garbage.finish_time == 2.0
     assert (done.status, done.finish_reason, done.error, done.finish_time) == (RequestStatus.FINISHED, "length",
                                                                              None, 2.0)
     assert (garbage.status, garbage.finish_reason, garbage.error) == (RequestStatus.FAILED, None, NON_FINITE_REASON)
