@@ -9,11 +9,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from nanovllm import ALLOCATORS, POLICIES, Policy, Request, RequestStatus, SamplingParams, SchedulerView, StepBudget
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON
+from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, top_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -421,3 +422,75 @@ def test_priority_preempts_for_a_waiting_request_exactly_when_it_does_not_fit(wa
     scheduler.add(urgent, 1.0)
     out, _ = _run_step(scheduler, 1.0)
     assert (out.preempted == [low]) is preempts
+
+
+# -- sampling ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, good, bad", [
+    ("temperature", [0, 0.0, 2.5], [-0.01, math.inf, math.nan, True, "1"]),
+    ("top_k", [-1, 1, 50], [0, -2, 2.0, True]),
+    ("top_p", [1, 1.0, 0.01], [0, 0.0, 1.01, math.nan, True]),
+    ("max_tokens", [1, 64], [0, -1, 1.0, True]),
+    ("ignore_eos", [True, False], [1, "yes", None]),
+    ("stop_token_ids", [None, [], [0], (3, 4)], [[-1], ["a"], "5", 5, [True, 1.5]]),
+    ("seed", [None, 0, 2**64 - 1], [-1, 2**64, 1.5, True]),
+    ("logprobs", [None, 0, 5], [-1, True, 1.5]),
+])
+def test_sampling_params_accept_exactly_their_documented_range(field, good, bad):
+    for value in good:
+        SamplingParams(**{field: value})
+    for value in bad:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+
+
+def test_greedy_below_the_temperature_threshold_or_with_top_k_one():
+    assert SamplingParams(temperature=0.99e-5).greedy and SamplingParams(top_k=1).greedy
+    assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=1.0, top_k=2).greedy
+
+
+def test_sampler_marks_non_finite_rows_and_samples_the_others_by_their_own_filters():
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, float("inf"), 1.0], [5.0, float("-inf"), 4.0],
+                           [1.0, 1.0, 1.0], [1.0, 0.9, 0.0]])
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0),
+              SamplingParams(top_k=-1), SamplingParams(top_k=2)]
+    seen: list[set[int]] = [set() for _ in params]
+    generators = [torch.Generator().manual_seed(i) for i in range(len(params))]
+    for _ in range(300):
+        for row, token in enumerate(Sampler()(logits, params, generators)):
+            seen[row].add(token)
+    assert seen[0] == seen[1] == {INVALID_TOKEN}
+    assert seen[2] == {0}                                   # -inf is a legitimate "never this token"
+    assert seen[3] == {0, 1, 2}                             # top_k=-1 keeps the whole row in a mixed batch
+    assert seen[4] == {0, 1}                                # top_k=2 in the same batch
+
+
+def test_sampler_top_k_beyond_the_vocabulary_keeps_everything_and_top_p_is_per_row():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    params = [SamplingParams(top_k=10, top_p=1.0), SamplingParams(top_p=0.5)]
+    seen: list[set[int]] = [set(), set()]
+    generators = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+    for _ in range(400):
+        for row, token in enumerate(Sampler()(logits, params, generators)):
+            seen[row].add(token)
+    assert seen == [{0, 1, 2}, {0}]
+
+
+def test_each_row_draws_from_its_own_generator():
+    logits = torch.zeros(2, 1000)
+    params = [SamplingParams(seed=1), SamplingParams(seed=2)]
+    first = Sampler()(logits, params, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
+    again = Sampler()(logits, params, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(99)])
+    assert first[0] == again[0] and first[1] != again[1]
+
+
+def test_top_logprobs_rank_the_top_k_and_always_include_the_sampled_token():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    result = top_logprobs(logits, [3, 0, 1], [2, 0, None])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert set(result[0]) == {0, 1, 3}
+    assert [result[0][t].rank for t in (0, 1, 3)] == [1, 2, 4]
+    assert result[0][3].logprob == pytest.approx(float(expected[0, 3]))
+    assert result[0][0].logprob == pytest.approx(float(expected[0, 0]))
+    assert set(result[1]) == {0} and result[1][0].rank == 4 and result[2] is None
+    assert top_logprobs(logits, [0, 0, 0], [None, None, None]) == [None, None, None]
