@@ -494,3 +494,12 @@ def test_top_logprobs_rank_the_top_k_and_always_include_the_sampled_token():
     assert result[0][0].logprob == pytest.approx(float(expected[0, 0]))
     assert set(result[1]) == {0} and result[1][0].rank == 4 and result[2] is None
     assert top_logprobs(logits, [0, 0, 0], [None, None, None]) == [None, None, None]
+
+
+@pytest.mark.parametrize("name", ["mlfq", "random", "fair", "sjf"])
+def test_a_policy_hears_on_finish_for_a_request_it_never_scheduled(name):
+    policy = POLICIES.build(name)
+    aborted = _req("aborted-while-waiting")
+    policy.on_arrival(aborted, 0.0)
+    policy.on_finish(aborted, 1.0)                          # aborted or rejected before any step: no KeyError
+    POLICIES.build(name).on_finish(_req("unknown"), 1.0)
