@@ -503,3 +503,42 @@ def test_a_policy_hears_on_finish_for_a_request_it_never_scheduled(name):
     policy.on_arrival(aborted, 0.0)
     policy.on_finish(aborted, 1.0)                          # aborted or rejected before any step: no KeyError
     POLICIES.build(name).on_finish(_req("unknown"), 1.0)
+
+
+def test_a_decode_that_gives_way_to_itself_lets_the_prefill_after_it_run():
+    # The batch is decodes first: D (least urgent) decodes ahead of P's prefill chunks. When D's next block is
+    # missing, the policy's victim among [D, P] is D itself; P's chunk must still run in that step.
+    policy = POLICIES.build({"name": "priority", "preempt_for_priority": False})
+    scheduler = _scheduler(policy, 6, max_num_batched_tokens=4, watermark=0.0)
+    d = Request("D", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True), 0.0, priority=9)
+    p = Request("P", list(range(100, 122)), SamplingParams(max_tokens=60, ignore_eos=True), 1.0, priority=0)
+    scheduler.add(d, 0.0)
+    _run_step(scheduler, 0.0)
+    scheduler.add(p, 1.0)
+    for step in range(1, 30):
+        out, _ = _run_step(scheduler, float(step))
+        if out.preempted:
+            break
+    assert out.preempted == [d] and [r for r, _ in out.scheduled] == [p]
+
+
+class AdjustableBudget(Policy):
+    """FCFS with a per-step token budget the test sets."""
+
+    tokens = 3
+
+    def step_budget(self, view, now):
+        return StepBudget(self.tokens)
+
+
+@pytest.mark.parametrize("budget", [2, 3])
+def test_every_running_decode_runs_while_the_token_budget_lasts(budget):
+    policy = AdjustableBudget()
+    scheduler = _scheduler(policy, 16)
+    requests = [_req(f"r{i}", n_prompt=1, max_tokens=10, arrival=float(i)) for i in range(3)]
+    for request in requests:
+        scheduler.add(request, 0.0)
+    _run_step(scheduler, 0.0)                               # all three admitted
+    policy.tokens = budget
+    out, _ = _run_step(scheduler, 1.0)
+    assert out.scheduled == [(r, 1) for r in requests[:budget]]   # one token each, none with 0 tokens
