@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from nanovllm import ALLOCATORS, POLICIES, Policy, Request, RequestStatus, SamplingParams, SchedulerView, StepBudget
-from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, top_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,6 +270,8 @@ class RecordingPolicy(Policy):
         self.decodes_first = decodes_first
         self.times: list[tuple[str, object]] = []
         self.finished: list[str] = []
+        self.asked: list[tuple[object, object]] = []     # should_expand_batch's request and view
+        self.budget_views: list[object] = []
 
     def priority(self, request, now):
         self.times.append(("priority", now))
@@ -281,10 +283,12 @@ class RecordingPolicy(Policy):
 
     def should_expand_batch(self, request, view, now):
         self.times.append(("should_expand_batch", now))
+        self.asked.append((request, view))
         return True
 
     def step_budget(self, view, now):
         self.times.append(("step_budget", now))
+        self.budget_views.append(view)
         return StepBudget(view.max_num_batched_tokens, decodes_first=self.decodes_first)
 
     def on_step(self, scheduled, now):
@@ -323,6 +327,8 @@ def test_every_policy_call_gets_the_steps_time(decodes_first):
     assert {name for name, _ in policy.times} >= {"priority", "select_victim", "step_budget", "on_finish",
                                                    "should_expand_batch", "on_step"}
     assert all(isinstance(now, float) for _, now in policy.times)
+    assert all(isinstance(r, Request) and isinstance(v.token_budget_left, int) for r, v in policy.asked)
+    assert all(v.token_budget_left == 64 for v in policy.budget_views)
 
 
 def test_preemption_marks_counts_and_accounts_the_recomputed_tokens():
@@ -531,7 +537,7 @@ class AdjustableBudget(Policy):
         return StepBudget(self.tokens)
 
 
-@pytest.mark.parametrize("budget", [2, 3])
+@pytest.mark.parametrize("budget", [1, 2, 3])
 def test_every_running_decode_runs_while_the_token_budget_lasts(budget):
     policy = AdjustableBudget()
     scheduler = _scheduler(policy, 16)
@@ -542,3 +548,81 @@ def test_every_running_decode_runs_while_the_token_budget_lasts(budget):
     policy.tokens = budget
     out, _ = _run_step(scheduler, 1.0)
     assert out.scheduled == [(r, 1) for r in requests[:budget]]   # one token each, none with 0 tokens
+
+
+@pytest.mark.parametrize("budget, admitted", [(3, False), (4, True)])
+def test_admission_uses_the_budget_the_decodes_leave_and_never_admits_zero_tokens(budget, admitted):
+    policy = AdjustableBudget()
+    scheduler = _scheduler(policy, 16)
+    running = [_req(f"r{i}", n_prompt=1, max_tokens=10, arrival=float(i)) for i in range(3)]
+    for request in running:
+        scheduler.add(request, 0.0)
+    _run_step(scheduler, 0.0)
+    newcomer = _req("new", n_prompt=1, arrival=5.0)
+    scheduler.add(newcomer, 5.0)
+    policy.tokens = budget
+    out, _ = _run_step(scheduler, 5.0)
+    assert all(n > 0 for _, n in out.scheduled)
+    assert ((newcomer, 1) in out.scheduled) is admitted and (newcomer.status is RequestStatus.RUNNING) is admitted
+
+
+@pytest.mark.parametrize("max_tokens", [0, 2.5])
+def test_a_step_budget_below_one_token_or_not_an_int_is_a_policy_error(max_tokens):
+    policy = AdjustableBudget()
+    policy.tokens = max_tokens
+    scheduler = _scheduler(policy, 16)
+    scheduler.add(_req("r"), 0.0)
+    with pytest.raises(PolicyError, match="step_budget must return a StepBudget with max_tokens >= 1"):
+        scheduler.schedule(0.0)
+
+
+def test_without_chunking_a_prompt_that_fills_the_budget_exactly_is_admitted_and_one_that_does_not_fit_waits():
+    scheduler = Scheduler(POLICIES.build("fcfs"), ALLOCATORS.get("prefix")(16, 4), max_num_seqs=4,
+                          max_num_batched_tokens=8, enable_chunked_prefill=False)
+    first = _req("first", n_prompt=8, max_tokens=20)
+    scheduler.add(first, 0.0)
+    out, _ = _run_step(scheduler, 0.0)
+    assert out.scheduled == [(first, 8)]                    # exactly the budget
+    cached_before = scheduler.allocator.num_cached_blocks()
+    twin = Request("twin", list(range(1, 9)) + list(range(60, 68)), SamplingParams(max_tokens=2), 1.0)
+    scheduler.add(twin, 1.0)                                # 8 cached + 8 new > the 7 the decode leaves
+    out, _ = _run_step(scheduler, 1.0)
+    assert out.scheduled == [(first, 1)] and twin in scheduler.waiting
+    assert (twin.num_computed_tokens, twin.num_cached_tokens, twin.block_table) == (0, 0, [])
+    assert scheduler.allocator.num_cached_blocks() == cached_before
+
+
+def test_an_empty_batch_admits_its_head_request_ignoring_the_watermark():
+    scheduler = _scheduler(POLICIES.build("fcfs"), 16, watermark=0.25)
+    whole_cache = _req("whole", n_prompt=63, max_tokens=1)  # all 16 blocks: none left for the watermark
+    scheduler.add(whole_cache, 0.0)
+    out, _ = _run_step(scheduler, 0.0)
+    assert out.scheduled == [(whole_cache, 63)]
+
+
+def test_prefix_hits_are_summed_over_the_requests_admitted_in_a_step():
+    scheduler = _prefix_scheduler_for_hits()
+    twins = [Request(f"twin{i}", list(range(1, 9)) + [50 + i], SamplingParams(max_tokens=2), 1.0) for i in range(2)]
+    for twin in twins:
+        scheduler.add(twin, 1.0)
+    out, _ = _run_step(scheduler, 1.0)
+    assert [r for r, _ in out.scheduled] == twins and out.num_prefix_hit_tokens == 16
+
+
+def _prefix_scheduler_for_hits() -> Scheduler:
+    scheduler = _scheduler(POLICIES.build("fcfs"), 16, allocator="prefix")
+    scheduler.add(_req("first", n_prompt=8, max_tokens=1), 0.0)
+    _run_step(scheduler, 0.0)                               # caches the 8-token prompt's two blocks
+    return scheduler
+
+
+def test_prefill_first_runs_a_prefill_chunk_while_a_decode_waits():
+    scheduler = _scheduler(POLICIES.build("prefill_first"), 16, max_num_batched_tokens=4)
+    decode = _req("decode", n_prompt=2, max_tokens=20, arrival=0.0)
+    scheduler.add(decode, 0.0)
+    _run_step(scheduler, 0.0)
+    prefill = _req("prefill", n_prompt=12, arrival=1.0)
+    scheduler.add(prefill, 1.0)
+    _run_step(scheduler, 1.0)                               # admitted: its first chunk
+    out, _ = _run_step(scheduler, 2.0)
+    assert out.scheduled == [(prefill, 4)]                  # the decode ahead of it in the batch waits
