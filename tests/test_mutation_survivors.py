@@ -291,6 +291,11 @@ class RecordingPolicy(Policy):
         self.budget_views.append(view)
         return StepBudget(view.max_num_batched_tokens, decodes_first=self.decodes_first)
 
+    def preempt_for(self, waiting, running, now):
+        self.times.append(("preempt_for", now))
+        latest = max(running, key=lambda r: r.arrival_time)
+        return latest if latest.arrival_time > waiting.arrival_time else None   # preemptive FCFS
+
     def on_step(self, scheduled, now):
         self.times.append(("on_step", now))
 
@@ -318,14 +323,16 @@ def test_every_policy_call_gets_the_steps_time(decodes_first):
     for rid, arrival in (("early", 0.0), ("late", 1.0)):
         scheduler.add(_req(rid, n_prompt=8, max_tokens=12, arrival=arrival), 0.0)
     preempted = 0
-    for step in range(1, 40):
+    for step in range(1, 60):
+        if step == 2:   # earlier than both and too big for the free blocks: preempt_for makes room for it
+            scheduler.add(_req("urgent", n_prompt=12, max_tokens=4, arrival=-1.0), float(step))
         out, _ = _run_step(scheduler, float(step))
         preempted += len(out.preempted)
         if not scheduler.has_unfinished():
             break
-    assert preempted >= 1 and sorted(policy.finished) == ["early", "late"]
+    assert preempted >= 2 and sorted(policy.finished) == ["early", "late", "urgent"]
     assert {name for name, _ in policy.times} >= {"priority", "select_victim", "step_budget", "on_finish",
-                                                   "should_expand_batch", "on_step"}
+                                                   "should_expand_batch", "on_step", "preempt_for"}
     assert all(isinstance(now, float) for _, now in policy.times)
     assert all(isinstance(r, Request) and isinstance(v.token_budget_left, int) for r, v in policy.asked)
     assert all(v.token_budget_left == 64 for v in policy.budget_views)
@@ -626,3 +633,23 @@ def test_prefill_first_runs_a_prefill_chunk_while_a_decode_waits():
     _run_step(scheduler, 1.0)                               # admitted: its first chunk
     out, _ = _run_step(scheduler, 2.0)
     assert out.scheduled == [(prefill, 4)]                  # the decode ahead of it in the batch waits
+
+
+def test_the_policy_sees_the_schedulers_state_in_its_view():
+    policy = RecordingPolicy()
+    scheduler = _scheduler(policy, 16)
+    scheduler.add(_req("r0"), 0.0)
+    _run_step(scheduler, 0.0)
+    for rid in ("a", "b"):
+        scheduler.add(_req(rid, arrival=1.0), 1.0)
+    policy.asked.clear()
+    policy.budget_views.clear()
+    _run_step(scheduler, 1.0)
+    view = dict(num_total_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    assert policy.budget_views == [SchedulerView(num_running=1, num_waiting=2, num_scheduled_tokens=0,
+                                                 token_budget_left=64, num_free_blocks=15, **view)]
+    assert [v for _, v in policy.asked] == [
+        SchedulerView(num_running=1, num_waiting=2, num_scheduled_tokens=1, token_budget_left=63,
+                      num_free_blocks=14, **view),
+        SchedulerView(num_running=2, num_waiting=1, num_scheduled_tokens=5, token_budget_left=59,
+                      num_free_blocks=13, **view)]
