@@ -48,13 +48,6 @@ def test_eos_stops_unless_ignored_and_logprobs_are_kept_per_token():
 
 # -- policies: the Python defaults are the Hydra configs' ----------------------------------------------------------
 
-def _policy_class_defaults(name: str) -> dict:
-    import inspect
-
-    signature = inspect.signature(POLICIES.get(name).__init__)
-    return {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
-
-
 @pytest.mark.parametrize("name", ["fair", "mlfq", "lpm", "sarathi", "sjf", "edf"])
 def test_policy_python_defaults_equal_the_hydra_config(name):
     """`LLM(scheduler=name)` and `python -m nanovllm.run scheduler=name` run the same policy. (edf's
@@ -62,9 +55,9 @@ def test_policy_python_defaults_equal_the_hydra_config(name):
     config = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "scheduler" / f"{name}.yaml"))
     config.pop("name")
     if name == "edf":
-        config.pop("require_slo")
-    assert config == {k: v for k, v in _policy_class_defaults(name).items() if k in config}
-    assert set(config) == set(_policy_class_defaults(name)) - {"require_slo"}
+        assert config.pop("require_slo") is True and POLICIES.build("edf").require_slo is False
+    built = POLICIES.build(name)
+    assert {key: getattr(built, "predictor_name" if key == "predictor" else key) for key in config} == config
 
 
 def test_random_policy_default_seed_is_zero():
@@ -291,6 +284,13 @@ class RecordingPolicy(Policy):
         self.budget_views.append(view)
         return StepBudget(view.max_num_batched_tokens, decodes_first=self.decodes_first)
 
+    def on_arrival(self, request, now):
+        self.times.append(("on_arrival", now))
+
+    def reject_reason(self, request, now):
+        self.times.append(("reject_reason", now))
+        return "it is hopeless" if request.request_id == "hopeless" else None
+
     def preempt_for(self, waiting, running, now):
         self.times.append(("preempt_for", now))
         latest = max(running, key=lambda r: r.arrival_time)
@@ -322,17 +322,22 @@ def test_every_policy_call_gets_the_steps_time(decodes_first):
     scheduler = _scheduler(policy, 6)
     for rid, arrival in (("early", 0.0), ("late", 1.0)):
         scheduler.add(_req(rid, n_prompt=8, max_tokens=12, arrival=arrival), 0.0)
+    hopeless = _req("hopeless", arrival=-2.0)
     preempted = 0
     for step in range(1, 60):
         if step == 2:   # earlier than both and too big for the free blocks: preempt_for makes room for it
             scheduler.add(_req("urgent", n_prompt=12, max_tokens=4, arrival=-1.0), float(step))
+            scheduler.add(hopeless, float(step))
         out, _ = _run_step(scheduler, float(step))
         preempted += len(out.preempted)
         if not scheduler.has_unfinished():
             break
-    assert preempted >= 2 and sorted(policy.finished) == ["early", "late", "urgent"]
+    assert preempted >= 2 and sorted(policy.finished) == ["early", "hopeless", "late", "urgent"]
+    assert (hopeless.status, hopeless.finish_time) == (RequestStatus.FAILED, 2.0)
+    assert hopeless.error == f"rejected by policy {policy.registered_name!r}: it is hopeless"
     assert {name for name, _ in policy.times} >= {"priority", "select_victim", "step_budget", "on_finish",
-                                                   "should_expand_batch", "on_step", "preempt_for"}
+                                                   "should_expand_batch", "on_step", "preempt_for", "on_arrival",
+                                                   "reject_reason"}
     assert all(isinstance(now, float) for _, now in policy.times)
     assert all(isinstance(r, Request) and isinstance(v.token_budget_left, int) for r, v in policy.asked)
     assert all(v.token_budget_left == 64 for v in policy.budget_views)
@@ -371,13 +376,14 @@ def test_recomputed_tokens_are_those_below_the_high_water_mark_summed_over_chunk
 
 def test_finish_reason_and_error_of_a_finished_and_of_a_failed_request():
     scheduler = _scheduler(POLICIES.build("fcfs"), 8)
-    done, garbage = _req("done", max_tokens=1), _req("garbage", max_tokens=1)
-    scheduler.add(done, 0.0)
-    scheduler.add(garbage, 0.0)
+    done, garbage, after = _req("done", max_tokens=1), _req("garbage", max_tokens=1), _req("after", max_tokens=1)
+    for request in (done, garbage, after):
+        scheduler.add(request, 0.0)
     out = scheduler.schedule(0.0)
-    finished = scheduler.update_from_output(out, [7, INVALID_TOKEN], 2.0, max_model_len=10**9,
-                                            next_logprobs=[{7: "lp"}, None])
-    assert finished == [done, garbage] and done.logprobs == [{7: "lp"}] and garbage.finish_time == 2.0
+    finished = scheduler.update_from_output(out, [7, INVALID_TOKEN, 8], 2.0, max_model_len=10**9,
+                                            next_logprobs=[{7: "lp"}, None, None])
+    assert finished == [done, garbage, after] and done.logprobs == [{7: "lp"}] and garbage.finish_time == 2.0
+    assert after.output_token_ids == [8]                    # rows after a failed one go on
     assert (done.status, done.finish_reason, done.error, done.finish_time) == (RequestStatus.FINISHED, "length",
                                                                              None, 2.0)
     assert (garbage.status, garbage.finish_reason, garbage.error) == (RequestStatus.FAILED, None, NON_FINITE_REASON)
@@ -653,3 +659,52 @@ def test_the_policy_sees_the_schedulers_state_in_its_view():
                       num_free_blocks=14, **view),
         SchedulerView(num_running=2, num_waiting=1, num_scheduled_tokens=5, token_budget_left=59,
                       num_free_blocks=13, **view)]
+
+
+def test_select_victim_in_a_prefill_only_step_gets_the_time():
+    # Prefill-first with two 16-token prompts on 6 blocks: B's next chunk finds no block in a prefill-only step.
+    policy = RecordingPolicy(decodes_first=False)
+    scheduler = _scheduler(policy, 6, max_num_batched_tokens=8, watermark=0.0)
+    for rid, arrival in (("A", 0.0), ("B", 1.0)):
+        scheduler.add(Request(rid, list(range(1 + 100 * int(arrival), 17 + 100 * int(arrival))),
+                              SamplingParams(max_tokens=4, ignore_eos=True), arrival), 0.0)
+    for step in range(40):
+        _run_step(scheduler, float(step))
+        if not scheduler.has_unfinished():
+            break
+    victims = [now for name, now in policy.times if name == "select_victim"]
+    assert victims and all(isinstance(now, float) for now in victims) and sorted(policy.finished) == ["A", "B"]
+
+
+def test_a_request_preempted_twice_counts_two_preemptions():
+    scheduler = _scheduler(POLICIES.build("priority"), 16, watermark=0.0)
+    low = Request("low", list(range(1, 17)), SamplingParams(max_tokens=50, ignore_eos=True), 0.0, priority=5)
+    scheduler.add(low, 0.0)
+    _run_step(scheduler, 0.0)
+    for i in range(2):
+        urgent = Request(f"urgent{i}", list(range(200, 252)), SamplingParams(max_tokens=1), 1.0 + i, priority=0)
+        scheduler.add(urgent, 1.0 + i)
+        out, finished = _run_step(scheduler, 10.0 * (i + 1))     # preempts low, runs and finishes urgent
+        assert out.preempted == [low] and finished == [urgent]
+        _run_step(scheduler, 10.0 * (i + 1) + 1)                 # low comes back
+    assert low.num_preemptions == 2
+
+
+def test_sjf_remaining_work_counts_uncomputed_prompt_and_floors_each_part_at_zero():
+    policy = POLICIES.build({"name": "sjf", "predictor": lambda r: 2})
+    over = _req("over", n_prompt=4, arrival=1.0)                # generated 5 > the 2 predicted: 0 left, not 1
+    over.token_ids += [7] * 5
+    fresh = _req("fresh", n_prompt=3, arrival=0.0)              # 3 + 2
+    assert sorted([fresh, over], key=lambda r: policy.priority(r, 0.0)) == [over, fresh]
+    oracle = POLICIES.build("sjf")
+    long_prompt = _req("long-prompt", n_prompt=100, max_tokens=10, arrival=0.0, num_computed_tokens=100,
+                       status=RequestStatus.RUNNING)
+    long_prompt.token_ids += [7] * 8                            # 2 left to generate
+    short = _req("short", n_prompt=4, max_tokens=10, arrival=1.0, num_computed_tokens=4,
+                 status=RequestStatus.RUNNING)                  # 10 left
+    assert oracle.select_victim([long_prompt, short], 0.0) is short
+    decode = _req("decode", n_prompt=4, max_tokens=13, arrival=0.0, num_computed_tokens=4,
+                  status=RequestStatus.RUNNING)                 # 0 + 13
+    chunked = _req("chunked", n_prompt=8, max_tokens=10, arrival=1.0, num_computed_tokens=5,
+                   status=RequestStatus.RUNNING)                # 3 + 10: a tie, broken by arrival
+    assert oracle.select_victim([decode, chunked], 0.0) is chunked
