@@ -708,3 +708,9 @@ def test_sjf_remaining_work_counts_uncomputed_prompt_and_floors_each_part_at_zer
     chunked = _req("chunked", n_prompt=8, max_tokens=10, arrival=1.0, num_computed_tokens=5,
                    status=RequestStatus.RUNNING)                # 3 + 10: a tie, broken by arrival
     assert oracle.select_victim([decode, chunked], 0.0) is chunked
+
+
+def test_top_logprobs_with_k_one_reports_the_argmax_first():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    [entry] = top_logprobs(logits, [2], [1])
+    assert set(entry) == {1, 2} and (entry[1].rank, entry[2].rank) == (1, 2)
