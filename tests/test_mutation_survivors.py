@@ -714,3 +714,24 @@ def test_top_logprobs_with_k_one_reports_the_argmax_first():
     logits = torch.tensor([[0.0, 3.0, 1.0]])
     [entry] = top_logprobs(logits, [2], [1])
     assert set(entry) == {1, 2} and (entry[1].rank, entry[2].rank) == (1, 2)
+
+
+def test_top_p_drops_a_token_once_the_mass_before_it_reaches_top_p_exactly():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))    # exact in float32: masses before 0, 0.5, 0.75
+    generator = torch.Generator().manual_seed(0)
+    assert {Sampler()(logits, [SamplingParams(top_p=0.5)], [generator])[0] for _ in range(300)} == {0}
+
+
+# -- allocators ----------------------------------------------------------------------------------------------------
+
+def test_contiguous_reservation_fits_exactly_and_never_grows():
+    cache = ALLOCATORS.get("contiguous")(4, 4)
+    request = _req("r", n_prompt=8, max_tokens=8)           # 16 tokens: all 4 blocks
+    assert cache.can_allocate(request, 8)
+    assert not cache.can_allocate(request, 8, reserve=1)
+    small = _req("small", n_prompt=4, max_tokens=8)          # 3 blocks
+    assert not cache.can_allocate(small, 4, reserve=2) and cache.can_allocate(small, 4, reserve=1)
+    cache.allocate(small, 4)
+    small.num_computed_tokens = 12
+    assert cache.num_free_blocks() == 1 and not cache.can_allocate(small, 4)   # past its reservation: no
+    assert cache.can_allocate(small, 0)
