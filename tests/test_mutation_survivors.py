@@ -735,3 +735,34 @@ def test_contiguous_reservation_fits_exactly_and_never_grows():
     small.num_computed_tokens = 12
     assert cache.num_free_blocks() == 1 and not cache.can_allocate(small, 4)   # past its reservation: no
     assert cache.can_allocate(small, 0)
+    with pytest.raises(MemoryError):
+        cache.allocate(small, 4)
+
+
+def test_contiguous_allocation_marks_only_its_own_run():
+    cache = ALLOCATORS.get("contiguous")(4, 4)
+    a, b = _req("a", n_prompt=2, max_tokens=2), _req("b", n_prompt=2, max_tokens=2)   # one block each
+    d = _req("d", n_prompt=4, max_tokens=4)                                             # two blocks
+    cache.allocate(a, 2)
+    cache.allocate(b, 2)
+    cache.free(a)                                                       # block 0 free, 1 taken, 2-3 free
+    cache.allocate(d, 4)
+    assert d.block_table == [2, 3]
+    e = _req("e", n_prompt=2, max_tokens=2)
+    assert cache.can_allocate(e, 2)
+    cache.allocate(e, 2)
+    assert e.block_table == [0]
+
+
+@pytest.mark.parametrize("allocator", ["prefix", "radix"])
+def test_evictions_are_counted_and_a_freed_request_leaves_no_bookkeeping(allocator):
+    cache = ALLOCATORS.get(allocator)(2, 4)
+    for rid, start in (("a", 1), ("b", 11), ("c", 21)):
+        owner = Request(rid, list(range(start, start + 5)), SamplingParams(max_tokens=4), 0.0)
+        cache.allocate(owner, 5)
+        owner.num_computed_tokens = 5
+        cache.on_tokens_computed(owner)
+        cache.free(owner)
+    assert cache.num_evictions == 2                         # b's and c's full blocks each evicted one
+    bookkeeping = cache._published if allocator == "prefix" else cache._cursor
+    assert bookkeeping == {}                                # bounded over a long run
