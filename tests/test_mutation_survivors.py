@@ -12,7 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from nanovllm import ALLOCATORS, POLICIES, Policy, Request, RequestStatus, SamplingParams, SchedulerView, StepBudget
+from nanovllm import (ALLOCATORS, POLICIES, Policy, Request, RequestStatus, SamplingParams, SchedulerView, StepBudget,
+                      register_allocator)
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, top_logprobs
 
@@ -766,3 +767,23 @@ def test_evictions_are_counted_and_a_freed_request_leaves_no_bookkeeping(allocat
     assert cache.num_evictions == 2                         # b's and c's full blocks each evicted one
     bookkeeping = cache._published if allocator == "prefix" else cache._cursor
     assert bookkeeping == {}                                # bounded over a long run
+
+
+def test_register_allocator_registers_under_its_name_and_the_base_checks_its_sizes(monkeypatch):
+    monkeypatch.setattr(ALLOCATORS, "_entries", dict(ALLOCATORS._entries))   # the registration ends with the test
+
+    @register_allocator("survivor-test-paged")
+    class SurvivorTestPaged(ALLOCATORS.get("paged")):
+        """The paged allocator under another name."""
+
+    assert ALLOCATORS.get("survivor-test-paged") is SurvivorTestPaged
+    smallest = SurvivorTestPaged(1, 1)
+    request = _req("r", n_prompt=1)
+    smallest.allocate(request, 1)
+    assert smallest.usage() == 1.0
+    for sizes in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError, match="num_blocks and block_size must be >= 1"):
+            SurvivorTestPaged(*sizes)
+    quarter = SurvivorTestPaged(4, 4)
+    quarter.allocate(_req("q", n_prompt=4), 4)
+    assert quarter.usage() == 0.25
