@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench study clean
+.PHONY: setup run test bench study mutate clean
 
 setup: $(STAMP)
 
@@ -32,5 +32,13 @@ bench: setup
 study: setup
 	$(BIN)/python experiments/priority_vs_rate.py $(ARGS)
 
+# Mutation testing (issue 14), not part of `make test`: mutmut over the scheduler, policies, allocators, sampling
+# and stop logic, killed by the fast tests ([tool.mutmut] in pyproject.toml). Slow: hours on one core.
+# One module: make mutate ARGS='"policies.*"'. The kill rate per module: experiments/mutmut_report.py.
+mutate: setup
+	$(BIN)/python -m pip install -q -e '.[mutate]'
+	$(BIN)/python -m mutmut run $(ARGS)
+	$(BIN)/python experiments/mutmut_report.py
+
 clean:
-	rm -rf $(VENV) outputs multirun build *.egg-info
+	rm -rf $(VENV) outputs multirun build *.egg-info mutants

@@ -4,6 +4,7 @@ without a model; the chunk-boundary case runs the real engine against transforme
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanovllm import ALLOCATORS, LLM, POLICIES, Request, SamplingParams
@@ -41,13 +42,14 @@ def test_priority_preempts_the_least_urgent_latest_running_request():
 
 # -- prefix cache --------------------------------------------------------------------------------------------------
 
-def _prefix_scheduler(num_blocks: int = 16) -> Scheduler:
-    return Scheduler(POLICIES.build("fcfs"), ALLOCATORS.get("prefix")(num_blocks, 4), max_num_seqs=4,
+def _prefix_scheduler(num_blocks: int = 16, allocator: str = "prefix") -> Scheduler:
+    return Scheduler(POLICIES.build("fcfs"), ALLOCATORS.get(allocator)(num_blocks, 4), max_num_seqs=4,
                      max_num_batched_tokens=64)
 
 
-def test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool():
-    scheduler = _prefix_scheduler()
+@pytest.mark.parametrize("allocator", ["prefix", "radix"])
+def test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool(allocator):
+    scheduler = _prefix_scheduler(allocator=allocator)
     first = _request("first", 8, max_tokens=1)          # exactly two full blocks
     scheduler.add(first, 0.0)
     _step(scheduler, 0.0)
@@ -62,6 +64,29 @@ def test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_t
     # The hit block is in use again: out of the evictable pool, so a fresh allocation can never take it.
     assert len(twin.block_table) == 2 and allocator.num_cached_blocks() == 1   # only the unmatched one is left
     assert allocator.num_free_blocks() == 14
+
+
+@pytest.mark.parametrize("allocator", ["prefix", "radix"])
+def test_a_matched_block_is_never_evicted_for_another_request(allocator):
+    # Two one-block prefixes are cached (A first, then C); a twin of A's prompt holds A. A fresh request then
+    # needs an eviction: with FIFO order A would be the victim if the match had left it evictable.
+    cache = ALLOCATORS.get(allocator)(4, 4, eviction="fifo")
+    for rid, start in (("a", 1), ("c", 11)):
+        owner = _request(rid, 5, start=start)
+        cache.allocate(owner, 5)
+        owner.num_computed_tokens = 5
+        cache.on_tokens_computed(owner)
+        cache.free(owner)
+    twin = _request("twin", 5, start=1)
+    twin.num_computed_tokens = cache.match_prefix(twin)
+    assert twin.num_computed_tokens == 4
+    cache.allocate(twin, 1)
+    other = _request("other", 8, start=21)
+    assert cache.num_free_blocks() == 2                    # one never-used block and C: A is held
+    cache.allocate(other, 8)
+    assert not set(twin.block_table) & set(other.block_table)
+    assert cache.cached_prefix_len(_request("again", 5, start=1)) == 4     # A's content survived
+    assert cache.cached_prefix_len(_request("again-c", 5, start=11)) == 0  # C was the one evicted
 
 
 # -- admission -----------------------------------------------------------------------------------------------------
