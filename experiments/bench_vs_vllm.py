@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_hf import bench_dtype  # noqa: E402
 
 PEER = Path(__file__).resolve().parent / "vllm_peer.py"
+RESULT_PREFIX = "nano-vllm-bench-result: "  # as vllm_peer.py prints it (that file imports nothing of ours)
 
 
 def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -45,7 +46,10 @@ def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], 
         os.unlink(f.name)
     if done.returncode != 0:
         raise SystemExit(f"error: vLLM ({python}) failed with status {done.returncode}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not results:
+        raise SystemExit(f"error: vLLM ({python}) printed no result line:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return json.loads(results[-1][len(RESULT_PREFIX):])
 
 
 def main() -> None:

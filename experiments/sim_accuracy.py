@@ -92,10 +92,14 @@ def calibrate(setup: Setup) -> None:
                     str(setup.profile.relative_to(ROOT))], check=True, cwd=ROOT)
 
 
-def compare(setup: Setup, reuse: bool = True) -> None:
-    """Real runs first (all of them, back to back, so they share the machine's conditions), then for each
-    workload a profile fitted on the *other* workloads' real runs (leave one workload out: the calibration
-    data are never the runs compared) and the simulated runs with it."""
+def compare(setup: Setup, profiles: str = "shipped", reuse: bool = True) -> None:
+    """Real runs first (all of them, back to back, so they share the machine's conditions), then the simulated
+    runs of each workload with the step times from a profile fitted on other runs than the ones compared:
+
+    - ``shipped``: the shipped profile of this dtype, fitted on the two calibration workloads' runs (seed 1);
+    - ``leave-one-out`` (stricter: another *workload*, not only other runs): a profile fitted on the other two
+      compared workloads' real runs, so each workload's step shapes are extrapolated from the others'.
+    """
     from nanovllm.harness.records import read_metrics
     from nanovllm.harness.sim.calibrate import calibrate as fit
 
@@ -107,29 +111,36 @@ def compare(setup: Setup, reuse: bool = True) -> None:
                 setup.run([*overrides, f"scheduler={policy}"], real_dir)
     rows = ["| workload | policy | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
     errors = []
+    suffix = "sim" if profiles == "shipped" else "sim_loo"
     for workload, overrides in WORKLOADS.items():
-        others = [runs / f"{w}_{p}_real" for w in WORKLOADS if w != workload for p in POLICIES]
-        profile = runs / f"profile_without_{workload}.yaml"
-        fit(others, profile, command="leave-one-workload-out fit in experiments/sim_accuracy.py")
+        if profiles == "shipped":
+            profile = setup.profile
+        else:
+            others = [runs / f"{w}_{p}_real" for w in WORKLOADS if w != workload for p in POLICIES]
+            profile = runs / f"profile_without_{workload}.yaml"
+            fit(others, profile, command="leave-one-workload-out fit in experiments/sim_accuracy.py")
         for policy in POLICIES:
-            real_dir, sim_dir = runs / f"{workload}_{policy}_real", runs / f"{workload}_{policy}_sim"
+            real_dir, sim_dir = runs / f"{workload}_{policy}_real", runs / f"{workload}_{policy}_{suffix}"
             setup.run([*overrides, f"scheduler={policy}", "runner=sim", f"runner.profile={profile}",
-                 f"runner.output_lengths_from={real_dir}"], sim_dir)
+                       f"runner.output_lengths_from={real_dir}"], sim_dir)
             real, sim = read_metrics(real_dir), read_metrics(sim_dir)
             for label, key in METRICS:
                 error = (sim[key] - real[key]) / real[key]
                 errors.append(abs(error))
                 rows.append(f"| {workload} | {policy} | {label} | {real[key]:,.1f} | {sim[key]:,.1f} | {error:+.1%} |")
     within = sum(e <= 0.15 for e in errors)
+    how = ("the shipped profile of this dtype (fitted on the calibration workloads' runs, seed 1: never the runs "
+           "compared)" if profiles == "shipped" else
+           "a profile fitted on the other two workloads' real runs only (leave one workload out)")
     text = "\n".join([
-        f"# Simulator accuracy: calibrated simulator vs the real engine ({setup.dtype})", "",
-        f"Made by `python experiments/sim_accuracy.py compare --dtype {setup.dtype}`: real runs "
-        f"(engine.dtype={setup.dtype}, seed 0, one torch thread) of three "
-        "workloads under fcfs and priority; each workload simulated with a profile fitted on the other two "
-        "workloads' real runs only (leave one workload out), with each request's output length taken from the "
-        f"real run. {within} of {len(errors)} figures within 15%; median absolute error "
+        f"# Simulator accuracy: calibrated simulator vs the real engine ({setup.dtype}, {profiles} profile)", "",
+        f"Made by `python experiments/sim_accuracy.py compare --dtype {setup.dtype} --profiles {profiles}`: real "
+        f"runs (engine.dtype={setup.dtype}, seed 0, one torch thread) of three workloads under fcfs and priority; "
+        f"each workload simulated with {how}, with each request's output length taken from the real run. "
+        f"{within} of {len(errors)} figures within 15%; median absolute error "
         f"{sorted(errors)[len(errors) // 2]:.1%}, largest {max(errors):.1%}.", "", *rows, ""])
-    setup.table.write_text(text, encoding="utf-8")
+    table = setup.table if profiles == "shipped" else setup.table.with_name(f"{setup.table.stem}_leave_one_out.md")
+    table.write_text(text, encoding="utf-8")
     print(text)
 
 
@@ -138,12 +149,14 @@ def main() -> None:
     parser.add_argument("what", nargs="?", choices=("calibrate", "compare", "all"), default="all")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="engine.dtype of every real and simulated run (one shipped profile per dtype)")
+    parser.add_argument("--profiles", choices=("shipped", "leave-one-out"), default="shipped",
+                        help="compare: simulate with the shipped profile, or with one fitted on the other workloads")
     args = parser.parse_args()
     setup = Setup(args.dtype)
     if args.what in ("calibrate", "all"):
         calibrate(setup)
     if args.what in ("compare", "all"):
-        compare(setup)
+        compare(setup, args.profiles)
 
 
 if __name__ == "__main__":

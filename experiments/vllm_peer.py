@@ -1,6 +1,6 @@
 """The vLLM side of ``experiments/bench_vs_vllm.py``; runs in vLLM's own virtualenv (never nano-vllm's).
 
-    VLLM_PYTHON experiments/vllm_peer.py JOB.json  -> prints one JSON line with the results
+    VLLM_PYTHON experiments/vllm_peer.py JOB.json  -> prints one line: RESULT_PREFIX + JSON
 
 JOB: {"model": dense HF model dir, "dtype": "bfloat16"|"float32", "prompts": [[token ids]...],
 "max_tokens": int, "max_model_len": int}. It times the same thing as bench_vs_hf.py does for nano-vllm and
@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+# vLLM writes to stdout too (also at exit); the result is the line with this prefix.
+RESULT_PREFIX = "nano-vllm-bench-result: "
 
 
 def main() -> None:
@@ -41,7 +44,7 @@ def main() -> None:
     generate(prompts[:1], 2)
     short = min(generate(prompts[:1], 1)[0] for _ in range(2))
     full = generate(prompts[:1], job["max_tokens"])[0]
-    print(json.dumps({
+    print(RESULT_PREFIX + json.dumps({
         "vllm_tok_s": len(prompts) * job["max_tokens"] / elapsed,
         "vllm_batch1_ms_per_token": (full - short) / (job["max_tokens"] - 1) * 1e3,
         "vllm_load_s": load_s, "vllm_outputs": tokens,
