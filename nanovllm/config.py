@@ -26,7 +26,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0                               # the engine's sampling stream (requests may bring their own)
     enforce_eager: bool = False                 # True: no CUDA-graph decode (graphs are CUDA-only anyway)
-    fuse_projections: bool | None = None        # fused q/k/v, gate/up (+ prepacked bf16 weights on CPU);
+    fuse_projections: bool | None = None        # fused q/k/v, gate/up (+ prepacked weights on CPU);
                                                 # None: fused unless dtype is float32 (the exact reference path)
     tensor_parallel_size: int = 1               # ranks (worker processes) the model is split over
 

@@ -129,6 +129,27 @@ def gemm_floor(model: nn.Module, rows: int, sampled: int, dtype: torch.dtype, re
     return best * 1e3, flops / best / 1e9
 
 
+def run_gemm_floor(model: nn.Module, records: list[dict], dtype: torch.dtype) -> tuple[float, float]:
+    """(seconds, GFLOP): the matmuls of a whole recorded run (``LLM.last_steps``), timed alone.
+
+    Each step computes ``num_prefill_tokens + num_decode_tokens`` rows through every linear layer and
+    ``num_sampled`` rows through the LM head; steps of the same shape are timed once and counted as often as
+    they ran. No engine can serve that run faster than this with the same matmul library, so it bounds every
+    throughput ratio measured on the run."""
+    shapes: dict[tuple[int, int], int] = {}
+    for record in records:
+        rows = record["num_prefill_tokens"] + record["num_decode_tokens"]
+        if rows:
+            key = (rows, record["num_sampled"])
+            shapes[key] = shapes.get(key, 0) + 1
+    seconds = gflop = 0.0
+    for (rows, sampled), count in shapes.items():
+        ms, gflops = gemm_floor(model, rows, sampled, dtype, repeats=3)
+        seconds += count * ms / 1e3
+        gflop += count * ms / 1e3 * gflops
+    return seconds, gflop
+
+
 def _time_steps(engine, steps: int) -> float:
     times = []
     for _ in range(steps):

@@ -41,6 +41,38 @@ def test_rotary_in_place_on_fused_projection_views(dtype):
     assert torch.equal(v_view, v_before)  # v, beside q and k in the same buffer, is untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_then_normalizes_like_the_two_torch_steps(dtype):
+    torch.manual_seed(2)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(dtype)
+    residual, delta = (torch.randn(19, 96) * 3).to(dtype), torch.randn(19, 96).to(dtype)
+    expected_sum = residual + delta
+    expected = norm(expected_sum)
+    got = kernels.load().add_rms_norm_(residual, delta, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_sum)  # the add is torch's, rounding included
+    if dtype == torch.bfloat16:  # one rounding per step, as transformers' module does: bitwise the same
+        assert torch.equal(got, expected)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_of_a_fused_gate_up_block(dtype):
+    torch.manual_seed(3)
+    gate_up = (torch.randn(13, 2 * 40) * 4).to(dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = kernels.load().silu_and_mul(gate_up)
+    assert got.shape == (13, 40)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="2 \\* width"):
+        kernels.load().silu_and_mul(gate_up[:, :-1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [49152, 1000, 7])
 def test_greedy_sample_is_argmax_and_flags_nan_and_inf_rows(dtype, vocab):

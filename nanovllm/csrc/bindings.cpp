@@ -5,6 +5,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                               torch::Tensor seq, torch::Tensor pos, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 std::tuple<torch::Tensor, torch::Tensor> greedy_sample(torch::Tensor logits);
 bool gemv_available();
@@ -13,6 +15,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
   m.def("rms_norm", &rms_norm, "transformers-style RMSNorm in one pass (CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "In place residual += delta, then RMSNorm of it, in one pass (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] row block (CPU)");
   m.def("rotary_", &rotary_, "In-place rotary embedding of q and k (CPU)");
   m.def("gemv_available", &gemv_available, "Whether gemv_bf16 was built (AVX-512 BF16 CPUs)");
   m.def("gemv_bf16", &gemv_bf16, "x W^T + b for a few bfloat16 rows, bound by reading W once (CPU)");

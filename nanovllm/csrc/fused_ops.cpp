@@ -44,7 +44,77 @@ void rotary_rows(scalar_t* x, int64_t tokens, int64_t heads, int64_t token_strid
   }
 }
 
+// residual[r] += delta[r] (rounded to the storage dtype, as torch's add is), then out[r] = rmsnorm(residual[r]).
+template <typename scalar_t>
+void add_rms_norm_rows(scalar_t* residual, const scalar_t* delta, const scalar_t* weight, scalar_t* out,
+                       int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows > 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* xr = residual + r * dim;
+    const scalar_t* dr = delta + r * dim;
+    float sum = 0.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t summed = static_cast<scalar_t>(static_cast<float>(xr[d]) + static_cast<float>(dr[d]));
+      xr[d] = summed;
+      sum += static_cast<float>(summed) * static_cast<float>(summed);
+    }
+    const float inv = 1.f / std::sqrt(sum / dim + eps);
+    scalar_t* outr = out + r * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[d]) * inv);
+      outr[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(normed));
+    }
+  }
+}
+
+// out[r] = silu(gate[r]) * up[r] for gate_up[r] = [gate | up]; silu rounded to the storage dtype before the
+// product, as F.silu(gate) * up rounds it.
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows > 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* gate = gate_up + r * 2 * width;
+    const scalar_t* up = gate + width;
+    scalar_t* outr = out + r * width;
+    for (int64_t d = 0; d < width; ++d) {
+      const float g = static_cast<float>(gate[d]);
+      const scalar_t silu = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+      outr[d] = static_cast<scalar_t>(static_cast<float>(silu) * static_cast<float>(up[d]));
+    }
+  }
+}
+
 }  // namespace
+
+// In place on residual [rows, dim] (contiguous): residual += delta; returns weight * rmsnorm(residual). The
+// decoder layer's residual add and the following RMSNorm in one pass (vLLM's fused_add_rms_norm).
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && delta.sizes() == residual.sizes() &&
+                  weight.dim() == 1 && weight.size(0) == residual.size(1),
+              "add_rms_norm_: residual [rows, dim] contiguous, delta [rows, dim], weight [dim]");
+  TORCH_CHECK(residual.scalar_type() == delta.scalar_type() && residual.scalar_type() == weight.scalar_type(),
+              "add_rms_norm_: residual, delta and weight must share a dtype");
+  delta = delta.contiguous();
+  auto out = torch::empty_like(residual);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm_", [&] {
+    add_rms_norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                                weight.contiguous().data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                residual.size(0), residual.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// gate_up: [rows, 2 * width] (the fused gate/up projection's output). Returns silu(gate) * up, [rows, width].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up must be [rows, 2 * width]");
+  gate_up = gate_up.contiguous();
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), width);
+  });
+  return out;
+}
 
 // x: [rows, dim] contiguous; weight: [dim]. Returns weight * rmsnorm(x) like transformers' LlamaRMSNorm.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {

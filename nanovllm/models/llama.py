@@ -4,7 +4,7 @@ Every tensor is [num_tokens, ...]: sequences are concatenated, never padded; att
 through the backend's per-step plan. The arithmetic mirrors transformers' reference implementation step by step
 (RMSNorm in float32, RoPE tables from the same inverse frequencies, and the same projection shapes, so every
 matmul is bitwise the same), which is what keeps greedy output token-identical to it. ``use_fast_path()``
-switches a loaded model to the fast layouts (fused q/k/v and gate/up, prepacked bf16 weights; see
+switches a loaded model to the fast layouts (fused q/k/v and gate/up, prepacked oneDNN weights; see
 ``fast_path.py``) and, on CPU, fused C++ RMSNorm and rotary kernels (``nanovllm/csrc``), which trade that
 bitwise equality for speed and are held to the close standard instead.
 """
@@ -139,15 +139,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj: nn.Module | None = None  # set by use_fast_path()
+        self.kernels = None  # the fused silu-and-mul kernel, set by use_fast_path() on CPU
 
     def use_fast_path(self, kernels=None) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
         prepack(self, ("gate_up_proj", "down_proj"), kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if self.kernels is not None and gate_up.dim() == 2:
+                return self.down_proj(self.kernels.silu_and_mul(gate_up))
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -162,6 +167,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 attention: AttentionBackend) -> torch.Tensor:
+        norm = self.post_attention_layernorm
+        if norm.kernels is not None and x.dim() == 2:
+            # Fast path: the residual add and the next RMSNorm in one kernel, the MLP's add in place (x is this
+            # step's own activation tensor, which nothing else holds).
+            x = x.contiguous()
+            normed = norm.kernels.add_rms_norm_(x, self.self_attn(rope, self.input_layernorm(x), attention),
+                                                norm.weight, norm.eps)
+            return x.add_(self.mlp(normed))
         x = x + self.self_attn(rope, self.input_layernorm(x), attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -192,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         self.fast_path = False
 
     def use_fast_path(self) -> "LlamaForCausalLM":
-        """Switch to the fast layouts (fused projections; prepacked weights for bf16 on CPU). Call after the
+        """Switch to the fast layouts (fused projections; prepacked weights on CPU). Call after the
         weights are loaded and cast; irreversible."""
         on_cpu = self.lm_head.weight.device.type == "cpu"
         kernels = load_kernels() if on_cpu else None

@@ -1,0 +1,29 @@
+"""``nanovllm.profile``'s GEMM floor of a recorded run: which matmuls it counts (no timing is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.profile import run_gemm_floor
+
+
+def _record(prefill: int, decode: int, sampled: int) -> dict:
+    return {"num_prefill_tokens": prefill, "num_decode_tokens": decode, "num_sampled": sampled}
+
+
+def test_run_gemm_floor_counts_every_step_s_matmuls_once_per_step():
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config, max_positions=64).eval()
+    records = [_record(10, 0, 2), _record(0, 2, 2), _record(0, 2, 2), _record(0, 2, 2), _record(3, 2, 3),
+               _record(0, 0, 0)]  # an idle step computes nothing
+    seconds, gflop = run_gemm_floor(model, records, torch.float32)
+    per_row = 2 * config.num_hidden_layers * config.hidden_size * (
+        (4 + 2 + 2) * 16 + 64 + 3 * config.intermediate_size)  # q, k, v (head_dim 16), o, gate, up, down
+    head = 2 * config.hidden_size * config.vocab_size
+    rows, sampled = 10 + 3 * 2 + 5, 2 + 3 * 2 + 3
+    assert gflop == pytest.approx((rows * per_row + sampled * head) / 1e9, rel=1e-9)
+    assert seconds > 0
