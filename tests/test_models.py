@@ -4,17 +4,12 @@ directory of safetensors: greedy float32 tokens must be identical."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 import transformers
+from tiny_models import save_tiny_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.validate import reference_greedy
-
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, vocab_size=49152, tie_word_embeddings=False)
 
 ARCHITECTURES = {
     "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
@@ -28,17 +23,8 @@ ARCHITECTURES = {
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def tiny_model_dir(request, tmp_path_factory, llm):
     config_cls, model_cls, extra = ARCHITECTURES[request.param]
-    torch.manual_seed(0)
-    config = config_cls(**SMALL, **extra, bos_token_id=1, eos_token_id=2)
-    model = model_cls(config).eval()
-    with torch.no_grad():  # larger weights than the init's, so logits are decisive and attention is not flat
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else None
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # borrow the default model's tokenizer
-        shutil.copy(llm.engine.model_dir / name, path / name)
-    return path, model
+    return path, save_tiny_model(config_cls, model_cls, extra, path, llm.engine.model_dir)
 
 
 def test_architecture_matches_transformers(tiny_model_dir):
