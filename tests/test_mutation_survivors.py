@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from nanovllm import (ALLOCATORS, POLICIES, EvictionTracker, Policy, Request, RequestStatus, SamplingParams,
                       SchedulerView, StepBudget, register_allocator, register_policy)
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
-from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, top_logprobs
+from nanovllm import sampling as sampling_module
+from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, greedy_tokens, top_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -921,3 +922,30 @@ def test_register_policy_registers_under_its_name(monkeypatch):
         scheduler.add(_req(rid, arrival=arrival), arrival)
     out, _ = _run_step(scheduler, 1.0)
     assert [r.request_id for r, _ in out.scheduled] == ["late"]
+
+
+# -- greedy sampling without the C++ kernel (third pass: nanovllm/sampling.py's greedy_tokens) ---------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_in_torch_ops_match_the_cpu_kernel_where_it_cannot_be_built(dtype, monkeypatch):
+    """Off CPU, or where the C++ kernels cannot be built (no compiler), greedy_tokens runs in torch ops: the same
+    argmax as the kernel (first index on ties; -inf is a legitimate logit), the same NaN / +inf row flags, and
+    the sampler turns each flagged row into INVALID_TOKEN while the others keep their argmax."""
+    vocab = 37
+    torch.manual_seed(0)
+    logits = (torch.randn(6, vocab) * 4).to(dtype)
+    logits[1, 5] = float("nan")
+    logits[2, vocab - 1] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[3, 11] = 0.0                              # one finite logit among -inf
+    logits[4, :] = 1.0                               # all tied: the first index
+    logits[5, vocab - 1] = 1e4
+    kernel_tokens, kernel_bad = greedy_tokens(logits)    # the C++ kernel on this CPU (built on first use)
+    monkeypatch.setattr(sampling_module, "_cpu_kernels", lambda: None)
+    tokens, bad = greedy_tokens(logits)
+    assert bad.tolist() == kernel_bad.tolist() == [False, True, True, False, False, False]
+    assert tokens[~bad].tolist() == kernel_tokens[~bad].tolist()
+    assert tokens[0] == int(logits[0].float().argmax()) and tokens[3:].tolist() == [11, 0, vocab - 1]
+    greedy = [SamplingParams(temperature=0.0) for _ in range(6)]
+    sampled = Sampler()(logits, greedy, [torch.Generator() for _ in range(6)])
+    assert sampled == [tokens[0].item(), INVALID_TOKEN, INVALID_TOKEN, 11, 0, vocab - 1]
