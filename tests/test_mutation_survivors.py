@@ -90,6 +90,29 @@ def test_policy_parameters_at_their_bounds(spec, accepted):
             POLICIES.build(dict(spec))
 
 
+@pytest.mark.parametrize("spec, field", [
+    ({"name": "fair", "input_weight": -1}, "input_weight"), ({"name": "fair", "output_weight": -0.5}, "output_weight"),
+    ({"name": "fair", "input_weight": math.inf}, "input_weight"), ({"name": "fair", "output_weight": "x"}, "output_weight"),
+    ({"name": "mlfq", "quantum": 0}, "quantum"), ({"name": "mlfq", "quantum": 2.0}, "quantum"),
+    ({"name": "mlfq", "num_levels": True}, "num_levels"), ({"name": "mlfq", "num_levels": 0}, "num_levels"),
+    ({"name": "sjf", "output_per_prompt_token": -1}, "output_per_prompt_token"),
+    ({"name": "sjf", "output_per_prompt_token": math.nan}, "output_per_prompt_token"),
+    ({"name": "sjf", "output_per_prompt_token": "many"}, "output_per_prompt_token"),
+])
+def test_a_bad_policy_parameter_is_a_value_error_naming_it(spec, field):
+    with pytest.raises(ValueError, match=rf"^scheduler\.{field} must be"):
+        POLICIES.build(dict(spec))
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "fair", "input_weight": 0, "output_weight": 0.5}, {"name": "fair", "input_weight": 0.5, "output_weight": 0},
+    {"name": "sjf", "output_per_prompt_token": 0}, {"name": "sjf", "output_per_prompt_token": 0.5},
+])
+def test_zero_and_fractional_weights_are_accepted_as_given(spec):
+    policy = POLICIES.build(dict(spec))
+    assert all(getattr(policy, key) == value for key, value in spec.items() if key != "name")
+
+
 # -- policies: behaviour ---------------------------------------------------------------------------------------
 
 def _req(rid: str, n_prompt: int = 4, max_tokens: int = 4, arrival: float = 0.0, client: str | None = None,
