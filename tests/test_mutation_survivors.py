@@ -12,10 +12,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from nanovllm import (ALLOCATORS, POLICIES, Policy, Request, RequestStatus, SamplingParams, SchedulerView, StepBudget,
-                      register_allocator)
+from nanovllm import (ALLOCATORS, POLICIES, EvictionTracker, Policy, Request, RequestStatus, SamplingParams,
+                      SchedulerView, StepBudget, register_allocator, register_policy)
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
-from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, top_logprobs
+from nanovllm import sampling as sampling_module
+from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON, Sampler, greedy_tokens, top_logprobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,6 +88,29 @@ def test_policy_parameters_at_their_bounds(spec, accepted):
     else:
         with pytest.raises(ValueError):
             POLICIES.build(dict(spec))
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"name": "fair", "input_weight": -1}, "input_weight"), ({"name": "fair", "output_weight": -0.5}, "output_weight"),
+    ({"name": "fair", "input_weight": math.inf}, "input_weight"), ({"name": "fair", "output_weight": "x"}, "output_weight"),
+    ({"name": "mlfq", "quantum": 0}, "quantum"), ({"name": "mlfq", "quantum": 2.0}, "quantum"),
+    ({"name": "mlfq", "num_levels": True}, "num_levels"), ({"name": "mlfq", "num_levels": 0}, "num_levels"),
+    ({"name": "sjf", "output_per_prompt_token": -1}, "output_per_prompt_token"),
+    ({"name": "sjf", "output_per_prompt_token": math.nan}, "output_per_prompt_token"),
+    ({"name": "sjf", "output_per_prompt_token": "many"}, "output_per_prompt_token"),
+])
+def test_a_bad_policy_parameter_is_a_value_error_naming_it(spec, field):
+    with pytest.raises(ValueError, match=rf"^scheduler\.{field} must be"):
+        POLICIES.build(dict(spec))
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "fair", "input_weight": 0, "output_weight": 0.5}, {"name": "fair", "input_weight": 0.5, "output_weight": 0},
+    {"name": "sjf", "output_per_prompt_token": 0}, {"name": "sjf", "output_per_prompt_token": 0.5},
+])
+def test_zero_and_fractional_weights_are_accepted_as_given(spec):
+    policy = POLICIES.build(dict(spec))
+    assert all(getattr(policy, key) == value for key, value in spec.items() if key != "name")
 
 
 # -- policies: behaviour ---------------------------------------------------------------------------------------
@@ -787,3 +811,164 @@ def test_register_allocator_registers_under_its_name_and_the_base_checks_its_siz
     quarter = SurvivorTestPaged(4, 4)
     quarter.allocate(_req("q", n_prompt=4), 4)
     assert quarter.usage() == 0.25
+
+
+# -- the radix cache, eviction choice and the policy base class (second pass: allocators/radix.py,
+#    nanovllm/eviction.py, nanovllm/policy.py) ------------------------------------------------------------------
+
+def _compute(cache, request: Request, upto: int) -> None:
+    """The scheduler's report that ``request`` has computed its first ``upto`` tokens."""
+    request.num_computed_tokens = upto
+    cache.on_tokens_computed(request)
+
+
+def _tokens(*blocks: int) -> list[int]:
+    """One 4-token block per argument (block ``b`` holds b*10 .. b*10+3), then a last token of its own."""
+    return [b * 10 + i for b in blocks for i in range(4)] + [999]
+
+
+@pytest.mark.parametrize("allocator", ["prefix", "radix"])
+def test_a_prefix_cache_shares_the_blocks_before_a_divergence_and_none_after_it(allocator):
+    cache = ALLOCATORS.get(allocator)(16, 4)
+    first = Request("first", _tokens(1, 2, 3), SamplingParams(max_tokens=1), 0.0)
+    cache.allocate(first, first.num_tokens)
+    _compute(cache, first, first.num_tokens)
+    cache.free(first)
+    for blocks, shared in (((1, 5, 3), 4), ((1, 2, 6), 8), ((7, 2, 3), 0), ((1, 2, 3), 12)):
+        probe = Request("probe", _tokens(*blocks), SamplingParams(max_tokens=1), 0.0)
+        assert cache.cached_prefix_len(probe) == shared
+        assert cache.match_prefix(probe) == shared and len(probe.block_table) == shared // 4
+        cache.free(probe)
+
+
+@pytest.mark.parametrize("allocator", ["prefix", "radix"])
+def test_a_prompt_prefilled_in_chunks_is_cached_block_by_block(allocator):
+    scheduler = _scheduler(POLICIES.build("fcfs"), 16, allocator=allocator, max_num_batched_tokens=4)
+    scheduler.add(Request("chunked", _tokens(1, 2, 3), SamplingParams(max_tokens=1), 0.0), 0.0)
+    probe = Request("probe", _tokens(1, 2, 3), SamplingParams(max_tokens=1), 0.0)
+    for step, cached in enumerate((4, 8, 12)):   # each 4-token chunk completes one block
+        _run_step(scheduler, float(step))
+        assert scheduler.allocator.cached_prefix_len(probe) == cached
+    _run_step(scheduler, 3.0)                       # the last prompt token; its one output token ends it
+    assert not scheduler.has_unfinished() and scheduler.allocator.cached_prefix_len(probe) == 12
+
+
+def test_radix_a_request_that_lost_the_race_to_cache_a_block_keeps_its_copy_private_for_life():
+    """Two requests with one prompt computed side by side: the second finds the first's block already cached and
+    (module docstring) keeps its own copy private, publishing nothing further even once the first's copy has
+    been evicted; its copy returns to the free list when it ends."""
+    cache = ALLOCATORS.get("radix")(8, 4)
+    first, second = (Request(rid, _tokens(1, 2), SamplingParams(max_tokens=4), 0.0) for rid in ("first", "second"))
+    for request in (first, second):
+        cache.allocate(request, request.num_tokens)
+    for request in (first, second):
+        _compute(cache, request, request.num_tokens)
+    cache.free(first)
+    assert cache.num_cached_blocks() == 2
+    filler = _req("filler", n_prompt=20)          # needs every free block: the first's cached copy is evicted
+    cache.allocate(filler, 20)
+    assert cache.num_evictions == 2 and cache.num_cached_blocks() == 0
+    second.append_token(7, 1.0)                      # the second decodes on
+    cache.allocate(second, 1)
+    _compute(cache, second, second.num_tokens)
+    cache.free(filler)
+    cache.free(second)
+    assert cache.num_cached_blocks() == 0 and cache.num_free_blocks() == 8
+    assert cache.cached_prefix_len(Request("probe", _tokens(1, 2), SamplingParams(max_tokens=1), 0.0)) == 0
+
+
+@pytest.mark.parametrize("allocator", ["paged", "contiguous", "prefix", "radix"])
+def test_aborting_a_request_that_never_got_blocks_frees_nothing_and_reports_it(allocator):
+    scheduler = _scheduler(POLICIES.build("fcfs"), 8, allocator=allocator)
+    scheduler.add(_req("running", n_prompt=8, max_tokens=8), 0.0)
+    _run_step(scheduler, 0.0)
+    used, free = scheduler.allocator.num_used_blocks(), scheduler.allocator.num_free_blocks()
+    scheduler.add(_req("never-admitted"), 0.5)
+    assert scheduler.abort("never-admitted", 0.5).status is RequestStatus.ABORTED
+    assert (scheduler.allocator.num_used_blocks(), scheduler.allocator.num_free_blocks()) == (used, free)
+    _, finished = _run_step(scheduler, 1.0)
+    assert [r.request_id for r in finished] == ["never-admitted"] and scheduler.running[0].request_id == "running"
+
+
+def _eviction_history(tracker: EvictionTracker) -> EvictionTracker:
+    """Blocks cached in the order 1, 0, 2; block 0 reused twice and block 1 once; released in the order 0, 1, 2.
+    Oldest content: 1. Least recently used: 0. Least used: 2."""
+    for block in (1, 0, 2):
+        tracker.cached(block)
+    for block in (0, 0, 1):
+        tracker.hit(block)
+    for block in (0, 1, 2):
+        tracker.release(block)
+    return tracker
+
+
+def test_each_eviction_policy_picks_its_own_victim_and_the_default_is_lru():
+    victims = {policy: _eviction_history(EvictionTracker(policy)).victim() for policy in ("lru", "lfu", "fifo")}
+    assert victims == {"lru": 0, "lfu": 2, "fifo": 1}
+    assert _eviction_history(EvictionTracker()).victim() == victims["lru"]
+
+
+def test_eviction_tracker_knows_which_blocks_hold_cached_content():
+    tracker = EvictionTracker()
+    tracker.cached(3)
+    assert tracker.is_cached(3) and not tracker.is_cached(4)
+    tracker.release(3)
+    assert tracker.is_cached(3) and tracker.num_evictable() == 1   # evictable, still cached
+    tracker.forget(3)
+    assert not tracker.is_cached(3) and tracker.num_evictable() == 0
+
+
+def test_a_policy_outside_a_scheduler_sees_no_cached_prefix_and_inside_one_sees_its_allocators():
+    prompt = _tokens(1, 2)
+    lpm = POLICIES.build("lpm")
+    assert lpm.cached_prefix_len(Request("alone", prompt, SamplingParams(max_tokens=1), 0.0)) == 0
+    scheduler = _scheduler(lpm, 8, allocator="radix")
+    scheduler.add(Request("first", prompt, SamplingParams(max_tokens=1), 0.0), 0.0)
+    _run_step(scheduler, 0.0)
+    assert lpm.cached_prefix_len(Request("again", prompt, SamplingParams(max_tokens=1), 1.0)) == 8
+
+
+def test_register_policy_registers_under_its_name(monkeypatch):
+    monkeypatch.setattr(POLICIES, "_entries", dict(POLICIES._entries))   # the registration ends with the test
+
+    @register_policy("survivor-test-lifo")
+    class LastInFirstOut(Policy):
+        def priority(self, request, now):
+            return (-request.arrival_time,)
+
+    assert POLICIES.get("survivor-test-lifo") is LastInFirstOut
+    policy = POLICIES.build("survivor-test-lifo")
+    assert policy.registered_name == "survivor-test-lifo"
+    scheduler = _scheduler(policy, 16)
+    scheduler.max_num_seqs = 1
+    for rid, arrival in (("early", 0.0), ("late", 1.0)):
+        scheduler.add(_req(rid, arrival=arrival), arrival)
+    out, _ = _run_step(scheduler, 1.0)
+    assert [r.request_id for r, _ in out.scheduled] == ["late"]
+
+
+# -- greedy sampling without the C++ kernel (third pass: nanovllm/sampling.py's greedy_tokens) ---------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_in_torch_ops_match_the_cpu_kernel_where_it_cannot_be_built(dtype, monkeypatch):
+    """Off CPU, or where the C++ kernels cannot be built (no compiler), greedy_tokens runs in torch ops: the same
+    argmax as the kernel (first index on ties; -inf is a legitimate logit), the same NaN / +inf row flags, and
+    the sampler turns each flagged row into INVALID_TOKEN while the others keep their argmax."""
+    vocab = 37
+    torch.manual_seed(0)
+    logits = (torch.randn(6, vocab) * 4).to(dtype)
+    logits[1, 5] = float("nan")
+    logits[2, vocab - 1] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[3, 11] = 0.0                              # one finite logit among -inf
+    logits[4, :] = 1.0                               # all tied: the first index
+    logits[5, vocab - 1] = 1e4
+    kernel_tokens, kernel_bad = greedy_tokens(logits)    # the C++ kernel on this CPU (built on first use)
+    monkeypatch.setattr(sampling_module, "_cpu_kernels", lambda: None)
+    tokens, bad = greedy_tokens(logits)
+    assert bad.tolist() == kernel_bad.tolist() == [False, True, True, False, False, False]
+    assert tokens[~bad].tolist() == kernel_tokens[~bad].tolist()
+    assert tokens[0] == int(logits[0].float().argmax()) and tokens[3:].tolist() == [11, 0, vocab - 1]
+    greedy = [SamplingParams(temperature=0.0) for _ in range(6)]
+    sampled = Sampler()(logits, greedy, [torch.Generator() for _ in range(6)])
+    assert sampled == [tokens[0].item(), INVALID_TOKEN, INVALID_TOKEN, 11, 0, vocab - 1]
