@@ -2,10 +2,46 @@
 // trips) by one pass over the rows. Math in float32, one rounding to the storage dtype at the end.
 #include <torch/extension.h>
 
+#include "cpu_vec.h"
+
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
+
+// AVX-512 is used for float32 and bfloat16 (where the CPU has AVX-512 BF16 for the rounding); 16 lanes at a
+// time, the same roundings as the scalar loops, which take the tails and the other dtypes.
+template <typename scalar_t>
+constexpr bool kVectorized =
+#if defined(__AVX512BF16__)
+    std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+#elif defined(__AVX512F__)
+    std::is_same_v<scalar_t, float>;
+#else
+    false;
+#endif
+
+// outr = weight * (xr * inv), the normalized value rounded to the storage dtype before the weight, as
+// transformers' LlamaRMSNorm does.
+template <typename scalar_t>
+inline void scale_row(const scalar_t* xr, const scalar_t* weight, scalar_t* outr, int64_t dim, float inv) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<scalar_t>) {
+    const __m512 inv16 = _mm512_set1_ps(inv);
+    for (; d + 16 <= dim; d += 16) {
+      const __m512 normed =
+          nanovllm::round16(_mm512_mul_ps(nanovllm::load16(xr + d), inv16), static_cast<scalar_t*>(nullptr));
+      nanovllm::store16(outr + d, _mm512_mul_ps(nanovllm::load16(weight + d), normed));
+    }
+  }
+#endif
+  for (; d < dim; ++d) {
+    const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[d]) * inv);
+    outr[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(normed));
+  }
+}
 
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t dim,
@@ -13,16 +49,10 @@ void rms_norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int
 #pragma omp parallel for if (rows > 16)
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* xr = x + r * dim;
-    scalar_t* outr = out + r * dim;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t d = 0; d < dim; ++d) sum += static_cast<float>(xr[d]) * static_cast<float>(xr[d]);
-    const float inv = 1.f / std::sqrt(sum / dim + eps);
-    // Round the normalized value to the storage dtype before the weight, as transformers' LlamaRMSNorm does.
-    for (int64_t d = 0; d < dim; ++d) {
-      const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[d]) * inv);
-      outr[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(normed));
-    }
+    scale_row(xr, weight, out + r * dim, dim, 1.f / std::sqrt(sum / dim + eps));
   }
 }
 
@@ -53,17 +83,25 @@ void add_rms_norm_rows(scalar_t* residual, const scalar_t* delta, const scalar_t
     scalar_t* xr = residual + r * dim;
     const scalar_t* dr = delta + r * dim;
     float sum = 0.f;
-    for (int64_t d = 0; d < dim; ++d) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    if constexpr (kVectorized<scalar_t>) {
+      __m512 acc = _mm512_setzero_ps();
+      for (; d + 16 <= dim; d += 16) {
+        const __m512 summed = nanovllm::round16(
+            _mm512_add_ps(nanovllm::load16(xr + d), nanovllm::load16(dr + d)), static_cast<scalar_t*>(nullptr));
+        nanovllm::store16(xr + d, summed);
+        acc = _mm512_fmadd_ps(summed, summed, acc);
+      }
+      sum = _mm512_reduce_add_ps(acc);
+    }
+#endif
+    for (; d < dim; ++d) {
       const scalar_t summed = static_cast<scalar_t>(static_cast<float>(xr[d]) + static_cast<float>(dr[d]));
       xr[d] = summed;
       sum += static_cast<float>(summed) * static_cast<float>(summed);
     }
-    const float inv = 1.f / std::sqrt(sum / dim + eps);
-    scalar_t* outr = out + r * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[d]) * inv);
-      outr[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(normed));
-    }
+    scale_row(xr, weight, out + r * dim, dim, 1.f / std::sqrt(sum / dim + eps));
   }
 }
 
@@ -76,7 +114,20 @@ void silu_and_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int
     const scalar_t* gate = gate_up + r * 2 * width;
     const scalar_t* up = gate + width;
     scalar_t* outr = out + r * width;
-    for (int64_t d = 0; d < width; ++d) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    if constexpr (kVectorized<scalar_t>) {
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; d + 16 <= width; d += 16) {
+        const __m512 g = nanovllm::load16(gate + d);
+        const __m512 silu = nanovllm::round16(
+            _mm512_div_ps(g, _mm512_add_ps(one, nanovllm::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))),
+            static_cast<scalar_t*>(nullptr));
+        nanovllm::store16(outr + d, _mm512_mul_ps(silu, nanovllm::load16(up + d)));
+      }
+    }
+#endif
+    for (; d < width; ++d) {
       const float g = static_cast<float>(gate[d]);
       const scalar_t silu = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
       outr[d] = static_cast<scalar_t>(static_cast<float>(silu) * static_cast<float>(up[d]));

@@ -110,24 +110,8 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 // size are template parameters so the compiler can keep them there). Normalization by the exp-sum happens
 // once, at the end.
 
-// exp(x) for x <= 0 (softmax scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its
-// degree-7 Taylor polynomial (relative error below 2e-7), times 2^n with scalef (0 for very negative x).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two for an exact r
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp(x) for x <= 0 (softmax scores minus their max): nanovllm::exp16 (cpu_vec.h).
+inline __m512 exp_nonpositive(__m512 x) { return nanovllm::exp16(x); }
 
 template <typename scalar_t, int D, int G>
 void attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
