@@ -24,6 +24,7 @@ no prefill at all).
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 import sys
 from pathlib import Path
@@ -98,7 +99,7 @@ def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
     """Seconds from each step's end to the next step's start, for the steps after which the engine still had
     requests (so the loop went straight on, not idle until an arrival); none for steps without start times."""
     gaps = []
-    for step, following in zip(steps, steps[1:]):
+    for step, following in itertools.pairwise(steps):
         if "start_time" in step and "start_time" in following and step["num_running"] + step["num_waiting"] > 0:
             gaps.append(max(0.0, following["start_time"] - step["start_time"] - step["duration"]))
     return gaps
