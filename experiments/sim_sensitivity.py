@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 import yaml
-
 from sim_accuracy import DTYPES, METRICS, POLICIES, WORKLOADS, Setup
 
 from nanovllm.harness.records import read_metrics
