@@ -94,16 +94,20 @@ class CalibratedStepTime(StepTimeModel):
         self.path = path
         self.profile = data
         self.intercept = float(data["intercept"])
-        self.coefficients = [(name, float(value)) for name, value in data["coefficients"].items() if value]
+        terms = [(name, float(value)) for name, value in data["coefficients"].items() if value]
+        self.coefficients = [(name, value) for name, value in terms if name not in KERNEL_FEATURES]
+        self.kernel_coefficients = [(name, value) for name, value in terms if name in KERNEL_FEATURES]
         self.gemv_max_rows: int | None = data.get("gemv_max_rows")
         self.step_gap = float(data.get("step_gap") or 0.0)
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
-        if self.gemv_max_rows is not None:
-            features = {**features, **kernel_features(features, self.gemv_max_rows)}
         seconds = self.step_gap + self.intercept
         for name, coefficient in self.coefficients:
             seconds += coefficient * features[name]
+        if self.gemv_max_rows is not None:
+            kernel = kernel_features(features, self.gemv_max_rows)
+            for name, coefficient in self.kernel_coefficients:
+                seconds += coefficient * kernel[name]
         return seconds
 
     def describe(self) -> str:
