@@ -12,7 +12,8 @@ classes; seed 0) under fcfs and priority on the real engine, then simulates each
 fitted on the other workloads' real runs only, and tabulates p50/p90 TTFT, p50 TPOT, p50 E2E latency and
 output throughput with the simulator's error. The simulated runs take each request's output length from the
 real run they are compared with (chat requests end at EOS, which only the model knows); the step times come
-from the profile alone. Finished real runs are reused when the script is run again. Run files go under
+from the profile alone. Finished real runs (calibration and compared ones) are reused when the script is run
+again: delete them to measure the engine afresh. Run files go under
 ``experiments/results/sim_runs/D/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
 2-core machine two OpenMP threads competing with other processes spin and make steps up to tenfold slower and
 erratic, so the profile describes the engine with one thread.
@@ -83,10 +84,15 @@ class Setup:
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
 
 
-def calibrate(setup: Setup) -> None:
+def calibrate(setup: Setup, reuse: bool = True) -> None:
+    """Serve the calibration workloads on the real engine (finished runs are reused: delete them to re-measure,
+    e.g. after the engine changed) and fit the shipped profile on them."""
+    from nanovllm.harness.records import read_metrics
+
     dirs = []
     for name, overrides in CALIBRATION.items():
-        setup.run(overrides, setup.runs / name)
+        if not (reuse and read_metrics(setup.runs / name)):
+            setup.run(overrides, setup.runs / name)
         dirs.append(str((setup.runs / name).relative_to(ROOT)))
     subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *dirs, "--out",
                     str(setup.profile.relative_to(ROOT))], check=True, cwd=ROOT)

@@ -143,6 +143,64 @@ def test_calibration_refuses_too_few_steps_and_a_feature_that_never_varies() -> 
         fit_profile(decode_only)
 
 
+def _kernel_timed_steps(n: int, seed: int) -> list[dict]:
+    """Steps timed like the bfloat16 CPU engine's: rows (prefill tokens + decode sequences) up to 2 go through
+    the GEMV kernel at 2.5 ms a row, more rows through the GEMM at a fixed 9 ms plus 0.5 ms a sampled row."""
+    steps = _synthetic_steps(n, np.random.default_rng(seed))
+    for step in steps:
+        rows = step["num_prefill_tokens"] + step["num_decode_seqs"]
+        kernel = 2.5e-3 * rows if rows <= 2 else 9e-3 + 5e-4 * step["num_sampled"]
+        step["duration"] = 0.018 + kernel + 1e-3 * step["num_prefill_tokens"]
+    return steps
+
+
+def test_calibration_fits_each_matmul_kernel_and_predicts_across_the_switch(tmp_path) -> None:
+    steps = _kernel_timed_steps(300, 7)
+    profile = fit_profile(steps, gemv_max_rows=2)
+    assert profile["gemv_max_rows"] == 2
+    # (Per-row costs of the two kernels trade off against the sampled-row cost, so only the fit is checked.)
+    assert profile["coefficients"]["gemm_step"] > 0 and profile["fit"]["p90_abs_rel_error"] < 1e-3
+    # A rows-linear fit of the same steps cannot follow the switch.
+    assert fit_profile(steps)["fit"]["p90_abs_rel_error"] > 0.05
+    (tmp_path / "kernels.yaml").write_text(yaml.safe_dump(profile))
+    model = CalibratedStepTime(profile=str(tmp_path / "kernels.yaml"), dtype="bfloat16")
+    decode = {"num_prefill_tokens": 0, "num_decode_seqs": 2, "num_sampled": 2, "context_tokens": 300,
+              "attn_pairs": 300}
+    assert model.predict(decode, 0.0) == pytest.approx(0.018 + 2 * 2.5e-3, rel=1e-3)
+    three = {**decode, "num_decode_seqs": 3, "num_sampled": 3}
+    assert model.predict(three, 0.0) == pytest.approx(0.018 + 9e-3 + 3 * 5e-4, rel=1e-3)
+
+
+def test_calibration_measures_the_loops_time_between_steps(tmp_path) -> None:
+    steps = _timed_steps(60, 8, 2e-4)
+    t = 0.0
+    for i, step in enumerate(steps):
+        # Back-to-back steps 0.4 ms apart; after step 29 the engine is empty and idles 2 s for an arrival.
+        idle = i == 29
+        step.update(step=i, start_time=t, num_running=0 if idle else 1, num_waiting=0)
+        t += step["duration"] + (2.0 if idle else 4e-4)
+    bf16 = _run_dir(tmp_path / "run", "bfloat16", steps)
+    profile = calibrate([bf16], tmp_path / "gap.yaml")
+    assert profile["step_gap"] == pytest.approx(4e-4, rel=1e-6)
+    # bfloat16 runs on CPU fit the engine's GEMV/GEMM switch; float32 runs have none to fit.
+    from nanovllm.models.fast_path import PackedLinear
+
+    assert profile["gemv_max_rows"] == PackedLinear.GEMV_MAX_ROWS
+    fp32 = calibrate([_run_dir(tmp_path / "fp32", "float32", steps)], tmp_path / "fp32.yaml")
+    assert "gemv_max_rows" not in fp32 and "gemv_rows" not in fp32["coefficients"]
+    model = CalibratedStepTime(profile=str(tmp_path / "gap.yaml"), dtype="bfloat16")
+    step = steps[3]
+    assert model.predict(step, 0.0) == pytest.approx(step["duration"] + 4e-4, rel=1e-3)
+
+
+def test_calibrate_cli_refuses_a_negative_kernel_switch(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", str(tmp_path), "--out",
+                           str(tmp_path / "p.yaml"), "--gemv-max-rows", "-1"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: --gemv-max-rows must be >= 0, got -1"]
+
+
 def _h100() -> Hardware:
     return Hardware(name="h100", peak_flops={"bfloat16": 989e12}, memory_bandwidth=3.35e12, memory_bytes=80e9,
                     step_overhead=0.002)

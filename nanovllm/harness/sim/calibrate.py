@@ -7,6 +7,15 @@ features the engine records (``CALIBRATION_FEATURES``), so every feature can onl
 the coefficients, the range of every feature seen, the fit's error, the command that made it and the runs'
 model, ``dtype`` and attention backend (the simulator refuses a profile of another dtype than the run's).
 
+Two terms beyond the recorded features make the profile follow the real engine's pace:
+
+- ``gemv_max_rows``: for runs in bfloat16 on CPU, where the engine's linear layers switch kernels by row count
+  (GEMV up to ``PackedLinear.GEMV_MAX_ROWS`` rows, oneDNN's GEMM above), the fit adds ``KERNEL_FEATURES`` so
+  each kernel gets its own cost (``--gemv-max-rows``; 0 fits without them);
+- ``step_gap``: the mean time between one step's end and the next one's start while the engine still had work
+  (the serving loop's bookkeeping: records, loggers, arrivals), which ``steps.jsonl`` shows and no step's
+  ``duration`` contains.
+
 A calibration the simulator could not trust stops with one ``error:`` line naming the cause: fewer than
 ``MIN_STEPS`` steps, or a feature that never varies across the steps (nothing to fit it from: e.g. runs with
 no prefill at all).
@@ -15,6 +24,7 @@ no prefill at all).
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 import sys
 from pathlib import Path
@@ -25,38 +35,50 @@ import yaml
 from scipy.optimize import nnls
 
 from nanovllm.harness.records import read_config, read_run
-from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES
+from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES, KERNEL_FEATURES, kernel_features
 
 MIN_STEPS = 30
 
 
-def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: dict | None = None) -> dict:
-    """The profile (a plain dict, as written to YAML) fitted on ``steps``; ``ValueError`` naming the problem."""
+def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: dict | None = None,
+                gemv_max_rows: int | None = None, gaps: Sequence[float] = ()) -> dict:
+    """The profile (a plain dict, as written to YAML) fitted on ``steps``; ``ValueError`` naming the problem.
+    ``gemv_max_rows``: also fit ``KERNEL_FEATURES`` with that switch (None: not); ``gaps``: the seconds between
+    back-to-back steps (``step_gaps``), whose mean becomes ``step_gap``."""
     if len(steps) < MIN_STEPS:
         raise ValueError(f"calibration needs at least {MIN_STEPS} steps, got {len(steps)} {source}".rstrip())
-    features = np.array([[float(s[f]) for f in CALIBRATION_FEATURES] for s in steps])
+    names = CALIBRATION_FEATURES + (KERNEL_FEATURES if gemv_max_rows is not None else ())
+    rows = [{**s, **kernel_features(s, gemv_max_rows)} if gemv_max_rows is not None else s for s in steps]
+    features = np.array([[float(s[f]) for f in names] for s in rows])
     for j, name in enumerate(CALIBRATION_FEATURES):
         if np.ptp(features[:, j]) == 0:
             raise ValueError(f"calibration: feature {name} is {features[0, j]:g} in every step, so its cost "
                              "cannot be fitted; record runs whose steps vary it (e.g. prefill and decode steps)")
+    # A kernel feature that never varies (runs whose steps all took one kernel) only duplicates the intercept.
+    varying = [j for j, name in enumerate(names) if name in CALIBRATION_FEATURES or np.ptp(features[:, j]) > 0]
     durations = np.array([float(s["duration"]) for s in steps])
     design = np.hstack([np.ones((len(steps), 1)), features])
+    columns = [0] + [j + 1 for j in varying]
     # Scale columns to comparable size so the solver's tolerance treats every feature alike.
-    scale = np.abs(design).max(axis=0)
-    solution, _ = nnls(design / scale, durations)
-    coefficients = solution / scale
+    scale = np.abs(design[:, columns]).max(axis=0)
+    solution, _ = nnls(design[:, columns] / scale, durations)
+    coefficients = np.zeros(design.shape[1])
+    coefficients[columns] = solution / scale
     predicted = design @ coefficients
     relative = np.abs(predicted - durations) / np.maximum(durations, 1e-9)
     residual = float(np.sum((durations - predicted) ** 2))
     total = float(np.sum((durations - durations.mean()) ** 2)) or 1.0
+    kernel_split = {} if gemv_max_rows is None else {"gemv_max_rows": int(gemv_max_rows)}
     return {
         "step_time": "calibrated",
         **(metadata or {}),
         "num_steps": len(steps),
+        **kernel_split,
+        "step_gap": float(np.mean(gaps)) if len(gaps) else 0.0,
         "intercept": float(coefficients[0]),
-        "coefficients": {name: float(c) for name, c in zip(CALIBRATION_FEATURES, coefficients[1:])},
+        "coefficients": {name: float(c) for name, c in zip(names, coefficients[1:])},
         "feature_range": {name: [float(features[:, j].min()), float(features[:, j].max())]
-                          for j, name in enumerate(CALIBRATION_FEATURES)},
+                          for j, name in enumerate(names)},
         "fit": {"r2": 1.0 - residual / total, "median_abs_rel_error": float(np.median(relative)),
                 "p90_abs_rel_error": float(np.quantile(relative, 0.9))},
     }
@@ -68,20 +90,44 @@ def run_setup(run_dir: str | Path) -> dict[str, Any]:
     config = read_config(run_dir) or {}
     if not config:
         return {}
-    return {"model": (config.get("model") or {}).get("path"), "dtype": (config.get("engine") or {}).get("dtype"),
-            "attention": (config.get("attention") or {}).get("name")}
+    engine = config.get("engine") or {}
+    return {"model": (config.get("model") or {}).get("path"), "dtype": engine.get("dtype"),
+            "attention": (config.get("attention") or {}).get("name"), "device": engine.get("device", "cpu")}
 
 
-def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None) -> dict:
+def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """Seconds from each step's end to the next step's start, for the steps after which the engine still had
+    requests (so the loop went straight on, not idle until an arrival); none for steps without start times."""
+    gaps = []
+    for step, following in itertools.pairwise(steps):
+        if "start_time" in step and "start_time" in following and step["num_running"] + step["num_waiting"] > 0:
+            gaps.append(max(0.0, following["start_time"] - step["start_time"] - step["duration"]))
+    return gaps
+
+
+def default_gemv_max_rows(setups: Sequence[dict[str, Any]]) -> int | None:
+    """The engine's GEMV/GEMM switch when every run was in bfloat16 on CPU (where the engine has it), else None."""
+    from nanovllm.models.fast_path import PackedLinear
+
+    if setups and all(setup.get("dtype") == "bfloat16" and setup.get("device", "cpu") == "cpu" for setup in setups):
+        return PackedLinear.GEMV_MAX_ROWS
+    return None
+
+
+def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None,
+              gemv_max_rows: int | None | str = "auto") -> dict:
     """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it. The profile records
     the runs' model, dtype and attention backend (``run_setup``); runs in different dtypes are an error (one
-    profile describes one dtype's step times)."""
+    profile describes one dtype's step times). ``gemv_max_rows``: the kernel split to fit ("auto":
+    ``default_gemv_max_rows``; None or 0: none)."""
     steps: list[dict] = []
+    gaps: list[float] = []
     configs = []
     setups = []
     for run_dir in run_dirs:
         data = read_run(run_dir, missing_ok=False)
         steps.extend(s for s in data.steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0)
+        gaps.extend(step_gaps(data.steps))
         configs.append(data.metrics.get("simulated", False))
         setups.append(run_setup(run_dir))
     if any(configs):
@@ -96,7 +142,10 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
     metadata.update(runs=[str(Path(r)) for r in run_dirs], command=command or "")
-    profile = fit_profile(steps, source=f"in {len(run_dirs)} run(s)", metadata=metadata)
+    if gemv_max_rows == "auto":
+        gemv_max_rows = default_gemv_max_rows(setups)
+    profile = fit_profile(steps, source=f"in {len(run_dirs)} run(s)", metadata=metadata,
+                          gemv_max_rows=int(gemv_max_rows) if gemv_max_rows else None, gaps=gaps)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")
     return profile
@@ -107,10 +156,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", help="directories of real runs (with steps.jsonl)")
     parser.add_argument("--out", required=True, help="profile YAML to write")
+    parser.add_argument("--gemv-max-rows", type=int, default=None,
+                        help="fit the GEMV/GEMM kernel split at this many rows (0: none; default: the engine's "
+                             "when the runs are bfloat16 on CPU)")
     args = parser.parse_args(argv)
     command = "python -m nanovllm.harness.sim.calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.gemv_max_rows is not None and args.gemv_max_rows < 0:
+        print(f"error: --gemv-max-rows must be >= 0, got {args.gemv_max_rows}", file=sys.stderr)
+        sys.exit(1)
     try:
-        profile = calibrate(args.run_dirs, args.out, command)
+        profile = calibrate(args.run_dirs, args.out, command,
+                            "auto" if args.gemv_max_rows is None else args.gemv_max_rows)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -8,6 +8,8 @@ same numbers the engine writes to ``steps.jsonl``, so a model fitted on real run
 * ``calibrated``: a linear model fitted on real runs (``nanovllm.harness.sim.calibrate``), loaded from a
   profile YAML (by default the shipped one for the default model in the engine's dtype,
   ``profiles/smollm2-135m-{dtype}-cpu.yaml``). Coefficients are non-negative: each feature can only add time.
+  A profile may also split the steps by matmul kernel (``gemv_max_rows``, ``KERNEL_FEATURES``) and carry the
+  serving loop's own time between steps (``step_gap``), which every predicted step then includes.
 * ``analytical``: a roofline estimate from the monitor's cost model (FLOPs and bytes of the step) and a
   hardware description: ``overhead + max(flops / achievable FLOP/s, bytes / achievable bytes/s)``. An estimate.
 * ``replay``: the step timeline of a recorded run, in order -- each step ends when the recorded run's next
@@ -30,6 +32,21 @@ from nanovllm.registry import Registry
 
 # What the calibrated model regresses on (besides a per-step intercept).
 CALIBRATION_FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_sampled", "context_tokens", "attn_pairs")
+
+# Derived from the recorded features: which matmul kernel ran the step's linear layers. On CPU in bfloat16 the
+# engine sends inputs of at most ``gemv_max_rows`` rows (decode steps of one or two sequences) through its GEMV
+# kernel and larger ones through oneDNN's GEMM (``nanovllm.models.fast_path.PackedLinear``). The two cost
+# differently: the GEMV reads the weights once per row, the GEMM once per step, so a step time linear in the
+# row count is off by 10-20% on both sides of the switch (3-sequence decodes measured 1.1-1.2x the
+# rows-linear prediction, 6-sequence ones 0.85-0.9x).
+KERNEL_FEATURES = ("gemv_rows", "gemm_step")
+
+
+def kernel_features(features: Mapping[str, int], gemv_max_rows: int) -> dict[str, int]:
+    """``gemv_rows``: the step's rows (prefill tokens + decode sequences) when they go through the few-row
+    GEMV kernel, else 0; ``gemm_step``: 1 when they go through the GEMM instead (more than ``gemv_max_rows``)."""
+    rows = features["num_prefill_tokens"] + features["num_decode_seqs"]
+    return {"gemv_rows": rows if rows <= gemv_max_rows else 0, "gemm_step": int(rows > gemv_max_rows)}
 
 
 class StepTimeModel(abc.ABC):
@@ -54,7 +71,10 @@ def register_step_time(name: str):
 
 @register_step_time("calibrated")
 class CalibratedStepTime(StepTimeModel):
-    """``intercept + sum(coefficient[f] * features[f])`` from a profile written by ``calibrate``."""
+    """``step_gap + intercept + sum(coefficient[f] * features[f])`` from a profile written by ``calibrate``;
+    ``f`` also ranges over ``KERNEL_FEATURES`` when the profile has ``gemv_max_rows``. ``step_gap`` (0 when
+    absent) is the serving loop's own time between one step's end and the next one's start: like ``replay``,
+    each simulated step lasts until the next one can start, so arrivals land in the same steps as for real."""
 
     def __init__(self, profile: str | Path | None = None, dtype: str = "float32", model: str | None = None,
                  **context: Any) -> None:
@@ -74,12 +94,20 @@ class CalibratedStepTime(StepTimeModel):
         self.path = path
         self.profile = data
         self.intercept = float(data["intercept"])
-        self.coefficients = [(name, float(value)) for name, value in data["coefficients"].items() if value]
+        terms = [(name, float(value)) for name, value in data["coefficients"].items() if value]
+        self.coefficients = [(name, value) for name, value in terms if name not in KERNEL_FEATURES]
+        self.kernel_coefficients = [(name, value) for name, value in terms if name in KERNEL_FEATURES]
+        self.gemv_max_rows: int | None = data.get("gemv_max_rows")
+        self.step_gap = float(data.get("step_gap") or 0.0)
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
-        seconds = self.intercept
+        seconds = self.step_gap + self.intercept
         for name, coefficient in self.coefficients:
             seconds += coefficient * features[name]
+        if self.gemv_max_rows is not None:
+            kernel = kernel_features(features, self.gemv_max_rows)
+            for name, coefficient in self.kernel_coefficients:
+                seconds += coefficient * kernel[name]
         return seconds
 
     def describe(self) -> str:
