@@ -132,7 +132,10 @@ def test_schema_rejects_mistakes(compose_cfg, override: str) -> None:
 def test_every_builtin_plugin_has_a_config_file() -> None:
     for group, registry in (("scheduler", POLICIES), ("allocator", ALLOCATORS), ("attention", ATTENTION_BACKENDS)):
         files = {p.stem: p for p in (REPO / "conf" / group).glob("*.yaml")}
-        assert set(registry.names()) <= set(files), f"conf/{group}/ lacks a file for a registered name"
+        # Built-ins only: a user plugin another test registered in this process has no config file, rightly.
+        builtins = {name for name in registry.names()
+                    if registry.get(name).__module__.split(".")[0] in {"nanovllm", "policies", "allocators"}}
+        assert builtins <= set(files), f"conf/{group}/ lacks a file for a built-in name"
         for stem, path in files.items():
             assert OmegaConf.load(path).name == stem
 
