@@ -5,8 +5,8 @@ through the backend's per-step plan. The arithmetic mirrors transformers' refere
 (RMSNorm in float32, RoPE tables from the same inverse frequencies, and the same projection shapes, so every
 matmul is bitwise the same), which is what keeps greedy output token-identical to it. ``use_fast_path()``
 switches a loaded model to the fast layouts (fused q/k/v and gate/up, prepacked oneDNN weights; see
-``fast_path.py``) and, on CPU, fused C++ RMSNorm and rotary kernels (``nanovllm/csrc``), which trade that
-bitwise equality for speed and are held to the close standard instead.
+``fast_path.py``) and, on CPU, fused C++ kernels (``nanovllm/csrc``: RMSNorm, residual add + RMSNorm, rotary,
+SiLU-and-mul), which trade that bitwise equality for speed and are held to the close standard instead.
 """
 
 from __future__ import annotations
