@@ -71,7 +71,7 @@ def main() -> None:
         if dtype not in vllm_by_dtype:
             vllm_by_dtype[dtype] = run_vllm(args.vllm_python, ours["model_dir"], dtype, ours["prompts"],
                                             args.max_tokens)
-        ours.pop("model_dir"), ours.pop("prompts")
+        del ours["model_dir"], ours["prompts"]
         peer = dict(vllm_by_dtype[dtype])
         mine = ours.pop("nanovllm_outputs")
         peer["identical_to_vllm"] = sum(a == b for a, b in zip(mine, peer.pop("vllm_outputs")))

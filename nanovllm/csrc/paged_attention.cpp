@@ -105,13 +105,10 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 // The AVX-512 path: the same arithmetic as ``attend`` above, organised for the vector unit. For each work item
 // (token, KV head) it runs, 16 keys at a time: convert the 16 key rows to a float32 tile once, take each query
 // head's 16 dot products as 16 vectors and reduce them together into one vector of 16 scores (a transposing
-// add tree: ~3 instructions per score instead of a full horizontal sum each); then one vectorized exp pass;
-// then the weighted sum of values with the group's accumulators held in registers (head_dim and the group
+// add tree: ~3 instructions per score instead of a full horizontal sum each); then one vectorized exp pass
+// (nanovllm::exp16, cpu_vec.h); then the weighted sum of values with the group's accumulators held in registers (head_dim and the group
 // size are template parameters so the compiler can keep them there). Normalization by the exp-sum happens
 // once, at the end.
-
-// exp(x) for x <= 0 (softmax scores minus their max): nanovllm::exp16 (cpu_vec.h).
-inline __m512 exp_nonpositive(__m512 x) { return nanovllm::exp16(x); }
 
 template <typename scalar_t, int D, int G>
 void attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
@@ -170,7 +167,7 @@ void attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
         __m512 sum = _mm512_setzero_ps();
         for (int64_t key = 0; key < num_keys; key += 16) {
           const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + key), max)));
+          const __m512 e = _mm512_maskz_mov_ps(m, nanovllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + key), max)));
           _mm512_storeu_ps(sg + key, e);
           sum = _mm512_add_ps(sum, e);
         }
