@@ -63,6 +63,43 @@ def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, head_dim,
     torch.testing.assert_close(outputs[1], outputs[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_cpu_backend_reads_fused_projection_views_in_place(dtype, head_dim):
+    """q, k and v as the fast path hands them over (row views of one fused q/k/v output, strided between tokens):
+    the same output and the same cache writes, bit for bit, as from contiguous copies."""
+    num_heads, num_kv_heads, block_size = 9, 3, 16
+    meta = _random_step(random.Random(7), block_size, 64, 6)
+    tokens = sum(meta.query_lens)
+    torch.manual_seed(3)
+    fused = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    views = (q.reshape(tokens, num_heads, head_dim), k.reshape(tokens, num_kv_heads, head_dim),
+             v.reshape(tokens, num_kv_heads, head_dim))
+    assert not views[0].is_contiguous()
+    cache = torch.randn(2, 64, block_size, num_kv_heads, head_dim).to(dtype)
+    results = []
+    for inputs in (views, tuple(t.contiguous() for t in views)):
+        backend = ATTENTION_BACKENDS.build("cpu", num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+        own = cache.clone()
+        backend.bind_kv_caches([(own[0], own[1])])
+        backend.plan(meta)
+        results.append((backend.forward(0, *inputs), own))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_paged_attention_rejects_k_v_of_another_shape_than_the_cache():
+    from nanovllm import kernels
+
+    cache = torch.zeros(4, 16, 2, 64)
+    q, k = torch.randn(1, 4, 64), torch.randn(1, 2, 64)
+    with pytest.raises(RuntimeError, match="k and v must be"):
+        kernels.load().paged_attention(q, k, torch.randn(1, 2, 32), cache, cache.clone(), torch.tensor([0]),
+                                       torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                       torch.zeros(1, dtype=torch.int32), 0.125)
+
+
 @pytest.mark.parametrize("head_dim", [8, 64])
 def test_cpu_backend_reads_only_the_blocks_in_its_table(head_dim):
     """A decode whose table points at a few blocks ignores everything else in the cache (NaNs there included)."""

@@ -30,16 +30,16 @@ using nanovllm::sum_each16;
 
 template <typename scalar_t>
 void write_kv(const scalar_t* k, const scalar_t* v, const int64_t* slots, scalar_t* k_cache, scalar_t* v_cache,
-              int64_t num_tokens, int64_t row) {
+              int64_t num_tokens, int64_t row, int64_t k_stride, int64_t v_stride) {
   for (int64_t t = 0; t < num_tokens; ++t) {
-    std::memcpy(k_cache + slots[t] * row, k + t * row, row * sizeof(scalar_t));
-    std::memcpy(v_cache + slots[t] * row, v + t * row, row * sizeof(scalar_t));
+    std::memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(scalar_t));
+    std::memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(scalar_t));
   }
 }
 
 template <typename scalar_t>
-void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
-            int64_t max_blocks, const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens,
+void attend(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+            const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens,
             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t kv_row = num_kv_heads * head_dim;  // elements per cache slot
@@ -53,7 +53,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
       scores.resize(group * num_keys);
       for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qh = q + (t * num_heads + h * group + g) * head_dim;
+        const scalar_t* qh = q + t * q_stride + (h * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qh[d]) * scale;
       }
       // Pass 1: scores of every key for every query head of the group.
@@ -111,8 +111,8 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 // once, at the end.
 
 template <typename scalar_t, int D, int G>
-void attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
-                   int64_t max_blocks, const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens,
+void attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+                   const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens,
                    int64_t num_kv_heads, int64_t block_size, float scale) {
   constexpr int V = D / 16;  // vectors per head row
   const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * D;
@@ -130,7 +130,7 @@ void attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
       __m512 qv[G][V];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < V; ++j)
-          qv[g][j] = _mm512_mul_ps(load16(q + (t * num_heads + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+          qv[g][j] = _mm512_mul_ps(load16(q + t * q_stride + (h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
       // Pass 1: scores, 16 keys at a time.
       for (int64_t first = 0; first < num_keys; first += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
@@ -197,9 +197,138 @@ void attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 path on CPUs with AVX-512 BF16: both matrix products on the bf16 dot-product instruction
+// (vdpbf16ps: each float32 lane accumulates two bf16 products), as GPU kernels run them on bf16 tensor cores.
+// Q.K^T reads the cached K rows as stored (no conversion to float32): a 64-wide row is two instructions per
+// query head. P.V rounds the probabilities to bf16 (as FlashAttention does) and takes two keys per instruction,
+// their V rows interleaved element by element; the accumulators then hold each 32-wide slice of the head in a
+// fixed lane order (unpacklo/unpackhi of 128-bit lanes), put back in order once at the end. Softmax, its
+// normalization and all accumulation stay float32.
+template <int D, int G>
+void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+                        const c10::BFloat16* v_cache, const int32_t* block_tables, int64_t max_blocks,
+                        const int32_t* seq, const int32_t* pos, c10::BFloat16* out, int64_t num_tokens,
+                        int64_t num_kv_heads, int64_t block_size, float scale) {
+  constexpr int W = D / 32;  // 512-bit vectors per bf16 head row
+  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * D;
+  const auto row_bh = [](const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;  // bf16 bit patterns of the softmax numerators, padded with a zero
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
+      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
+      const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
+      const auto slot_row = [&](const c10::BFloat16* cache, int64_t key) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        return cache + slot * kv_row + h * D;
+      };
+      scores.resize(G * stride);
+      probs.resize(G * stride);
+      __m512bh qv[G][W];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < W; ++j) qv[g][j] = row_bh(q + t * q_stride + (h * G + g) * D + 32 * j);
+      // Pass 1: scaled scores, 16 keys at a time, reduced together (sum_each16).
+      const __m512 scale16 = _mm512_set1_ps(scale);
+      for (int64_t first = 0; first < num_keys; first += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
+        const c10::BFloat16* rows[16];
+        for (int k = 0; k < n; ++k) rows[k] = slot_row(k_cache, first + k);
+        for (int g = 0; g < G; ++g) {
+          __m512 dots[16];
+          for (int k = 0; k < 16; ++k) {
+            __m512 acc = _mm512_setzero_ps();
+            if (k < n)
+              for (int j = 0; j < W; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], row_bh(rows[k] + 32 * j));
+            dots[k] = acc;
+          }
+          _mm512_storeu_ps(scores.data() + g * stride + first, _mm512_mul_ps(sum_each16(dots), scale16));
+        }
+      }
+      // Softmax numerators exp(s - max), rounded to bf16 for P.V; the normalization waits until the end.
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * stride;
+        uint16_t* pg = probs.data() + g * stride;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t key = 0; key < num_keys; key += 16) {
+          const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
+          mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sg + key));
+        }
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t key = 0; key < num_keys; key += 16) {  // lanes past the last key become 0
+          const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(m, nanovllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + key), max)));
+          nanovllm::store16(reinterpret_cast<c10::BFloat16*>(pg + key), e);
+          // The sum of the rounded numerators, so that the weights P.V applies sum to one.
+          sum = _mm512_add_ps(sum, nanovllm::round16(e, static_cast<c10::BFloat16*>(nullptr)));
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      // Pass 2: two keys per step; lane 2i / 2i+1 of each 32-bit pair holds key / key + 1.
+      __m512 lo[G][W], hi[G][W];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < W; ++j) lo[g][j] = hi[g][j] = _mm512_setzero_ps();
+      for (int64_t key = 0; key < num_keys; key += 2) {
+        const c10::BFloat16* va = slot_row(v_cache, key);
+        const c10::BFloat16* vb = key + 1 < num_keys ? slot_row(v_cache, key + 1) : nullptr;
+        __m512i pairs_lo[W], pairs_hi[W];
+        for (int j = 0; j < W; ++j) {
+          const __m512i a = _mm512_loadu_si512(va + 32 * j);
+          const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * j) : _mm512_setzero_si512();
+          pairs_lo[j] = _mm512_unpacklo_epi16(a, b);
+          pairs_hi[j] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int g = 0; g < G; ++g) {
+          uint32_t pair;  // (p[key], p[key + 1]) as two bf16; p[num_keys] is the zero padding
+          std::memcpy(&pair, probs.data() + g * stride + key, sizeof(pair));
+          const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+          for (int j = 0; j < W; ++j) {
+            lo[g][j] = _mm512_dpbf16_ps(lo[g][j], reinterpret_cast<__m512bh>(pairs_lo[j]), p);
+            hi[g][j] = _mm512_dpbf16_ps(hi[g][j], reinterpret_cast<__m512bh>(pairs_hi[j]), p);
+          }
+        }
+      }
+      // lo's 128-bit lane L holds elements 8L..8L+3 of the slice, hi's 8L+4..8L+7: interleave the lanes back.
+      for (int g = 0; g < G; ++g) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        c10::BFloat16* oh = out + (t * num_heads + h * G + g) * D;
+        for (int j = 0; j < W; ++j) {
+          const __m512 first = _mm512_shuffle_f32x4(lo[g][j], hi[g][j], _MM_SHUFFLE(1, 0, 1, 0));   // lo0 lo1 hi0 hi1
+          const __m512 second = _mm512_shuffle_f32x4(lo[g][j], hi[g][j], _MM_SHUFFLE(3, 2, 3, 2));  // lo2 lo3 hi2 hi3
+          constexpr int order = _MM_SHUFFLE(3, 1, 2, 0);
+          nanovllm::store16(oh + 32 * j, _mm512_mul_ps(_mm512_shuffle_f32x4(first, first, order), inv));
+          nanovllm::store16(oh + 32 * j + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(second, second, order), inv));
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
+// The vectorized path for this dtype: the bf16 dot-product kernel where the CPU has it, else attend_avx512.
+template <typename scalar_t, int D, int G>
+void attend_vectorized(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+                       const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
+                       scalar_t* out, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, float scale) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    attend_avx512_bf16<D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens,
+                             num_kv_heads, block_size, scale);
+    return;
+  }
+#endif
+  attend_avx512<scalar_t, D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens,
+                                num_kv_heads, block_size, scale);
+}
+
 // Runs the AVX-512 path when it has an instantiation for this dtype, head_dim and group size.
 template <typename scalar_t>
-bool try_attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
                        scalar_t* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, float scale) {
@@ -207,8 +336,8 @@ bool try_attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_
     const int64_t group = num_heads / num_kv_heads;
 #define NANOVLLM_ATTEND(D, G)                                                                                   \
   if (head_dim == D && group == G) {                                                                            \
-    attend_avx512<scalar_t, D, G>(q, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens,    \
-                                  num_kv_heads, block_size, scale);                                             \
+    attend_vectorized<scalar_t, D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out,     \
+                                      num_tokens, num_kv_heads, block_size, scale);                             \
     return true;                                                                                                \
   }
     NANOVLLM_ATTEND(64, 1) NANOVLLM_ATTEND(64, 2) NANOVLLM_ATTEND(64, 3) NANOVLLM_ATTEND(64, 4)
@@ -225,7 +354,16 @@ bool try_attend_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_
 
 // k, v: [N, KVH, D] new rows written at slot_mapping [N] (int64) of k_cache, v_cache [blocks, block_size, KVH,
 // D]; then q: [T, H, D] (any T query rows, e.g. the step's decodes) attends: seq, pos [T] int32 index
-// block_tables [B, max_blocks] int32. Returns [T, H * D].
+// block_tables [B, max_blocks] int32. Returns [T, H * D]. q, k and v may be row views of one fused projection
+// output (any stride between tokens, each token's heads contiguous): they are read in place, not copied.
+
+namespace {
+// t itself if each token's [heads, head_dim] is contiguous (whatever the stride between tokens), else a copy.
+torch::Tensor rows_in_place(const torch::Tensor& t) {
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+}  // namespace
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                               torch::Tensor seq, torch::Tensor pos, double scale) {
@@ -239,13 +377,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq.scalar_type() == torch::kInt32 &&
                   pos.scalar_type() == torch::kInt32,
               "block_tables, seq and pos must be int32");
-  q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
+  q = rows_in_place(q);
+  k = rows_in_place(k);
+  v = rows_in_place(v);
   block_tables = block_tables.contiguous();
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.size(3) == head_dim && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
+                  v.size(1) == num_kv_heads && v.size(2) == head_dim,
+              "k and v must be [tokens, kv_heads, head_dim] of the cache's shape");
   TORCH_CHECK(slot_mapping.size(0) == k.size(0) && v.size(0) == k.size(0),
               "slot_mapping needs one entry per new K/V row");
   TORCH_CHECK(seq.size(0) == num_tokens && pos.size(0) == num_tokens, "seq and pos need one entry per query row");
@@ -253,16 +394,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     write_kv<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k.size(0),
-                       num_kv_heads * head_dim);
+                       num_kv_heads * head_dim, k.stride(0), v.stride(0));
 #if defined(__AVX512F__)
-    if (try_attend_avx512<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+    if (try_attend_avx512<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                                     v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
                                     block_tables.size(1), seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
                                     out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads, head_dim,
                                     block_size, static_cast<float>(scale)))
       return;
 #endif
-    attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), block_tables.size(1), seq.data_ptr<int32_t>(),
                      pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads,
                      head_dim, block_size, static_cast<float>(scale));
