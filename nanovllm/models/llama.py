@@ -167,16 +167,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 attention: AttentionBackend) -> torch.Tensor:
-        norm = self.post_attention_layernorm
-        if norm.kernels is not None and x.dim() == 2:
-            # Fast path: the residual add and the next RMSNorm in one kernel, the MLP's add in place (x is this
-            # step's own activation tensor, which nothing else holds).
-            x = x.contiguous()
-            normed = norm.kernels.add_rms_norm_(x, self.self_attn(rope, self.input_layernorm(x), attention),
-                                                norm.weight, norm.eps)
-            return x.add_(self.mlp(normed))
         x = x + self.self_attn(rope, self.input_layernorm(x), attention)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, rope: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor,
+                      delta: torch.Tensor | None, attention: AttentionBackend) -> torch.Tensor:
+        """The fast path's layer (fused C++ kernels), arranged as vLLM's: ``residual`` is the residual stream,
+        updated in place; ``delta`` is the previous layer's MLP output, not yet added (None for the first
+        layer). Returns this layer's MLP output, which the next layer (or the final norm) adds. Every residual
+        add thus runs inside a fused add+RMSNorm kernel; the arithmetic, and so the result, is the same as
+        ``forward``'s with those kernels."""
+        kernels, first, second = self.input_layernorm.kernels, self.input_layernorm, self.post_attention_layernorm
+        normed = first(residual) if delta is None else kernels.add_rms_norm_(residual, delta, first.weight, first.eps)
+        attended = self.self_attn(rope, normed, attention)
+        return self.mlp(kernels.add_rms_norm_(residual, attended, second.weight, second.eps))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -231,6 +235,11 @@ class LlamaForCausalLM(nn.Module):
             rope = self.rotary.float_rows(positions)
         else:
             rope = self.rotary.tables(positions, x.dtype)
+        if self.kernels is not None:
+            residual, delta = x.contiguous(), None  # x is this step's own tensor: updated in place from here on
+            for layer in self.layers:
+                delta = layer.forward_fused(rope, residual, delta, attention)
+            return self.kernels.add_rms_norm_(residual, delta, self.norm.weight, self.norm.eps)
         for layer in self.layers:
             x = layer(rope, x, attention)
         return self.norm(x)
