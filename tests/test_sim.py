@@ -143,13 +143,13 @@ def test_calibration_refuses_too_few_steps_and_a_feature_that_never_varies() -> 
         fit_profile(decode_only)
 
 
-def _kernel_timed_steps(n: int, seed: int) -> list[dict]:
-    """Steps timed like the bfloat16 CPU engine's: rows (prefill tokens + decode sequences) up to 2 go through
-    the GEMV kernel at 2.5 ms a row, more rows through the GEMM at a fixed 9 ms plus 0.5 ms a sampled row."""
+def _kernel_timed_steps(n: int, seed: int, switch: int = 2) -> list[dict]:
+    """Steps timed like the bfloat16 CPU engine's: rows (prefill tokens + decode sequences) up to ``switch`` go
+    through the GEMV kernel at 2.5 ms a row, more rows through the GEMM at a fixed 9 ms plus 0.5 ms a sampled row."""
     steps = _synthetic_steps(n, np.random.default_rng(seed))
     for step in steps:
         rows = step["num_prefill_tokens"] + step["num_decode_seqs"]
-        kernel = 2.5e-3 * rows if rows <= 2 else 9e-3 + 5e-4 * step["num_sampled"]
+        kernel = 2.5e-3 * rows if rows <= switch else 9e-3 + 5e-4 * step["num_sampled"]
         step["duration"] = 0.018 + kernel + 1e-3 * step["num_prefill_tokens"]
     return steps
 
@@ -191,6 +191,30 @@ def test_calibration_measures_the_loops_time_between_steps(tmp_path) -> None:
     model = CalibratedStepTime(profile=str(tmp_path / "gap.yaml"), dtype="bfloat16")
     step = steps[3]
     assert model.predict(step, 0.0) == pytest.approx(step["duration"] + 4e-4, rel=1e-3)
+
+
+def _noisy(steps: list[dict], seed: int) -> list[dict]:
+    """The steps with 1% measurement noise on every duration, as real steps have."""
+    rng = np.random.default_rng(seed)
+    return [{**step, "duration": step["duration"] * (1 + 0.01 * rng.standard_normal())} for step in steps]
+
+
+def test_calibration_finds_a_kernel_switch_from_the_steps_where_the_engine_declares_none(tmp_path) -> None:
+    # In float32 oneDNN picks its matmul kernel by row count itself: the switch is found from the steps.
+    steps = _noisy(_kernel_timed_steps(300, 7, switch=3), 11)
+    profile = calibrate([_run_dir(tmp_path / "switch", "float32", steps)], tmp_path / "switch.yaml")
+    assert (profile["gemv_max_rows"], profile["kernel_switch"]) == (3, "fitted from the steps")
+    assert profile["fit"]["p90_abs_rel_error"] < 0.03
+    model = CalibratedStepTime(profile=str(tmp_path / "switch.yaml"), dtype="float32")
+    three = {"num_prefill_tokens": 0, "num_decode_seqs": 3, "num_sampled": 3, "context_tokens": 300,
+             "attn_pairs": 300}
+    assert model.predict(three, 0.0) == pytest.approx(0.018 + 3 * 2.5e-3, rel=0.03)
+    four = {**three, "num_decode_seqs": 4, "num_sampled": 4}
+    assert model.predict(four, 0.0) == pytest.approx(0.018 + 9e-3 + 4 * 5e-4, rel=0.03)
+    # Steps linear in the rows get no switch: the two extra terms would only fit the noise.
+    linear = _noisy(_timed_steps(300, 9, 5e-4), 12)
+    profile = calibrate([_run_dir(tmp_path / "linear", "float32", linear)], tmp_path / "linear.yaml")
+    assert "gemv_max_rows" not in profile and profile["kernel_switch"] == "none (BIC)"
 
 
 def test_calibrate_cli_refuses_a_negative_kernel_switch(tmp_path) -> None:

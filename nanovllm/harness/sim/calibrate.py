@@ -9,9 +9,13 @@ model, ``dtype`` and attention backend (the simulator refuses a profile of anoth
 
 Two terms beyond the recorded features make the profile follow the real engine's pace:
 
-- ``gemv_max_rows``: for runs in bfloat16 on CPU, where the engine's linear layers switch kernels by row count
-  (GEMV up to ``PackedLinear.GEMV_MAX_ROWS`` rows, oneDNN's GEMM above), the fit adds ``KERNEL_FEATURES`` so
-  each kernel gets its own cost (``--gemv-max-rows``; 0 fits without them);
+- ``gemv_max_rows``: for runs on CPU, where the linear layers switch matmul kernels by row count, the fit adds
+  ``KERNEL_FEATURES`` so each kernel gets its own cost (``--gemv-max-rows``; 0 fits without them). In bfloat16
+  the switch is the engine's own (GEMV up to ``PackedLinear.GEMV_MAX_ROWS`` rows, oneDNN's GEMM above); in
+  float32 every row count goes through oneDNN's prepacked GEMM, which picks its kernel internally (its decode
+  steps are not monotonic in the batch size: 3 rows measured slower than 4), so the switch is found from the
+  steps (``fitted_kernel_switch``: the row count that explains them best, kept only if the Bayesian
+  information criterion says the two extra terms pay for themselves);
 - ``step_gap``: the mean time between one step's end and the next one's start while the engine still had work
   (the serving loop's bookkeeping: records, loggers, arrivals), which ``steps.jsonl`` shows and no step's
   ``duration`` contains.
@@ -38,6 +42,8 @@ from nanovllm.harness.records import read_config, read_run
 from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES, KERNEL_FEATURES, kernel_features
 
 MIN_STEPS = 30
+# Row counts tried for a switch found from the steps (a decode batch of up to this many sequences).
+KERNEL_SWITCH_CANDIDATES = range(1, 9)
 
 
 def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: dict | None = None,
@@ -105,13 +111,37 @@ def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
     return gaps
 
 
-def default_gemv_max_rows(setups: Sequence[dict[str, Any]]) -> int | None:
-    """The engine's GEMV/GEMM switch when every run was in bfloat16 on CPU (where the engine has it), else None."""
+def default_gemv_max_rows(setups: Sequence[dict[str, Any]]) -> int | str | None:
+    """The engine's GEMV/GEMM switch when every run was in bfloat16 on CPU (where the engine has it); "fit" (find
+    it from the steps: ``fitted_kernel_switch``) for runs on CPU in another dtype, where oneDNN picks the kernel;
+    None (no switch) otherwise."""
     from nanovllm.models.fast_path import PackedLinear
 
-    if setups and all(setup.get("dtype") == "bfloat16" and setup.get("device", "cpu") == "cpu" for setup in setups):
+    if not setups or not all(setup.get("device", "cpu") == "cpu" for setup in setups):
+        return None
+    if all(setup.get("dtype") == "bfloat16" for setup in setups):
         return PackedLinear.GEMV_MAX_ROWS
-    return None
+    return "fit"
+
+
+def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = ()) -> int | None:
+    """The row count up to which the steps' matmuls look like one kernel and above it another: the candidate
+    (``KERNEL_SWITCH_CANDIDATES``) whose fit leaves the least squared error, or None when even that one does not
+    beat the fit without a switch by the Bayesian information criterion (``n ln(RSS) + k ln(n)``: the switch
+    costs three parameters, its row count and the two kernel terms), so steps without a switch get none."""
+    n = len(steps)
+    durations = np.array([float(s["duration"]) for s in steps])
+    total = float(np.sum((durations - durations.mean()) ** 2))
+
+    def squared_error(gemv_max_rows: int | None) -> float:
+        return (1.0 - fit_profile(steps, gemv_max_rows=gemv_max_rows, gaps=gaps)["fit"]["r2"]) * total
+
+    without = squared_error(None)
+    if without <= 1e-12 * total:  # already exact: nothing left for a switch to explain
+        return None
+    best = min(KERNEL_SWITCH_CANDIDATES, key=squared_error)
+    with_switch = max(squared_error(best), 1e-300)
+    return best if n * np.log(with_switch / without) + 3 * np.log(n) < 0 else None
 
 
 def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None,
@@ -119,7 +149,7 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it. The profile records
     the runs' model, dtype and attention backend (``run_setup``); runs in different dtypes are an error (one
     profile describes one dtype's step times). ``gemv_max_rows``: the kernel split to fit ("auto":
-    ``default_gemv_max_rows``; None or 0: none)."""
+    ``default_gemv_max_rows``; "fit": ``fitted_kernel_switch``; None or 0: none)."""
     steps: list[dict] = []
     gaps: list[float] = []
     configs = []
@@ -144,6 +174,9 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     metadata.update(runs=[str(Path(r)) for r in run_dirs], command=command or "")
     if gemv_max_rows == "auto":
         gemv_max_rows = default_gemv_max_rows(setups)
+    if gemv_max_rows == "fit":
+        gemv_max_rows = fitted_kernel_switch(steps, gaps)
+        metadata["kernel_switch"] = "fitted from the steps" if gemv_max_rows else "none (BIC)"
     profile = fit_profile(steps, source=f"in {len(run_dirs)} run(s)", metadata=metadata,
                           gemv_max_rows=int(gemv_max_rows) if gemv_max_rows else None, gaps=gaps)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -157,8 +190,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("run_dirs", nargs="+", help="directories of real runs (with steps.jsonl)")
     parser.add_argument("--out", required=True, help="profile YAML to write")
     parser.add_argument("--gemv-max-rows", type=int, default=None,
-                        help="fit the GEMV/GEMM kernel split at this many rows (0: none; default: the engine's "
-                             "when the runs are bfloat16 on CPU)")
+                        help="fit the matmul kernel split at this many rows (0: none; default: the engine's GEMV "
+                             "switch when the runs are bfloat16 on CPU, found from the steps for other CPU runs)")
     args = parser.parse_args(argv)
     command = "python -m nanovllm.harness.sim.calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.gemv_max_rows is not None and args.gemv_max_rows < 0:
