@@ -13,8 +13,9 @@ https://ui.perfetto.dev).
                                [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
                                [--fuse-projections auto|true|false]
 
-The running sequences share one prompt through the ``prefix`` allocator so that setting up 256 of them costs
-one prefill; each still attends over its whole context, so a decode step does the work distinct prompts would.
+The running sequences have distinct prompts (no prefix cache), so a decode step reads as much KV cache as real
+traffic does: with one shared prompt every sequence would read the same few cached blocks from the CPU's caches
+and attention would look faster than it is. Setting up 256 of them costs their prefills (~30 s in bf16).
 """
 
 from __future__ import annotations
@@ -174,13 +175,12 @@ def profile_decode(make_llm: Callable[..., Any], num_seqs: int, context: int, st
     """Decode steps with ``num_seqs`` running sequences of about ``context`` tokens."""
     from nanovllm import SamplingParams
 
-    llm = make_llm(max_num_seqs=num_seqs, allocator="prefix")
+    llm = make_llm(max_num_seqs=num_seqs)
     engine = llm.engine
-    prompt = [(7 * i) % 1000 + 10 for i in range(context)]
+    generator = torch.Generator().manual_seed(num_seqs)
     params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
-    engine.add_request(engine.make_request(prompt, params))
-    engine.step()  # the prompt once; the others then hit the prefix cache
-    for _ in range(num_seqs - 1):
+    for _ in range(num_seqs):
+        prompt = torch.randint(10, 40000, (context,), generator=generator).tolist()
         engine.add_request(engine.make_request(prompt, params))
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()

@@ -79,13 +79,23 @@ def test_unknown_plugin_names_list_the_registered_ones():
 
 
 def test_bfloat16_runs_and_mostly_agrees_with_float32(llm):
+    """bf16 greedy output against this engine's float32 under vLLM's closeness standard (the same tokens up to
+    the first divergence, and there each side's token among the other's top-5), not token equality: bf16
+    logits tie often (this prompt's first two candidates can come out at the same bf16 logprob, so either
+    kernel rounding picks one), and the full transformers comparison is tests/test_fast_paths.py."""
+    from nanovllm.validate import PromptAgreement
+
     bf16 = LLM(dtype="bfloat16", num_kv_blocks=256, max_model_len=512)
-    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    params = SamplingParams(temperature=0, max_tokens=8)
-    [a] = llm.generate([prompt], params, use_tqdm=False)
-    [b] = bf16.generate([prompt], params, use_tqdm=False)
-    assert "Paris" in b.text
-    assert a.token_ids[:3] == b.token_ids[:3]
+    questions = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    fast = bf16.generate(prompts, params, use_tqdm=False)
+    top5 = lambda output: [{t for t, lp in entry.items() if lp.rank <= 5} for entry in output.logprobs]  # noqa: E731
+    agreements = [PromptAgreement(q, b.token_ids, a.token_ids, top5(b), top5(a))
+                  for q, a, b in zip(questions, reference, fast)]
+    assert all(r.close for r in agreements), [(r.prompt, r.ours, r.reference) for r in agreements]
+    assert sum(r.matching_prefix for r in agreements) >= 12  # real agreement, not only top-5 closeness
 
 
 def test_validate_command_reports_agreement(tmp_path):
