@@ -3,6 +3,7 @@
     python experiments/sim_accuracy.py calibrate [--dtype D]  # real calibration runs -> the shipped profile
     python experiments/sim_accuracy.py compare [--dtype D]    # real vs simulated -> results/sim_accuracy_D.md
     python experiments/sim_accuracy.py all [--dtype D]        # D: bfloat16 (default, the engine's) or float32
+    python experiments/sim_accuracy.py spread [--dtype D] [--repeats 2]  # the real engine's own run-to-run spread
 
 Every run, real and simulated, uses ``engine.dtype=D`` (and the default attention backend); one profile is
 shipped per dtype. ``calibrate`` serves two workloads on the real engine (seed 1) and fits the shipped profile
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -150,19 +152,67 @@ def compare(setup: Setup, profiles: str = "shipped", reuse: bool = True) -> None
     print(text)
 
 
+def spread(setup: Setup, repeats: int = 2) -> None:
+    """The real engine against itself: each compared workload and policy served ``repeats`` more times, back to
+    back (run dirs ``<workload>_<policy>_real_r1`` ...; finished ones are reused), next to the run ``compare``
+    made. Tabulates each figure's lowest and highest real value and their spread ((max - min) / mean), and the
+    simulator's error (shipped profile, the ``compare`` run) against the mean of the real runs: how far a single
+    real run is from another tells how close any simulator can be expected to come to it."""
+    from nanovllm.harness.records import read_metrics
+
+    runs = setup.runs
+    rows = ["| workload | policy | metric | real runs | real min | real max | real spread | simulated | error vs "
+            "real mean |", "|---|---|---|---|---|---|---|---|---|"]
+    spreads, errors = [], []
+    for workload, overrides in WORKLOADS.items():
+        for policy in POLICIES:
+            dirs = [runs / f"{workload}_{policy}_real"] + [runs / f"{workload}_{policy}_real_r{i}"
+                                                            for i in range(1, repeats + 1)]
+            if not read_metrics(dirs[0]):
+                raise SystemExit(f"error: {dirs[0]} has no metrics.json: run `compare` first")
+            for run_dir in dirs[1:]:
+                if not read_metrics(run_dir):
+                    setup.run([*overrides, f"scheduler={policy}"], run_dir)
+            reals = [read_metrics(d) for d in dirs]
+            sim = read_metrics(runs / f"{workload}_{policy}_sim")
+            for label, key in METRICS:
+                values = [r[key] for r in reals]
+                mean = statistics.fmean(values)
+                spreads.append((max(values) - min(values)) / mean)
+                errors.append((sim[key] - mean) / mean)
+                rows.append(f"| {workload} | {policy} | {label} | {len(values)} | {min(values):,.1f} | "
+                            f"{max(values):,.1f} | {spreads[-1]:.1%} | {sim[key]:,.1f} | {errors[-1]:+.1%} |")
+    text = "\n".join([
+        f"# The real engine's own run-to-run spread ({setup.dtype}) and the simulator against its mean", "",
+        f"Made by `python experiments/sim_accuracy.py spread --dtype {setup.dtype} --repeats {repeats}`: each "
+        f"compared workload and policy served {repeats + 1} times on the real engine (seed 0, one torch thread; the "
+        "first run is the one `compare` made); the simulated run is `compare`'s with the shipped profile. "
+        f"Real spread above 15% in {sum(s > 0.15 for s in spreads)} of {len(spreads)} figures (median "
+        f"{statistics.median(spreads):.1%}, largest {max(spreads):.1%}); simulator within 15% of the real mean in "
+        f"{sum(abs(e) <= 0.15 for e in errors)} of {len(errors)} (median |error| "
+        f"{statistics.median(abs(e) for e in errors):.1%}, largest {max(abs(e) for e in errors):.1%}).", "",
+        *rows, ""])
+    (RESULTS / f"sim_spread_{setup.dtype}.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=("calibrate", "compare", "all"), default="all")
+    parser.add_argument("what", nargs="?", choices=("calibrate", "compare", "all", "spread"),
+                        default="all")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="engine.dtype of every real and simulated run (one shipped profile per dtype)")
     parser.add_argument("--profiles", choices=("shipped", "leave-one-out"), default="shipped",
                         help="compare: simulate with the shipped profile, or with one fitted on the other workloads")
+    parser.add_argument("--repeats", type=int, default=2, help="spread: real runs made beyond compare's")
     args = parser.parse_args()
     setup = Setup(args.dtype)
     if args.what in ("calibrate", "all"):
         calibrate(setup)
     if args.what in ("compare", "all"):
         compare(setup, args.profiles)
+    if args.what == "spread":
+        spread(setup, args.repeats)
 
 
 if __name__ == "__main__":
