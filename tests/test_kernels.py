@@ -9,13 +9,18 @@ from nanovllm import kernels
 from nanovllm.models.llama import RMSNorm, apply_rotary
 
 
+def _norm_with_random_weight(dtype: torch.dtype, dim: int = 96) -> RMSNorm:
+    """The reference RMSNorm module with a random (not all-ones) weight, in ``dtype``."""
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    return norm.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_reference_module(dtype):
     torch.manual_seed(0)
-    norm = RMSNorm(96, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(96))
-    norm = norm.to(dtype)
+    norm = _norm_with_random_weight(dtype)
     x = (torch.randn(37, 96) * 3).to(dtype)
     expected = norm(x)
     got = kernels.load().rms_norm(x, norm.weight, norm.eps)
@@ -44,10 +49,7 @@ def test_rotary_in_place_on_fused_projection_views(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_adds_in_place_then_normalizes_like_the_two_torch_steps(dtype):
     torch.manual_seed(2)
-    norm = RMSNorm(96, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(96))
-    norm = norm.to(dtype)
+    norm = _norm_with_random_weight(dtype)
     residual, delta = (torch.randn(19, 96) * 3).to(dtype), torch.randn(19, 96).to(dtype)
     expected_sum = residual + delta
     expected = norm(expected_sum)

@@ -102,6 +102,25 @@ void attend(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const 
 
 
 #if defined(__AVX512F__)
+// Softmax numerators exp(s - max) of one query head's scores ``sg`` over ``num_keys`` keys, 16 at a time (lanes
+// past the last key are 0): ``store(key, e)`` keeps each group of 16 where the caller wants it and returns them
+// as stored, and the result is 1 / the sum of the stored values (the normalization is applied at the end).
+template <typename Store>
+inline float softmax_numerators(const float* sg, int64_t num_keys, Store store) {
+  const auto mask = [num_keys](int64_t key) {
+    return num_keys - key >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
+  };
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t key = 0; key < num_keys; key += 16) mx = _mm512_mask_max_ps(mx, mask(key), mx, _mm512_loadu_ps(sg + key));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t key = 0; key < num_keys; key += 16) {
+    const __m512 e = _mm512_maskz_mov_ps(mask(key), nanovllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + key), max)));
+    sum = _mm512_add_ps(sum, store(key, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 // The AVX-512 path: the same arithmetic as ``attend`` above, organised for the vector unit. For each work item
 // (token, KV head) it runs, 16 keys at a time: convert the 16 key rows to a float32 tile once, take each query
 // head's 16 dot products as 16 vectors and reduce them together into one vector of 16 scores (a transposing
@@ -158,20 +177,10 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
       float inv_sum[G];
       for (int g = 0; g < G; ++g) {
         float* sg = scores.data() + g * stride;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t key = 0; key < num_keys; key += 16) {
-          const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
-          mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sg + key));
-        }
-        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t key = 0; key < num_keys; key += 16) {
-          const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(m, nanovllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + key), max)));
+        inv_sum[g] = softmax_numerators(sg, num_keys, [&](int64_t key, __m512 e) {
           _mm512_storeu_ps(sg + key, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+          return e;
+        });
       }
       // Pass 2: the weighted sum of values, accumulators in registers.
       __m512 acc[G][V];
@@ -251,23 +260,12 @@ void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
       // Softmax numerators exp(s - max), rounded to bf16 for P.V; the normalization waits until the end.
       float inv_sum[G];
       for (int g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * stride;
         uint16_t* pg = probs.data() + g * stride;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t key = 0; key < num_keys; key += 16) {
-          const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
-          mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sg + key));
-        }
-        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t key = 0; key < num_keys; key += 16) {  // lanes past the last key become 0
-          const __mmask16 m = num_keys - key >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (num_keys - key)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(m, nanovllm::exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + key), max)));
+        // The sum is of the rounded numerators, so that the weights P.V applies sum to one.
+        inv_sum[g] = softmax_numerators(scores.data() + g * stride, num_keys, [&](int64_t key, __m512 e) {
           nanovllm::store16(reinterpret_cast<c10::BFloat16*>(pg + key), e);
-          // The sum of the rounded numerators, so that the weights P.V applies sum to one.
-          sum = _mm512_add_ps(sum, nanovllm::round16(e, static_cast<c10::BFloat16*>(nullptr)));
-        }
-        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+          return nanovllm::round16(e, static_cast<c10::BFloat16*>(nullptr));
+        });
       }
       // Pass 2: two keys per step; lane 2i / 2i+1 of each 32-bit pair holds key / key + 1.
       __m512 lo[G][W], hi[G][W];
