@@ -1,20 +1,29 @@
-"""Calibrate the simulator on this machine, then compare it with the real engine.
+"""Calibrate the simulator on this machine and compare it with the real engine, under a protocol in which the
+machine's drift hits calibration and comparison alike.
 
-    python experiments/sim_accuracy.py calibrate [--dtype D]  # real calibration runs -> the shipped profile
-    python experiments/sim_accuracy.py compare [--dtype D]    # real vs simulated -> results/sim_accuracy_D.md
-    python experiments/sim_accuracy.py all [--dtype D]        # D: bfloat16 (default, the engine's) or float32
-    python experiments/sim_accuracy.py spread [--dtype D] [--repeats 2]  # the real engine's own run-to-run spread
+    python experiments/sim_accuracy.py measure [--dtype D] [--repeats R] [--rounds K,...]  # the real runs
+    python experiments/sim_accuracy.py calibrate [--dtype D] [--repeats R]  # fit the shipped profile on them
+    python experiments/sim_accuracy.py compare [--dtype D] [--repeats R] [--profiles shipped|leave-one-out]
+    python experiments/sim_accuracy.py all [--dtype D] [--repeats R]        # measure, calibrate, compare (shipped)
 
-Every run, real and simulated, uses ``engine.dtype=D`` (and the default attention backend); one profile is
-shipped per dtype. ``calibrate`` serves two workloads on the real engine (seed 1) and fits the shipped profile
-``nanovllm/harness/sim/profiles/smollm2-135m-D-cpu.yaml`` from their ``steps.jsonl``. ``compare`` serves
-three workloads (chat at a low and a saturating Poisson rate, a bursty synthetic workload with two priority
-classes; seed 0) under fcfs and priority on the real engine, then simulates each workload with a profile
-fitted on the other workloads' real runs only, and tabulates p50/p90 TTFT, p50 TPOT, p50 E2E latency and
-output throughput with the simulator's error. The simulated runs take each request's output length from the
-real run they are compared with (chat requests end at EOS, which only the model knows); the step times come
-from the profile alone. Finished real runs (calibration and compared ones) are reused when the script is run
-again: delete them to measure the engine afresh. Run files go under
+D: bfloat16 (default, the engine's) or float32; R: 3 by default. Every run, real and simulated, uses
+``engine.dtype=D`` (and the default attention backend); one profile is shipped per dtype.
+
+``measure`` makes R rounds of real runs, interleaved: round k serves the two calibration workloads with workload
+seed k (``calib_<name>_seed<k>``), then the three compared workloads (chat at a low and a saturating Poisson rate,
+a bursty synthetic workload with two priority classes; seed 0) under fcfs and priority (``<workload>_<policy>
+_real_r<k>``). A slow or fast period of this shared machine therefore lands in calibration and comparison runs
+alike, instead of in whichever block of runs happened to be made during it. Finished runs (with a
+``metrics.json``) are reused, so an interrupted measurement resumes; ``--rounds`` makes only the rounds named.
+``calibrate`` fits the shipped profile ``nanovllm/harness/sim/profiles/smollm2-135m-D-cpu.yaml`` on every
+calibration run (seeds 1..R: never seed 0, which the compared runs use). ``compare`` simulates each compared
+workload and policy once -- with the shipped profile, or (``leave-one-out``) with a profile fitted on the other two
+compared workloads' real runs (all rounds, both policies) -- taking each request's output length from the first
+round's real run (chat requests end at EOS, which only the model knows; the table says whether the R real runs
+agree on every length), and tabulates p50/p90 TTFT, p50 TPOT, p50 E2E latency and output throughput: the mean,
+min, max and spread ((max - min) / mean) of the R real runs, the simulated value and its error against the real
+mean, and how many of the single real runs it is within 15% of. It also lists, per real run, its total step time
+against the profile's prediction for the same steps (the machine's drift, run by run). Run files go under
 ``experiments/results/sim_runs/D/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
 2-core machine two OpenMP threads competing with other processes spin and make steps up to tenfold slower and
 erratic, so the profile describes the engine with one thread.
@@ -37,14 +46,16 @@ RESULTS = ROOT / "experiments" / "results"
 DTYPES = ("bfloat16", "float32")
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 ENGINE = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
+DEFAULT_REPEATS = 3
+WITHIN = 0.15
 
+# Calibration workloads; their workload seed is the round's number (1..R), never the compared runs' 0.
 CALIBRATION = {
     "calib_synthetic": ["workload=synthetic", "workload.num_requests=40", "workload.request_rate=3",
                         "workload.input_len.kind=uniform", "workload.input_len.mean=200",
                         "workload.input_len.range_ratio=0.9", "workload.output_len.kind=uniform",
-                        "workload.output_len.mean=32", "workload.output_len.range_ratio=0.8", "workload.seed=1"],
-    "calib_chat": ["workload=chat", "workload.num_requests=24", "workload.request_rate=2", "workload.max_tokens=64",
-                   "workload.seed=1"],
+                        "workload.output_len.mean=32", "workload.output_len.range_ratio=0.8"],
+    "calib_chat": ["workload=chat", "workload.num_requests=24", "workload.request_rate=2", "workload.max_tokens=64"],
 }
 WORKLOADS = {
     "chat_low": ["workload=chat", "workload.num_requests=16", "workload.request_rate=0.5", "workload.max_tokens=48"],
@@ -63,7 +74,7 @@ METRICS = [("p50 TTFT ms", "median_ttft_ms"), ("p90 TTFT ms", "p90_ttft_ms"), ("
 
 @dataclass(frozen=True)
 class Setup:
-    """Where one dtype's runs, profile and table go."""
+    """Where one dtype's runs, profile and table go, and how its runs are named."""
 
     dtype: str
 
@@ -79,6 +90,14 @@ class Setup:
     def table(self) -> Path:
         return RESULTS / f"sim_accuracy_{self.dtype}.md"
 
+    def calibration_dir(self, name: str, seed: int) -> Path:
+        """The run of calibration workload ``name`` with workload seed ``seed`` (made in round ``seed``)."""
+        return self.runs / f"{name}_seed{seed}"
+
+    def real_dir(self, workload: str, policy: str, round_: int) -> Path:
+        """The real run of a compared workload and policy made in round ``round_`` (1..R; workload seed 0)."""
+        return self.runs / f"{workload}_{policy}_real_r{round_}"
+
     def run(self, overrides: list[str], run_dir: Path) -> None:
         command = [sys.executable, "-m", "nanovllm.run", *overrides, *ENGINE, f"engine.dtype={self.dtype}",
                    f"hydra.run.dir={run_dir}"]
@@ -86,133 +105,150 @@ class Setup:
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
 
 
-def calibrate(setup: Setup, reuse: bool = True) -> None:
-    """Serve the calibration workloads on the real engine (finished runs are reused: delete them to re-measure,
-    e.g. after the engine changed) and fit the shipped profile on them."""
+def measure(setup: Setup, rounds: list[int]) -> None:
+    """Make the real runs of each round in ``rounds``: the calibration workloads (seed = the round), then every
+    compared workload and policy (seed 0). Finished runs are reused."""
     from nanovllm.harness.records import read_metrics
 
-    dirs = []
-    for name, overrides in CALIBRATION.items():
-        if not (reuse and read_metrics(setup.runs / name)):
-            setup.run(overrides, setup.runs / name)
-        dirs.append(str((setup.runs / name).relative_to(ROOT)))
-    subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *dirs, "--out",
-                    str(setup.profile.relative_to(ROOT))], check=True, cwd=ROOT)
+    for round_ in rounds:
+        todo = [(overrides + [f"workload.seed={round_}"], setup.calibration_dir(name, round_))
+                for name, overrides in CALIBRATION.items()]
+        todo += [([*overrides, "workload.seed=0", f"scheduler={policy}"], setup.real_dir(workload, policy, round_))
+                 for workload, overrides in WORKLOADS.items() for policy in POLICIES]
+        for overrides, run_dir in todo:
+            if not read_metrics(run_dir):
+                setup.run(overrides, run_dir)
 
 
-def compare(setup: Setup, profiles: str = "shipped", reuse: bool = True) -> None:
-    """Real runs first (all of them, back to back, so they share the machine's conditions), then the simulated
-    runs of each workload with the step times from a profile fitted on other runs than the ones compared:
+def finished(run_dirs: list[Path]) -> list[Path]:
+    """``run_dirs``, or a SystemExit naming the first one without a ``metrics.json`` (run ``measure`` first)."""
+    from nanovllm.harness.records import read_metrics
 
-    - ``shipped``: the shipped profile of this dtype, fitted on the two calibration workloads' runs (seed 1);
-    - ``leave-one-out`` (stricter: another *workload*, not only other runs): a profile fitted on the other two
-      compared workloads' real runs, so each workload's step shapes are extrapolated from the others'.
-    """
+    for run_dir in run_dirs:
+        if not read_metrics(run_dir):
+            raise SystemExit(f"error: {run_dir.relative_to(ROOT)} has no metrics.json: run `measure` first")
+    return run_dirs
+
+
+def calibrate(setup: Setup, repeats: int) -> None:
+    """Fit the shipped profile on every calibration run of rounds 1..``repeats``."""
+    dirs = finished([setup.calibration_dir(name, seed) for seed in range(1, repeats + 1) for name in CALIBRATION])
+    subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate",
+                    *(str(d.relative_to(ROOT)) for d in dirs), "--out", str(setup.profile.relative_to(ROOT))],
+                   check=True, cwd=ROOT)
+
+
+def output_lengths(run_dir: Path) -> dict[str, int]:
+    """Request id -> number of output tokens, from a run's ``requests.jsonl``."""
+    from nanovllm.harness.records import read_run
+
+    return {r["request_id"]: r["num_output_tokens"] for r in read_run(run_dir, missing_ok=False).requests}
+
+
+def step_time_ratio(run_dir: Path, profile: Path, dtype: str) -> float:
+    """The run's total step time (steps that did work) over what ``profile`` predicts for the same steps: above
+    1 the machine ran slower than in the profile's runs, below 1 faster."""
+    from nanovllm.harness.records import read_run
+    from nanovllm.harness.sim.step_time import CalibratedStepTime
+
+    model = CalibratedStepTime(profile, dtype=dtype)
+    steps = [s for s in read_run(run_dir, missing_ok=False).steps
+             if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
+    predicted = sum(model.predict(s, 0.0) - model.step_gap for s in steps)
+    return sum(s["duration"] for s in steps) / predicted
+
+
+def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
+    """Simulate each compared workload and policy with the shipped profile, or (``leave-one-out``: another
+    *workload*, not only other runs) with a profile fitted on the other two compared workloads' real runs, and
+    write the table against the ``repeats`` real runs of each."""
     from nanovllm.harness.records import read_metrics
     from nanovllm.harness.sim.calibrate import calibrate as fit
 
-    runs = setup.runs
-    for workload, overrides in WORKLOADS.items():
-        for policy in POLICIES:
-            real_dir = runs / f"{workload}_{policy}_real"
-            if not (reuse and read_metrics(real_dir)):
-                setup.run([*overrides, f"scheduler={policy}"], real_dir)
-    rows = ["| workload | policy | metric | real | simulated | error |", "|---|---|---|---|---|---|"]
-    errors = []
+    rounds = range(1, repeats + 1)
+    real_dirs = {(w, p): finished([setup.real_dir(w, p, k) for k in rounds]) for w in WORKLOADS for p in POLICIES}
+    rows = [("| workload | policy | metric | real mean | real min | real max | real spread | simulated | error vs "
+            "real mean | single runs within 15% |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    drift = ["| workload | policy | " + " | ".join(f"round {k}" for k in rounds) + " | output lengths agree |",
+             "|---|---|" + "---|" * repeats + "---|"]
+    errors, singles = [], []
     suffix = "sim" if profiles == "shipped" else "sim_loo"
     for workload, overrides in WORKLOADS.items():
         if profiles == "shipped":
             profile = setup.profile
         else:
-            others = [runs / f"{w}_{p}_real" for w in WORKLOADS if w != workload for p in POLICIES]
-            profile = runs / f"profile_without_{workload}.yaml"
+            others = [d for (w, _), dirs in real_dirs.items() if w != workload for d in dirs]
+            profile = setup.runs / f"profile_without_{workload}.yaml"
             fit(others, profile, command="leave-one-workload-out fit in experiments/sim_accuracy.py")
         for policy in POLICIES:
-            real_dir, sim_dir = runs / f"{workload}_{policy}_real", runs / f"{workload}_{policy}_{suffix}"
-            setup.run([*overrides, f"scheduler={policy}", "runner=sim", f"runner.profile={profile}",
-                       f"runner.output_lengths_from={real_dir}"], sim_dir)
-            real, sim = read_metrics(real_dir), read_metrics(sim_dir)
+            dirs = real_dirs[workload, policy]
+            sim_dir = setup.runs / f"{workload}_{policy}_{suffix}"
+            setup.run([*overrides, "workload.seed=0", f"scheduler={policy}", "runner=sim",
+                       f"runner.profile={profile}", f"runner.output_lengths_from={dirs[0]}"], sim_dir)
+            reals, sim = [read_metrics(d) for d in dirs], read_metrics(sim_dir)
             for label, key in METRICS:
-                error = (sim[key] - real[key]) / real[key]
+                values = [r[key] for r in reals]
+                mean = statistics.fmean(values)
+                error = (sim[key] - mean) / mean
+                hits = sum(abs(sim[key] - v) <= WITHIN * v for v in values)
                 errors.append(abs(error))
-                rows.append(f"| {workload} | {policy} | {label} | {real[key]:,.1f} | {sim[key]:,.1f} | {error:+.1%} |")
-    within = sum(e <= 0.15 for e in errors)
-    how = ("the shipped profile of this dtype (fitted on the calibration workloads' runs, seed 1: never the runs "
-           "compared)" if profiles == "shipped" else
-           "a profile fitted on the other two workloads' real runs only (leave one workload out)")
+                singles.append(hits)
+                rows.append(f"| {workload} | {policy} | {label} | {mean:,.1f} | {min(values):,.1f} | "
+                            f"{max(values):,.1f} | {(max(values) - min(values)) / mean:.1%} | {sim[key]:,.1f} | "
+                            f"{error:+.1%} | {hits} of {len(values)} |")
+            ratios = [step_time_ratio(d, profile, setup.dtype) for d in dirs]
+            agree = "yes" if all(output_lengths(d) == output_lengths(dirs[0]) for d in dirs[1:]) else "no"
+            drift.append(f"| {workload} | {policy} | " + " | ".join(f"{r:.3f}" for r in ratios) + f" | {agree} |")
+    how = ("the shipped profile of this dtype (fitted on the calibration workloads' runs, seeds 1.."
+           f"{repeats}, made interleaved with the compared runs: never the runs compared)" if profiles == "shipped"
+           else "a profile fitted on the other two workloads' real runs only (all rounds, both policies: leave "
+                "one workload out)")
+    runs = len(errors) * repeats
     text = "\n".join([
         f"# Simulator accuracy: calibrated simulator vs the real engine ({setup.dtype}, {profiles} profile)", "",
-        f"Made by `python experiments/sim_accuracy.py compare --dtype {setup.dtype} --profiles {profiles}`: real "
-        f"runs (engine.dtype={setup.dtype}, seed 0, one torch thread) of three workloads under fcfs and priority; "
-        f"each workload simulated with {how}, with each request's output length taken from the real run. "
-        f"{within} of {len(errors)} figures within 15%; median absolute error "
-        f"{sorted(errors)[len(errors) // 2]:.1%}, largest {max(errors):.1%}.", "", *rows, ""])
+        (f"Made by `python experiments/sim_accuracy.py compare --dtype {setup.dtype} --repeats {repeats} --profiles "
+        f"{profiles}` after `measure`: {repeats} rounds of real runs (engine.dtype={setup.dtype}, one torch thread), "
+        "each round the calibration workloads (seed = the round) and then three workloads under fcfs and priority "
+        f"(seed 0); each workload simulated with {how}, with each request's output length taken from round 1's "
+        f"real run. **{sum(e <= WITHIN for e in errors)} of {len(errors)} figures within 15% of the real mean; "
+        f"{sum(singles)} of {runs} single real runs within 15% of the simulated figure; median absolute error vs "
+        f"the mean {statistics.median(errors):.1%}, largest {max(errors):.1%}.**"), "", *rows, "",
+        ("Per real run: its total step time over what the profile predicts for the same steps (above 1: the machine "
+        "ran slower than in the profile's runs), and whether the real runs agree on every request's output "
+        "length."), "", *drift, ""])
     table = setup.table if profiles == "shipped" else setup.table.with_name(f"{setup.table.stem}_leave_one_out.md")
     table.write_text(text, encoding="utf-8")
     print(text)
 
 
-def spread(setup: Setup, repeats: int = 2) -> None:
-    """The real engine against itself: each compared workload and policy served ``repeats`` more times, back to
-    back (run dirs ``<workload>_<policy>_real_r1`` ...; finished ones are reused), next to the run ``compare``
-    made. Tabulates each figure's lowest and highest real value and their spread ((max - min) / mean), and the
-    simulator's error (shipped profile, the ``compare`` run) against the mean of the real runs: how far a single
-    real run is from another tells how close any simulator can be expected to come to it."""
-    from nanovllm.harness.records import read_metrics
-
-    runs = setup.runs
-    rows = ["| workload | policy | metric | real runs | real min | real max | real spread | simulated | error vs "
-            "real mean |", "|---|---|---|---|---|---|---|---|---|"]
-    spreads, errors = [], []
-    for workload, overrides in WORKLOADS.items():
-        for policy in POLICIES:
-            dirs = [runs / f"{workload}_{policy}_real"] + [runs / f"{workload}_{policy}_real_r{i}"
-                                                            for i in range(1, repeats + 1)]
-            if not read_metrics(dirs[0]):
-                raise SystemExit(f"error: {dirs[0]} has no metrics.json: run `compare` first")
-            for run_dir in dirs[1:]:
-                if not read_metrics(run_dir):
-                    setup.run([*overrides, f"scheduler={policy}"], run_dir)
-            reals = [read_metrics(d) for d in dirs]
-            sim = read_metrics(runs / f"{workload}_{policy}_sim")
-            for label, key in METRICS:
-                values = [r[key] for r in reals]
-                mean = statistics.fmean(values)
-                spreads.append((max(values) - min(values)) / mean)
-                errors.append((sim[key] - mean) / mean)
-                rows.append(f"| {workload} | {policy} | {label} | {len(values)} | {min(values):,.1f} | "
-                            f"{max(values):,.1f} | {spreads[-1]:.1%} | {sim[key]:,.1f} | {errors[-1]:+.1%} |")
-    text = "\n".join([
-        f"# The real engine's own run-to-run spread ({setup.dtype}) and the simulator against its mean", "",
-        f"Made by `python experiments/sim_accuracy.py spread --dtype {setup.dtype} --repeats {repeats}`: each "
-        f"compared workload and policy served {repeats + 1} times on the real engine (seed 0, one torch thread; the "
-        "first run is the one `compare` made); the simulated run is `compare`'s with the shipped profile. "
-        f"Real spread above 15% in {sum(s > 0.15 for s in spreads)} of {len(spreads)} figures (median "
-        f"{statistics.median(spreads):.1%}, largest {max(spreads):.1%}); simulator within 15% of the real mean in "
-        f"{sum(abs(e) <= 0.15 for e in errors)} of {len(errors)} (median |error| "
-        f"{statistics.median(abs(e) for e in errors):.1%}, largest {max(abs(e) for e in errors):.1%}).", "",
-        *rows, ""])
-    (RESULTS / f"sim_spread_{setup.dtype}.md").write_text(text, encoding="utf-8")
-    print(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=("calibrate", "compare", "all", "spread"),
-                        default="all")
+    parser.add_argument("what", nargs="?", choices=("measure", "calibrate", "compare", "all"), default="all")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="engine.dtype of every real and simulated run (one shipped profile per dtype)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="rounds of real runs: calibration seeds 1..R, each compared case R times")
+    parser.add_argument("--rounds", default=None,
+                        help="measure: comma-separated rounds to make (default: 1..R), e.g. to hold a lock per round")
     parser.add_argument("--profiles", choices=("shipped", "leave-one-out"), default="shipped",
                         help="compare: simulate with the shipped profile, or with one fitted on the other workloads")
-    parser.add_argument("--repeats", type=int, default=2, help="spread: real runs made beyond compare's")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats must be at least 1, got {args.repeats}")
+    try:
+        rounds = (list(range(1, args.repeats + 1)) if args.rounds is None
+                  else sorted({int(k) for k in args.rounds.split(",")}))
+    except ValueError:
+        raise SystemExit(f"error: --rounds must be comma-separated integers, got {args.rounds!r}") from None
+    if not all(1 <= k <= args.repeats for k in rounds):
+        raise SystemExit(f"error: --rounds must lie in 1..{args.repeats} (--repeats), got {args.rounds}")
     setup = Setup(args.dtype)
+    if args.what in ("measure", "all"):
+        measure(setup, rounds)
     if args.what in ("calibrate", "all"):
-        calibrate(setup)
+        calibrate(setup, args.repeats)
     if args.what in ("compare", "all"):
-        compare(setup, args.profiles)
-    if args.what == "spread":
-        spread(setup, args.repeats)
+        compare(setup, args.repeats, args.profiles)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ hinge on where arrivals fall between steps (see ``sim_sensitivity.py``).
                                     [--profiles shipped|leave-one-seed-out]
 
 For each seed and policy (fcfs, priority) of a workload of ``experiments/sim_accuracy.py``: a real run (finished
-ones are reused; seed 0 is ``sim_accuracy``'s own run) and a simulation with the shipped profile of the dtype, or
-(``leave-one-seed-out``) with a profile fitted on the other seeds' real runs only -- runs made in the same session
-as the ones compared, so a change of the machine's speed since the shipped profile's calibration runs does not
-count as the simulator's error. Each request's output length is taken from its real run. The table (``results/sim_seeds_D_WORKLOAD.md``) gives every
-seed's figures and error, and the mean of each figure over the seeds, real and simulated, with its error. Run
-files go under ``experiments/results/sim_runs/D/seeds/`` (seed 0's real run stays where ``sim_accuracy`` puts it).
+ones are reused; seed 0 is ``sim_accuracy``'s round-1 run) and a simulation with the shipped profile of the dtype,
+or (``leave-one-seed-out``) with a profile fitted on the other seeds' real runs only -- runs made in the same
+session as the ones compared, so a change of the machine's speed since the shipped profile's calibration runs does
+not count as the simulator's error. Each request's output length is taken from its real run. The table
+(``results/sim_seeds_D_WORKLOAD.md``) gives every seed's figures and error, and the mean of each figure over the
+seeds, real and simulated, with its error. Run files go under ``experiments/results/sim_runs/D/seeds/`` (seed 0's
+real run is ``sim_accuracy``'s round-1 run, ``<workload>_<policy>_real_r1``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from nanovllm.harness.records import read_metrics
 
 def real_dir(setup: Setup, workload: str, policy: str, seed: int) -> Path:
     if seed == 0:
-        return setup.runs / f"{workload}_{policy}_real"
+        return setup.real_dir(workload, policy, 1)
     return setup.runs / "seeds" / f"{workload}_{policy}_seed{seed}_real"
 
 

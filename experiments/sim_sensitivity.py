@@ -3,17 +3,18 @@
     python experiments/sim_sensitivity.py [--workload bursty_priorities] [--dtype bfloat16] [--factors 0.96,1.04]
 
 Simulates the workload of ``experiments/sim_accuracy.py`` under fcfs and priority with the shipped profile of the
-dtype scaled by each factor (every coefficient, the intercept and the step gap), each request's output length
-taken from the real run, and tabulates the same metrics next to the real runs (and their repeats, where there
-are any) into ``results/sim_sensitivity_D_WORKLOAD.md``. A metric that jumps between neighbouring factors
-depends on which side of a step boundary an arrival lands, not on the step-time model's accuracy: run-to-run
-noise of the real engine (a few percent per step on this shared machine) moves it as much. The simulated runs
-go to a temporary directory (the table is what is kept).
+dtype scaled by each factor (every coefficient, the intercept and the step gap), each request's output length taken
+from the first real run, and tabulates the same metrics next to every real run of ``sim_accuracy.py measure`` and
+their mean (the errors are against the mean) into ``results/sim_sensitivity_D_WORKLOAD.md``. A metric that jumps
+between neighbouring factors depends on which side of a step boundary an arrival lands, not on the step-time model's
+accuracy: run-to-run noise of the real engine (a few percent per step on this shared machine) moves it as much. The
+simulated runs go to a temporary directory (the table is what is kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -41,26 +42,28 @@ def sensitivity(setup: Setup, workload: str, factors: list[float]) -> str:
     rows = [header, "|" + "---|" * (len(METRICS) + 2)]
     with tempfile.TemporaryDirectory() as tmp:
         for policy in POLICIES:
-            real_dir = setup.runs / f"{workload}_{policy}_real"
-            real = read_metrics(real_dir)
-            if real is None:
-                raise SystemExit(f"error: no real run {real_dir}; run experiments/sim_accuracy.py compare first")
-            for name in sorted(p.name for p in setup.runs.glob(f"{workload}_{policy}_real*")):
-                metrics = read_metrics(setup.runs / name)
+            real_dirs = sorted(setup.runs.glob(f"{workload}_{policy}_real_r*"))
+            if not real_dirs or not all(read_metrics(d) for d in real_dirs):
+                raise SystemExit(f"error: no finished real runs {workload}_{policy}_real_r* in {setup.runs}; run "
+                                 "experiments/sim_accuracy.py measure first")
+            reals = [read_metrics(d) for d in real_dirs]
+            for real_dir, metrics in zip(real_dirs, reals):
                 cells = [f"{metrics[key]:,.1f}" for _, key in METRICS]
-                rows.append(f"| {policy} | real ({name}) | " + " | ".join(cells) + " |")
+                rows.append(f"| {policy} | real ({real_dir.name}) | " + " | ".join(cells) + " |")
+            real = {key: statistics.fmean(r[key] for r in reals) for _, key in METRICS}
+            rows.append(f"| {policy} | real mean | " + " | ".join(f"{real[key]:,.1f}" for _, key in METRICS) + " |")
             for factor in factors:
                 profile = scaled_profile(setup.profile, factor, Path(tmp) / f"profile_{factor}.yaml")
                 sim_dir = Path(tmp) / f"{policy}_{factor}"
-                setup.run([*overrides, f"scheduler={policy}", "runner=sim", f"runner.profile={profile}",
-                           f"runner.output_lengths_from={real_dir}"], sim_dir)
+                setup.run([*overrides, "workload.seed=0", f"scheduler={policy}", "runner=sim",
+                           f"runner.profile={profile}", f"runner.output_lengths_from={real_dirs[0]}"], sim_dir)
                 sim = read_metrics(sim_dir)
                 cells = [f"{sim[key]:,.1f} ({(sim[key] - real[key]) / real[key]:+.0%})" for _, key in METRICS]
                 rows.append(f"| {policy} | simulated, step times x{factor:.2f} | " + " | ".join(cells) + " |")
     intro = (f"Made by `python experiments/sim_sensitivity.py --workload {workload} --dtype {setup.dtype}` (on the "
-             f"real runs of `experiments/sim_accuracy.py compare`): the shipped profile `{setup.profile.name}` with "
-             "every step time scaled by the factor; each request's output length from the real run; errors against "
-             f"the first real run (`{workload}_<policy>_real`).")
+             f"real runs of `experiments/sim_accuracy.py measure`): the shipped profile `{setup.profile.name}` with "
+             "every step time scaled by the factor; each request's output length from the first real run; errors "
+             f"against the mean of the real runs (`{workload}_<policy>_real_r*`).")
     title = f"# Simulator sensitivity: {workload} ({setup.dtype}) with every step a few percent longer or shorter"
     return "\n".join([title, "", intro, "", *rows, ""])
 
