@@ -23,7 +23,8 @@ round's real run (chat requests end at EOS, which only the model knows; the tabl
 agree on every length), and tabulates p50/p90 TTFT, p50 TPOT, p50 E2E latency and output throughput: the mean,
 min, max and spread ((max - min) / mean) of the R real runs, the simulated value and its error against the real
 mean, and how many of the single real runs it is within 15% of. It also lists, per real run, its total step time
-against the profile's prediction for the same steps (the machine's drift, run by run). Run files go under
+against the profile's prediction for the same steps (the machine's drift, run by run), and the step features of
+the compared runs outside the profile's fitted range. Run files go under
 ``experiments/results/sim_runs/D/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
 2-core machine two OpenMP threads competing with other processes spin and make steps up to tenfold slower and
 erratic, so the profile describes the engine with one thread.
@@ -145,17 +146,22 @@ def output_lengths(run_dir: Path) -> dict[str, int]:
     return {r["request_id"]: r["num_output_tokens"] for r in read_run(run_dir, missing_ok=False).requests}
 
 
-def step_time_ratio(run_dir: Path, profile: Path, dtype: str) -> float:
-    """The run's total step time (steps that did work) over what ``profile`` predicts for the same steps: above
-    1 the machine ran slower than in the profile's runs, below 1 faster."""
+def against_profile(run_dir: Path, profile: Path, dtype: str) -> tuple[float, list[str]]:
+    """The run's total step time (steps that did work) over what ``profile`` predicts for the same steps (above
+    1: the machine ran slower than in the profile's runs, below 1 faster), and the features whose values in the
+    run's steps leave the profile's ``feature_range`` (there the profile extrapolates)."""
     from nanovllm.harness.records import read_run
-    from nanovllm.harness.sim.step_time import CalibratedStepTime
+    from nanovllm.harness.sim.step_time import CalibratedStepTime, kernel_features
 
     model = CalibratedStepTime(profile, dtype=dtype)
     steps = [s for s in read_run(run_dir, missing_ok=False).steps
              if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
     predicted = sum(model.predict(s, 0.0) - model.step_gap for s in steps)
-    return sum(s["duration"] for s in steps) / predicted
+    switch = model.profile.get("gemv_max_rows")
+    rows = [{**s, **kernel_features(s, switch)} if switch is not None else s for s in steps]
+    outside = [name for name, (low, high) in model.profile["feature_range"].items()
+               if min(r[name] for r in rows) < low or max(r[name] for r in rows) > high]
+    return sum(s["duration"] for s in steps) / predicted, outside
 
 
 def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
@@ -169,8 +175,8 @@ def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
     real_dirs = {(w, p): finished([setup.real_dir(w, p, k) for k in rounds]) for w in WORKLOADS for p in POLICIES}
     rows = [("| workload | policy | metric | real mean | real min | real max | real spread | simulated | error vs "
             "real mean | single runs within 15% |"), "|---|---|---|---|---|---|---|---|---|---|"]
-    drift = ["| workload | policy | " + " | ".join(f"round {k}" for k in rounds) + " | output lengths agree |",
-             "|---|---|" + "---|" * repeats + "---|"]
+    drift = ["| workload | policy | " + " | ".join(f"round {k}" for k in rounds) + " | output lengths agree | features "
+             "outside the profile's range |", "|---|---|" + "---|" * repeats + "---|---|"]
     errors, singles = [], []
     suffix = "sim" if profiles == "shipped" else "sim_loo"
     for workload, overrides in WORKLOADS.items():
@@ -196,9 +202,11 @@ def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
                 rows.append(f"| {workload} | {policy} | {label} | {mean:,.1f} | {min(values):,.1f} | "
                             f"{max(values):,.1f} | {(max(values) - min(values)) / mean:.1%} | {sim[key]:,.1f} | "
                             f"{error:+.1%} | {hits} of {len(values)} |")
-            ratios = [step_time_ratio(d, profile, setup.dtype) for d in dirs]
+            checks = [against_profile(d, profile, setup.dtype) for d in dirs]
             agree = "yes" if all(output_lengths(d) == output_lengths(dirs[0]) for d in dirs[1:]) else "no"
-            drift.append(f"| {workload} | {policy} | " + " | ".join(f"{r:.3f}" for r in ratios) + f" | {agree} |")
+            outside = sorted({name for _, names in checks for name in names})
+            drift.append(f"| {workload} | {policy} | " + " | ".join(f"{ratio:.3f}" for ratio, _ in checks)
+                         + f" | {agree} | {', '.join(outside) or 'none'} |")
     how = ("the shipped profile of this dtype (fitted on the calibration workloads' runs, seeds 1.."
            f"{repeats}, made interleaved with the compared runs: never the runs compared)" if profiles == "shipped"
            else "a profile fitted on the other two workloads' real runs only (all rounds, both policies: leave "
@@ -214,8 +222,9 @@ def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
         f"{sum(singles)} of {runs} single real runs within 15% of the simulated figure; median absolute error vs "
         f"the mean {statistics.median(errors):.1%}, largest {max(errors):.1%}.**"), "", *rows, "",
         ("Per real run: its total step time over what the profile predicts for the same steps (above 1: the machine "
-        "ran slower than in the profile's runs), and whether the real runs agree on every request's output "
-        "length."), "", *drift, ""])
+         "ran slower than in the profile's runs); whether the real runs agree on every request's output length; "
+         "which step features of theirs leave the range the profile was fitted on (there it extrapolates)."),
+        "", *drift, ""])
     table = setup.table if profiles == "shipped" else setup.table.with_name(f"{setup.table.stem}_leave_one_out.md")
     table.write_text(text, encoding="utf-8")
     print(text)
