@@ -151,14 +151,12 @@ def against_profile(run_dir: Path, profile: Path, dtype: str) -> tuple[float, li
     1: the machine ran slower than in the profile's runs, below 1 faster), and the features whose values in the
     run's steps leave the profile's ``feature_range`` (there the profile extrapolates)."""
     from nanovllm.harness.records import read_run
-    from nanovllm.harness.sim.step_time import CalibratedStepTime, kernel_features
+    from nanovllm.harness.sim.step_time import CalibratedStepTime, with_kernel_features, working_steps
 
     model = CalibratedStepTime(profile, dtype=dtype)
-    steps = [s for s in read_run(run_dir, missing_ok=False).steps
-             if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
+    steps = working_steps(read_run(run_dir, missing_ok=False).steps)
     predicted = sum(model.predict(s, 0.0) - model.step_gap for s in steps)
-    switch = model.profile.get("gemv_max_rows")
-    rows = [{**s, **kernel_features(s, switch)} if switch is not None else s for s in steps]
+    rows = [with_kernel_features(s, model.gemv_max_rows) for s in steps]
     outside = [name for name, (low, high) in model.profile["feature_range"].items()
                if min(r[name] for r in rows) < low or max(r[name] for r in rows) > high]
     return sum(s["duration"] for s in steps) / predicted, outside

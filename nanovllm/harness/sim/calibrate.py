@@ -39,7 +39,12 @@ import yaml
 from scipy.optimize import nnls
 
 from nanovllm.harness.records import read_config, read_run
-from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES, KERNEL_FEATURES, kernel_features
+from nanovllm.harness.sim.step_time import (
+    CALIBRATION_FEATURES,
+    KERNEL_FEATURES,
+    with_kernel_features,
+    working_steps,
+)
 
 MIN_STEPS = 30
 # Row counts tried for a switch found from the steps (a decode batch of up to this many sequences).
@@ -54,7 +59,7 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
     if len(steps) < MIN_STEPS:
         raise ValueError(f"calibration needs at least {MIN_STEPS} steps, got {len(steps)} {source}".rstrip())
     names = CALIBRATION_FEATURES + (KERNEL_FEATURES if gemv_max_rows is not None else ())
-    rows = [{**s, **kernel_features(s, gemv_max_rows)} if gemv_max_rows is not None else s for s in steps]
+    rows = [with_kernel_features(s, gemv_max_rows) for s in steps]
     features = np.array([[float(s[f]) for f in names] for s in rows])
     for j, name in enumerate(CALIBRATION_FEATURES):
         if np.ptp(features[:, j]) == 0:
@@ -156,7 +161,7 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     setups = []
     for run_dir in run_dirs:
         data = read_run(run_dir, missing_ok=False)
-        steps.extend(s for s in data.steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0)
+        steps.extend(working_steps(data.steps))
         gaps.extend(step_gaps(data.steps))
         configs.append(data.metrics.get("simulated", False))
         setups.append(run_setup(run_dir))

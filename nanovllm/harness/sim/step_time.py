@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -50,6 +50,17 @@ def kernel_features(features: Mapping[str, int], gemv_max_rows: int) -> dict[str
     GEMV kernel, else 0; ``gemm_step``: 1 when they go through the GEMM instead (more than ``gemv_max_rows``)."""
     rows = features["num_prefill_tokens"] + features["num_decode_seqs"]
     return {"gemv_rows": rows if rows <= gemv_max_rows else 0, "gemm_step": int(rows > gemv_max_rows)}
+
+
+def with_kernel_features(step: Mapping[str, Any], gemv_max_rows: int | None) -> Mapping[str, Any]:
+    """``step`` with its ``kernel_features`` added for a profile split at ``gemv_max_rows`` (None: ``step``)."""
+    return step if gemv_max_rows is None else {**step, **kernel_features(step, gemv_max_rows)}
+
+
+def working_steps(steps: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The steps that ran a batch (prefill tokens or decodes). A step in which only rejected requests ended never
+    reached the model runner, so it has no step time to fit, predict or replay."""
+    return [s for s in steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
 
 
 class StepTimeModel(abc.ABC):
@@ -150,9 +161,8 @@ class ReplayStepTime(StepTimeModel):
         if not data.steps:
             raise ValueError(f"runner.replay_run: {run} has no steps to replay")
         self.run = Path(run)
-        # A step that ran nothing (only rejected requests ended in it) never reaches a runner, so it is not
-        # asked for here either: it stays inside the gap before the next step that did work.
-        steps = [s for s in data.steps if s["num_prefill_tokens"] + s["num_decode_seqs"] > 0]
+        # A step that ran nothing is not asked for here either: it stays inside the gap before the next one.
+        steps = working_steps(data.steps)
         self.starts = [float(s["start_time"]) for s in steps]
         self.durations = [float(s["duration"]) for s in steps]
         self.index = 0
