@@ -98,17 +98,21 @@ class Sampler:
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        # float32 explicitly: a valid temperature may be a Python int past int64 (e.g. 2**63), which an inferred
+        # integer tensor cannot hold.
+        temperature = torch.tensor([float(p.temperature) for p in params], dtype=torch.float32,
+                                   device=logits.device).unsqueeze(1)
         logits = logits / temperature
         top_k = [p.top_k for p in params]
         if any(k > 0 for k in top_k):
             # Keep, per row, the logits at least as large as that row's k-th largest.
-            k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
-            k = k.clamp(max=logits.shape[1])
+            # Clamped in Python: a top_k past int64 is valid (it keeps every token) but no tensor holds it.
+            k = torch.tensor([min(k, logits.shape[1]) if k > 0 else logits.shape[1] for k in top_k],
+                             device=logits.device)
             sorted_logits = logits.sort(dim=-1, descending=True).values
             kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=logits.device)
         if (top_p < 1).any():
             # Nucleus: drop tokens once the probability mass before them already reaches top_p.
             sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -76,3 +76,13 @@ def test_engine_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm):
     top1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=16),
                                               use_tqdm=False)]
     assert top1 == greedy
+
+
+def test_integer_temperature_and_top_k_past_int64_sample_every_token():
+    """A temperature or top_k that is a valid Python int too large for int64 (found by test_fuzz) must not break
+    the step: 2**63 flattens the distribution and keeps every token, so all tokens are drawn."""
+    logits = torch.tensor([[4.0, 2.0, 0.0, -2.0]])
+    params = SamplingParams(temperature=2**63, top_k=2**63)
+    params.validate()
+    draws = _draw(logits, params, 4000)
+    assert set(draws.tolist()) == {0, 1, 2, 3}
