@@ -160,6 +160,20 @@ def private_cache(tmp_path, monkeypatch):
     return copy
 
 
+def test_the_conversion_cache_is_keyed_by_the_gguf_bytes_not_its_path(tmp_path, monkeypatch):
+    """Each virtualenv installs the GGUF at a new path; all of them must share one 0.5 GB conversion."""
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    first, second, other = (tmp_path / d / "model.gguf" for d in ("venv-a", "venv-b", "venv-c"))
+    for path, content in ((first, b"GGUF same bytes"), (second, b"GGUF same bytes"), (other, b"GGUF other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    assert loader._gguf_cache_dir(first) == loader._gguf_cache_dir(second)
+    assert loader._gguf_cache_dir(first) != loader._gguf_cache_dir(other)
+    second.write_bytes(b"GGUF new bytes!")          # rewritten in place: a new key, not the stale conversion
+    os.utime(second, ns=(second.stat().st_atime_ns, second.stat().st_mtime_ns + 10**9))
+    assert loader._gguf_cache_dir(second) != loader._gguf_cache_dir(first)
+
+
 def _digest(path: Path) -> str:
     return loader._sha256(path)
 

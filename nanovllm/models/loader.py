@@ -16,6 +16,7 @@ never set).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -56,10 +57,18 @@ def default_gguf_path() -> Path:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
+    # Keyed by the GGUF's bytes, not its path: every virtualenv (each fresh clone has one) installs the same
+    # file at a new path, and a path key left one 0.5 GB conversion per clone until the disk filled.
     stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    digest = _content_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)[:16]
     return cache_root() / f"{gguf.stem}-{digest}"
+
+
+@functools.lru_cache(maxsize=16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file, hashed once per process for each (path, size, mtime) seen."""
+    del size, mtime_ns  # part of the cache key only: a rewritten file is hashed again
+    return _sha256(Path(path))
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
