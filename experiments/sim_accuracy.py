@@ -47,7 +47,7 @@ RESULTS = ROOT / "experiments" / "results"
 DTYPES = ("bfloat16", "float32")
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 ENGINE = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 5
 WITHIN = 0.15
 
 # Calibration workloads; their workload seed is the round's number (1..R), never the compared runs' 0.
