@@ -1,5 +1,10 @@
 """nano-vllm: a small, readable LLM inference engine whose every serving decision is a plugin."""
 
+from nanovllm import machine
+
+machine.apply_isa_cap()  # before anything imports torch: a forced lower ISA level caps oneDNN and ATen too
+
+
 from nanovllm.allocator import ALLOCATORS, BlockAllocator, register_allocator
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
 from nanovllm.config import EngineConfig

@@ -1,35 +1,54 @@
-"""nano-vllm's CPU kernels (``nanovllm/csrc``): paged attention, RMSNorm and rotary embedding in C++, built with
-torch's extension tooling (g++ and ninja) on first use and cached, so a fresh machine needs no build step.
+"""nano-vllm's CPU kernels (``nanovllm/csrc``): paged attention, RMSNorm, rotary embedding, greedy sampling and
+the bf16 GEMV in C++, built with torch's extension tooling (g++ and ninja) on first use and cached, so a fresh
+machine needs no build step.
 
-The build is keyed by the sources, the flags, the torch version and the CPU's feature flags (it is compiled
-with ``-march=native``), under ``$NANOVLLM_CACHE/extensions`` (default ``~/.cache/nanovllm``). The first build
-takes ~30-60 s; later processes load the cached library at once.
+One build per ISA level (``nanovllm.machine``): the sources choose their vector path at compile time
+(``__AVX512BF16__``, ``__AVX512F__``, else portable loops), so each level is compiled with its own explicit
+flags, never ``-march=native``, and ``load()`` takes the level in force (the CPU's best, or the lower one
+``NANOVLLM_CPU_ISA`` forces). Any supported level can be loaded beside the others (``load("avx2")``): the tests
+run every path the machine has.
+
+The cache (``$NANOVLLM_CACHE/extensions``, default ``~/.cache/nanovllm``) is keyed by the sources, the flags,
+the compiler and the torch version, not by the virtualenv's path: every clone and venv on a machine shares one
+build, which is loaded straight from its ``.so``. Builders take an OS file lock (``filelock``: released by the
+kernel when its holder dies, however it dies), so a build interrupted by Ctrl-C or a kill never blocks a later
+start; a process that waits for another's build says so once on stderr.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import platform
-import time
-import warnings
+import importlib.machinery
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
+import filelock
 import torch
+
+from nanovllm import machine
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h"]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-fopenmp"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# The compiler flags of each kernel build. AMX is oneDNN's (torch's matmuls): our kernels run the bf16 build there.
+ISA_CFLAGS: dict[str, list[str]] = {
+    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+    "avx512": _AVX512,
+    "avx2": _AVX2,
+    "scalar": [],
+}
 
 
-def _cpu_fingerprint() -> str:
-    """The CPU's feature flags, so a cache shared between machines never hands one CPU's build to another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
+def kernel_build(level: str) -> str:
+    """The kernel build that serves ISA ``level`` (``amx`` runs the ``avx512_bf16`` build)."""
+    return "avx512_bf16" if level == "amx" else level
 
 
 def extension_dir() -> Path:
@@ -39,40 +58,83 @@ def extension_dir() -> Path:
     return cache_root() / "extensions"
 
 
-# A build takes 1-3 minutes; torch's lock file older than this was left by a build that was killed (Ctrl-C
-# during the first run), and torch would wait for it forever.
-STALE_LOCK_S = 20 * 60
-
-
-def _remove_stale_lock(build_dir: Path) -> None:
-    lock = build_dir / "lock"
+@functools.cache
+def _compiler_version() -> str:
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        warnings.warn(f"removing {lock}, left {age / 60:.0f} minutes ago by an interrupted kernel build", stacklevel=3)
-        lock.unlink(missing_ok=True)
+        out = subprocess.run(["c++", "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else "unknown compiler"
+    except (OSError, subprocess.SubprocessError):
+        return "no compiler"
+
+
+def build_name(build: str) -> str:
+    """The cache entry of one kernel build: its level and a hash of everything that makes its bytes."""
+    key = "\n".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(CFLAGS + ISA_CFLAGS[build]),
+                     _compiler_version(), torch.__version__, sys.version.split()[0]])
+    return f"nanovllm_kernels_{build}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _import_built(name: str, library: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(name: str, build: str, build_dir: Path) -> None:
+    from torch.utils import cpp_extension
+
+    # torch's own lock file ("lock") outlives a killed build and makes torch wait for it forever; whoever holds
+    # our OS lock is the only builder, so one found now is stale.
+    (build_dir / "lock").unlink(missing_ok=True)
+    cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+                       extra_cflags=CFLAGS + ISA_CFLAGS[build] + [f"-DNANOVLLM_OPS=nanovllm_{build}"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 @functools.cache
-def load():
-    """The compiled extension module. Raises ``RuntimeError`` saying what is missing if the build fails."""
-    from torch.utils import cpp_extension
-
-    # torch's install path is part of the key: the build files name it, so two virtualenvs sharing one key
-    # would rebuild each other's library on every load.
-    key = "\n".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__,
-                     str(Path(torch.__file__).parent), _cpu_fingerprint()])
-    name = f"nanovllm_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+def load(level: str | None = None) -> ModuleType:
+    """The compiled kernels for ISA ``level`` (None: the level in force, ``machine.selected_isa()``), built on
+    first use. The module also carries ``isa`` (its build's level) and ``gemv_bf16_op`` (the GEMV as a torch
+    operator, which profiles count as a linear). Raises ``ValueError`` for a level the CPU lacks and
+    ``RuntimeError`` saying what is missing if the build fails."""
+    level = machine.check_isa(level, "level") if level is not None else machine.selected_isa()
+    build = kernel_build(level)
+    name = build_name(build)
     build_dir = extension_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(build_dir)
+    library = build_dir / f"{name}.so"
     try:
-        return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-    except (RuntimeError, OSError, ImportError) as exc:
+        if not library.exists():
+            build_dir.mkdir(parents=True, exist_ok=True)
+            with _build_lock(build_dir / "build.lock"):
+                if not library.exists():  # another process may have built it while we waited
+                    _build(name, build, build_dir)
+        module = _import_built(name, library)
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
         raise RuntimeError(
             f"could not build nano-vllm's CPU kernels ({exc}); they need g++ and the ninja package "
             "(pip install ninja). attention='torch' with dtype='float32' runs without them."
         ) from exc
+    module.isa = build
+    module.gemv_bf16_op = getattr(torch.ops, f"nanovllm_{build}").gemv_bf16
+    return module
+
+
+class _build_lock:
+    """The OS lock over one build directory; says once on stderr when it has to wait for another process."""
+
+    def __init__(self, path: Path) -> None:
+        self.lock = filelock.FileLock(str(path))
+
+    def __enter__(self) -> None:
+        try:
+            self.lock.acquire(timeout=0)
+        except filelock.Timeout:
+            print(f"nano-vllm: waiting for another process's kernel build ({self.lock.lock_file})", file=sys.stderr,
+                  flush=True)
+            self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()

@@ -32,7 +32,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
-LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise", "nanovllm::gemv_bf16"})
+LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise",
+                        *(f"nanovllm_{build}::gemv_bf16" for build in ("avx512_bf16", "avx512", "avx2", "scalar"))})
 SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
 
 

@@ -89,5 +89,10 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<tor
 }
 
 // Also a torch operator, torch.ops.nanovllm.gemv_bf16, so the profiler sees it as one op (a linear layer).
-TORCH_LIBRARY(nanovllm, m) { m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
-TORCH_LIBRARY_IMPL(nanovllm, CPU, m) { m.impl("gemv_bf16", &gemv_bf16); }
+// Each ISA build registers its own namespace (NANOVLLM_OPS, set by nanovllm/kernels.py), so the builds for
+// several levels load side by side in one process (the tests run every level the CPU supports).
+#ifndef NANOVLLM_OPS
+#define NANOVLLM_OPS nanovllm
+#endif
+TORCH_LIBRARY(NANOVLLM_OPS, m) { m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) { m.impl("gemv_bf16", &gemv_bf16); }

@@ -67,7 +67,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.GEMV_MAX_ROWS:
             # Through the dispatcher (registered by the kernels' library) so profiles count it as a linear.
-            return torch.ops.nanovllm.gemv_bf16(x, self.weight, self.bias)
+            return self.kernels.gemv_bf16_op(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
