@@ -100,7 +100,7 @@ def load(level: str | None = None) -> ModuleType:
     first use. The module also carries ``isa`` (its build's level) and ``gemv_bf16_op`` (the GEMV as a torch
     operator, which profiles count as a linear). Raises ``ValueError`` for a level the CPU lacks and
     ``RuntimeError`` saying what is missing if the build fails."""
-    level = machine.check_isa(level, "level") if level is not None else machine.selected_isa()
+    level = machine.check_isa(level, "isa") if level is not None else machine.selected_isa()
     build = kernel_build(level)
     name = build_name(build)
     build_dir = extension_dir() / name

@@ -4,6 +4,32 @@ from __future__ import annotations
 
 import pytest
 
+from nanovllm import machine
+from nanovllm.kernels import kernel_build
+
+# Every kernel build this CPU can run (amx shares avx512_bf16's), best first: the kernel tests run each one, so
+# a machine with AVX-512 BF16 also tests the AVX-512, AVX2 and scalar paths.
+KERNEL_BUILDS = list(dict.fromkeys(kernel_build(level) for level in machine.supported_isas()))
+
+
+def pytest_report_header(config) -> str:
+    return (f"nano-vllm: CPU {machine.cpu_model()}; ISA level in force {machine.selected_isa()}; "
+            f"kernel paths tested: {', '.join(KERNEL_BUILDS)}")
+
+
+@pytest.fixture(params=KERNEL_BUILDS)
+def kernel_isa(request) -> str:
+    """Each kernel build (ISA level) this CPU supports, one test run each."""
+    return request.param
+
+
+@pytest.fixture
+def compiled(kernel_isa):
+    """The compiled CPU kernels of ``kernel_isa`` (built on first use, cached per machine)."""
+    from nanovllm import kernels
+
+    return kernels.load(kernel_isa)
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

@@ -35,16 +35,19 @@ class CpuAttention(AttentionBackend):
     with at least that many query tokens in the step (long prefill chunks) through torch's SDPA on a padded
     group instead, as in the reference backend, for CPUs where the kernel's plain (non-AVX-512) loop is slower
     than SDPA's blocked matrix-matrix work.
+
+    ``isa``: the kernel build to run (``nanovllm.machine`` levels: ``avx512_bf16``, ``avx512``, ``avx2``,
+    ``scalar``); None, the default, runs the level in force (the CPU's best, or ``NANOVLLM_CPU_ISA``).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sdpa_min_query: int | None = None) -> None:
+                 sdpa_min_query: int | None = None, isa: str | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if sdpa_min_query is not None and (not isinstance(sdpa_min_query, int) or isinstance(sdpa_min_query, bool)
                                            or sdpa_min_query < 2):
             raise ValueError(f"sdpa_min_query must be None or an integer >= 2, got {sdpa_min_query!r}")
         self.sdpa_min_query = sdpa_min_query
-        self._kernel = kernels.load()
+        self._kernel = kernels.load(isa)
         self._slot_mapping = torch.empty(0, dtype=torch.long)
         self._block_tables = torch.empty(0, 0, dtype=torch.int32)
         self._seq = torch.empty(0, dtype=torch.int32)
