@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,44 @@ class PromptAgreement:
     @property
     def identical(self) -> bool:
         return self.ours == self.reference
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return PromptAgreement("", a, b).matching_prefix
+
+
+SIGN_TEST_ALPHA = 0.01
+
+
+@dataclass
+class AgreementSignTest:
+    """Whether a fast path's greedy output stays with the exact model at least as long as a peer's does (the
+    peer: transformers in the same reduced dtype), prompt by prompt. ``longer`` / ``shorter`` / ``ties``: prompts
+    where ours agrees with the exact tokens for more / fewer / as many tokens as the peer's; ``p_value``: the
+    one-sided sign test's chance of so many ``shorter`` among the untied prompts if ours were no worse."""
+
+    longer: int
+    shorter: int
+    ties: int
+    p_value: float
+
+    @property
+    def passed(self) -> bool:
+        return self.p_value >= SIGN_TEST_ALPHA
+
+
+def agreement_sign_test(ours: list[list[int]], peer: list[list[int]], exact: list[list[int]]) -> AgreementSignTest:
+    """The guard against vacuous closeness, measured on the machine it runs on: vLLM's top-5 standard checks
+    only the first divergence, so a path that diverged early on every prompt could still pass it. Rule: our
+    tokens stay with the exact (float32) reference at least as long as the peer's reduced-precision tokens do,
+    unless a one-sided sign test over the prompts rejects that at ``SIGN_TEST_ALPHA`` (p < 0.01). No threshold
+    is tuned to a CPU: both sides round on the same machine, with its own kernels (AMX or not)."""
+    diffs = [common_prefix(o, e) - common_prefix(p, e) for o, p, e in zip(ours, peer, exact, strict=True)]
+    longer, shorter = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    untied = longer + shorter
+    p_value = sum(math.comb(untied, k) for k in range(shorter, untied + 1)) / 2 ** untied
+    return AgreementSignTest(longer, shorter, len(diffs) - untied, p_value)
 
 
 def load_prompts(path: str | Path | None, tokenizer) -> list[tuple[str, list[int]]]:
