@@ -29,6 +29,8 @@ class EngineConfig:
     fuse_projections: bool | None = None        # fused q/k/v, gate/up (+ prepacked weights on CPU);
                                                 # None: fused unless dtype is float32 (the exact reference path)
     tensor_parallel_size: int = 1               # ranks (worker processes) the model is split over
+    warmup: bool = True                         # run each representative batch shape once before serving
+                                                # (engine/warmup.py); False: cold-start numbers
 
     @property
     def fast_path(self) -> bool:
@@ -54,8 +56,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be true, false or None, got {self.fuse_projections!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

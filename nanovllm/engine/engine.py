@@ -21,6 +21,7 @@ from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
+from nanovllm.engine.warmup import warm_up
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
@@ -103,6 +104,14 @@ class LLMEngine:
                   and backend.supports_cuda_graphs)
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
                              GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
+        # Before the first request's clock starts, every representative batch shape runs once (warmup.py).
+        self.warmup_steps, self.warmup_time = 0, 0.0
+        if config.warmup and not simulated:
+            self.warmup_steps, self.warmup_time = warm_up(
+                runner, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, self.num_kv_blocks,
+                config.block_size, self.hf_config.vocab_size)
+            logger.info("warm-up: %d steps on representative batch shapes in %.2f s (engine.warmup=false skips it)",
+                        self.warmup_steps, self.warmup_time)
         self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)
         self.policy: Policy = POLICIES.build(scheduler)
         self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,

@@ -98,8 +98,8 @@ def serve(
     (their ``start``/``finish`` are the caller's: it knows the run directory). The run's steps are numbered
     from 0 and timed from ``serve``'s start, whatever the engine did before. ``clock``: the wall clock by
     default; the simulator passes its virtual one (the engine must read the same clock). ``annotations`` are
-    added to the summary (the simulator marks its runs ``simulated``).
-    from 0 and timed from ``serve``'s start, whatever the engine did before.
+    added to the summary (the simulator marks its runs ``simulated``). The engine's warm-up (done when it was
+    built, before ``serve``'s clock starts) is reported as ``warmup_time_s`` / ``warmup_steps``, never in a request.
 
     When ``stop`` is set (``python -m nanovllm.run`` sets it on SIGINT/SIGTERM) the loop ends after the current
     step: every unfinished request is aborted with reason ``interrupted`` and recorded, requests that had not
@@ -123,6 +123,7 @@ def serve(
     if monitor is not None:
         overall = monitor.overall(run.steps)
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
+    summary.update(warmup_time_s=round(engine.warmup_time, 3), warmup_steps=engine.warmup_steps)
     summary.update(annotations or {})
     breakdowns = {by: breakdown(run.records, by, slo=slo) for by in ("priority", "client_id")}
     for logger in loggers:
