@@ -9,7 +9,7 @@ batch up to its longest output, and is credited only with the tokens the workloa
     python experiments/bench_gpu.py [--model PATH ...] [--dtype bfloat16] [--num-seqs 256] [--json FILE]
 
 Prints one markdown table row per (model, engine) after a header; experiments/gpu_check.sh wraps it into the
-summary block for the README.
+summary block for docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 # 3. throughput on upstream nano-vllm's workload (256 sequences, input/output lengths uniform in 100-1024) with
 #    the default model, and with a Qwen3-0.6B if its weights are on this machine (QWEN3_0_6B=DIR, or the
 #    Hugging Face cache), side by side with transformers on the same GPU;
-# 4. one summary block to paste into the README (also written to experiments/results/gpu_check.md).
+# 4. one summary block to paste into docs/gpu.md (also written to experiments/results/gpu_check.md).
 # Environment: PYTHON (default python3), GPU_CHECK_SKIP_INSTALL=1 to use the venv as it is (offline machines).
 set -uo pipefail
 cd "$(dirname "$0")/.."

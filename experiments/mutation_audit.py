@@ -13,7 +13,7 @@ written. A mutation is *caught* when pytest reports failing tests (exit status 1
     ... experiments/mutation_audit.py --skip-model     # leave out mutations whose tests load the model
     ... experiments/mutation_audit.py --fast-set       # also run the whole fast test set on each mutation
 
-Exit status 0 when every mutation run was caught, 1 otherwise. ``--markdown`` prints the README table.
+Exit status 0 when every mutation run was caught, 1 otherwise. ``--markdown`` prints the table of docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ machine's drift hits calibration and comparison alike.
     python experiments/sim_accuracy.py measure [--dtype D] [--repeats R] [--rounds K,...]  # the real runs
     python experiments/sim_accuracy.py calibrate [--dtype D] [--repeats R]  # fit the shipped profile on them
     python experiments/sim_accuracy.py compare [--dtype D] [--repeats R] [--profiles shipped|leave-one-out]
-    python experiments/sim_accuracy.py all [--dtype D] [--repeats R]        # measure, calibrate, compare (shipped)
+    python experiments/sim_accuracy.py all [--dtype D] [--repeats R]        # measure, calibrate, compare, pack
+    python experiments/sim_accuracy.py extract|pack [--dtype D]   # unpack the runs' archive / write it anew
 
 D: bfloat16 (default, the engine's) or float32; R: 3 by default. Every run, real and simulated, uses
 ``engine.dtype=D`` (and the default attention backend); one profile is shipped per dtype.
@@ -25,7 +26,11 @@ min, max and spread ((max - min) / mean) of the R real runs, the simulated value
 mean, and how many of the single real runs it is within 15% of. It also lists, per real run, its total step time
 against the profile's prediction for the same steps (the machine's drift, run by run), and the step features of
 the compared runs outside the profile's fitted range. Run files go under
-``experiments/results/sim_runs/D/``. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
+``experiments/results/sim_runs/D/``, which is not tracked: the runs are kept as one archive per dtype,
+``experiments/results/sim_runs_D.tar.xz``, unpacked there on first use (checked against the SHA-256 the shipped
+profile records in ``runs_archive``), so ``compare`` reproduces the tables from a fresh clone. ``pack`` writes the
+archive from that directory after new runs and records its name and SHA-256 in the shipped profile; ``all`` ends
+with it. ``extract`` only unpacks. Every run uses one torch thread (``OMP_NUM_THREADS=1``): on this shared
 2-core machine two OpenMP threads competing with other processes spin and make steps up to tenfold slower and
 erratic, so the profile describes the engine with one thread.
 """
@@ -40,6 +45,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm.harness.sim import runs_archive
 from nanovllm.harness.sim.step_time import default_profile_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +77,7 @@ WORKLOADS = {
 POLICIES = ("fcfs", "priority")
 METRICS = [("p50 TTFT ms", "median_ttft_ms"), ("p90 TTFT ms", "p90_ttft_ms"), ("p50 TPOT ms", "median_tpot_ms"),
            ("p50 E2E ms", "median_e2el_ms"), ("output tok/s", "output_throughput")]
+_UNPACKED: set[str] = set()  # dtypes whose archive this process has checked and unpacked
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,23 @@ class Setup:
 
     @property
     def runs(self) -> Path:
+        """The dtype's run directory, unpacked from ``archive`` on first use (and when the archive changes)."""
+        if self.archive.is_file() and self.dtype not in _UNPACKED:
+            recorded = runs_archive.runs_archive(self.profile) if self.profile.is_file() else None
+            expected = recorded["sha256"] if recorded and recorded["file"] == self.archive_name else None
+            runs_archive.ensure_extracted(self.archive, sha256=expected)
+            _UNPACKED.add(self.dtype)
         return RESULTS / "sim_runs" / self.dtype
+
+    @property
+    def archive(self) -> Path:
+        """The one archive holding every run file of this dtype (``sim_runs/D/...``, seeds included)."""
+        return RESULTS / f"sim_runs_{self.dtype}.tar.xz"
+
+    @property
+    def archive_name(self) -> str:
+        """``archive`` as the shipped profile records it: relative to the repository root."""
+        return self.archive.relative_to(ROOT).as_posix()
 
     @property
     def profile(self) -> Path:
@@ -137,6 +160,13 @@ def calibrate(setup: Setup, repeats: int) -> None:
     subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate",
                     *(str(d.relative_to(ROOT)) for d in dirs), "--out", str(setup.profile.relative_to(ROOT))],
                    check=True, cwd=ROOT)
+
+
+def pack(setup: Setup) -> None:
+    """Write the dtype's archive from ``sim_runs/D/`` and record its name and SHA-256 in the shipped profile."""
+    digest = runs_archive.pack(RESULTS, [f"sim_runs/{setup.dtype}"], setup.archive)
+    runs_archive.record_runs_archive(setup.profile, setup.archive_name, digest)
+    print(f"wrote {setup.archive_name} (SHA-256 {digest}); recorded in {setup.profile.relative_to(ROOT)}")
 
 
 def output_lengths(run_dir: Path) -> dict[str, int]:
@@ -230,7 +260,8 @@ def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=("measure", "calibrate", "compare", "all"), default="all")
+    parser.add_argument("what", nargs="?", default="all",
+                        choices=("measure", "calibrate", "compare", "pack", "extract", "all"))
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="engine.dtype of every real and simulated run (one shipped profile per dtype)")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
@@ -256,6 +287,10 @@ def main() -> None:
         calibrate(setup, args.repeats)
     if args.what in ("compare", "all"):
         compare(setup, args.repeats, args.profiles)
+    if args.what == "extract":
+        print(f"{setup.runs.relative_to(ROOT)}: unpacked from {setup.archive_name}")
+    if args.what in ("pack", "all"):
+        pack(setup)
 
 
 if __name__ == "__main__":

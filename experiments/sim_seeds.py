@@ -11,7 +11,9 @@ session as the ones compared, so a change of the machine's speed since the shipp
 not count as the simulator's error. Each request's output length is taken from its real run. The table
 (``results/sim_seeds_D_WORKLOAD.md``) gives every seed's figures and error, and the mean of each figure over the
 seeds, real and simulated, with its error. Run files go under ``experiments/results/sim_runs/D/seeds/`` (seed 0's
-real run is ``sim_accuracy``'s round-1 run, ``<workload>_<policy>_real_r1``).
+real run is ``sim_accuracy``'s round-1 run, ``<workload>_<policy>_real_r1``), unpacked on first use from the dtype's
+archive ``experiments/results/sim_runs_D.tar.xz``; ``python experiments/sim_accuracy.py pack --dtype D`` writes it
+anew after new runs.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ from the first real run, and tabulates the same metrics next to every real run o
 their mean (the errors are against the mean) into ``results/sim_sensitivity_D_WORKLOAD.md``. A metric that jumps
 between neighbouring factors depends on which side of a step boundary an arrival lands, not on the step-time model's
 accuracy: run-to-run noise of the real engine (a few percent per step on this shared machine) moves it as much. The
-simulated runs go to a temporary directory (the table is what is kept).
+real runs are read from ``experiments/results/sim_runs/D/``, unpacked on first use from the dtype's archive
+``experiments/results/sim_runs_D.tar.xz``; the simulated runs go to a temporary directory (the table is what is kept).
 """
 
 from __future__ import annotations

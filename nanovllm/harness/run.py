@@ -7,7 +7,7 @@ into Hydra's run directory beside ``.hydra/``::
     python -m nanovllm.run -m scheduler=fcfs,priority          # one job each + summary.csv/.md of the sweep
     python -m nanovllm.run plugins=[experiments/my_policy.py] scheduler.name=shortest_prompt_first
 
-Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/conf_schema.py``. Mistakes
+Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/harness/conf_schema.py``. Mistakes
 in the config itself are reported by Hydra, except an unknown config-group option (``hardware=nope``:
 ``nanovllm.harness.group_options``); that and everything else a user can get wrong (an unknown plugin name, a
 plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with

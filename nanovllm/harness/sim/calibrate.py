@@ -20,6 +20,11 @@ Two terms beyond the recorded features make the profile follow the real engine's
   (the serving loop's bookkeeping: records, loggers, arrivals), which ``steps.jsonl`` shows and no step's
   ``duration`` contains.
 
+Runs kept as an archive (``runs_archive``): with ``--runs-archive FILE`` (by default the archive the ``--out``
+profile already records), RUN_DIRs missing on disk are unpacked from it first (``runs_archive.ensure_extracted``,
+checked against the recorded SHA-256), and the new profile records the archive's file name and SHA-256, so a
+shipped profile's own ``command`` reproduces it from a fresh clone.
+
 A calibration the simulator could not trust stops with one ``error:`` line naming the cause: fewer than
 ``MIN_STEPS`` steps, or a feature that never varies across the steps (nothing to fit it from: e.g. runs with
 no prefill at all).
@@ -39,6 +44,7 @@ import yaml
 from scipy.optimize import nnls
 
 from nanovllm.harness.records import read_config, read_run
+from nanovllm.harness.sim import runs_archive as archives
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
     KERNEL_FEATURES,
@@ -150,11 +156,12 @@ def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] 
 
 
 def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None,
-              gemv_max_rows: int | None | str = "auto") -> dict:
+              gemv_max_rows: int | None | str = "auto", runs_archive: dict[str, str] | None = None) -> dict:
     """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it. The profile records
     the runs' model, dtype and attention backend (``run_setup``); runs in different dtypes are an error (one
     profile describes one dtype's step times). ``gemv_max_rows``: the kernel split to fit ("auto":
-    ``default_gemv_max_rows``; "fit": ``fitted_kernel_switch``; None or 0: none)."""
+    ``default_gemv_max_rows``; "fit": ``fitted_kernel_switch``; None or 0: none). ``runs_archive``: the
+    ``{"file", "sha256"}`` of the archive the runs came from, recorded after ``command``."""
     steps: list[dict] = []
     gaps: list[float] = []
     configs = []
@@ -177,6 +184,8 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
     metadata.update(runs=[str(Path(r)) for r in run_dirs], command=command or "")
+    if runs_archive:
+        metadata[archives.KEY] = {"file": runs_archive["file"], "sha256": runs_archive["sha256"]}
     if gemv_max_rows == "auto":
         gemv_max_rows = default_gemv_max_rows(setups)
     if gemv_max_rows == "fit":
@@ -189,6 +198,23 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     return profile
 
 
+def _runs_archive(run_dirs: Sequence[str], out: str, given: str | None) -> dict[str, str] | None:
+    """The archive the runs come from (``--runs-archive``, else the one the existing ``out`` profile records),
+    unpacked first when a run directory is missing; None when there is none to use."""
+    expected = None
+    if given is None:
+        recorded = archives.runs_archive(out) if Path(out).is_file() else None
+        if recorded is None or not Path(recorded["file"]).is_file():
+            return None  # nothing recorded, or its archive is not here: the runs are read as given
+        given, expected = recorded["file"], recorded["sha256"]
+    if any(not Path(d).is_dir() for d in run_dirs):
+        archives.ensure_extracted(given, sha256=expected)
+    digest = archives.file_sha256(given)
+    if expected is not None and digest != expected:
+        raise ValueError(f"run archive {given} has SHA-256 {digest}, but {out} records {expected}")
+    return {"file": given, "sha256": digest}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.harness.sim.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,14 +223,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--gemv-max-rows", type=int, default=None,
                         help="fit the matmul kernel split at this many rows (0: none; default: the engine's GEMV "
                              "switch when the runs are bfloat16 on CPU, found from the steps for other CPU runs)")
+    parser.add_argument("--runs-archive", default=None,
+                        help="a .tar.xz the runs are kept in: RUN_DIRs missing on disk are unpacked from it, and the "
+                             "profile records its name and SHA-256 (default: the archive the --out profile records)")
     args = parser.parse_args(argv)
     command = "python -m nanovllm.harness.sim.calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.gemv_max_rows is not None and args.gemv_max_rows < 0:
         print(f"error: --gemv-max-rows must be >= 0, got {args.gemv_max_rows}", file=sys.stderr)
         sys.exit(1)
     try:
+        archive = _runs_archive(args.run_dirs, args.out, args.runs_archive)
         profile = calibrate(args.run_dirs, args.out, command,
-                            "auto" if args.gemv_max_rows is None else args.gemv_max_rows)
+                            "auto" if args.gemv_max_rows is None else args.gemv_max_rows, runs_archive=archive)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
