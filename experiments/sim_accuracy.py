@@ -38,7 +38,6 @@ erratic, so the profile describes the engine with one thread.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -47,23 +46,17 @@ from pathlib import Path
 
 from nanovllm.harness.sim import runs_archive
 from nanovllm.harness.sim.step_time import default_profile_path
+from nanovllm.harness.sim.this_machine import CALIBRATION_WORKLOADS, run_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
 DTYPES = ("bfloat16", "float32")
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-ENGINE = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
-DEFAULT_REPEATS = 5
+DEFAULT_REPEATS = 5  # = this_machine.FULL_ROUNDS, the protocol of `calibrate --this-machine --full`
 WITHIN = 0.15
 
-# Calibration workloads; their workload seed is the round's number (1..R), never the compared runs' 0.
-CALIBRATION = {
-    "calib_synthetic": ["workload=synthetic", "workload.num_requests=40", "workload.request_rate=3",
-                        "workload.input_len.kind=uniform", "workload.input_len.mean=200",
-                        "workload.input_len.range_ratio=0.9", "workload.output_len.kind=uniform",
-                        "workload.output_len.mean=32", "workload.output_len.range_ratio=0.8"],
-    "calib_chat": ["workload=chat", "workload.num_requests=24", "workload.request_rate=2", "workload.max_tokens=64"],
-}
+# Calibration workloads (shared with `calibrate --this-machine`); their workload seed is the round's number
+# (1..R), never the compared runs' 0.
+CALIBRATION = CALIBRATION_WORKLOADS
 WORKLOADS = {
     "chat_low": ["workload=chat", "workload.num_requests=16", "workload.request_rate=0.5", "workload.max_tokens=48"],
     "chat_saturating": ["workload=chat", "workload.num_requests=24", "workload.request_rate=4",
@@ -123,10 +116,7 @@ class Setup:
         return self.runs / f"{workload}_{policy}_real_r{round_}"
 
     def run(self, overrides: list[str], run_dir: Path) -> None:
-        command = [sys.executable, "-m", "nanovllm.run", *overrides, *ENGINE, f"engine.dtype={self.dtype}",
-                   f"hydra.run.dir={run_dir}"]
-        print("$", " ".join(command[1:]), flush=True)
-        subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
+        run_engine(overrides, run_dir, self.dtype, threads=1, cwd=ROOT)
 
 
 def measure(setup: Setup, rounds: list[int]) -> None:

@@ -277,7 +277,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
                        loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
                        clock=sim.clock if sim is not None else None,
-                       annotations=sim.annotations if sim is not None else None, stop=STOP.event)
+                       annotations=sim.annotations if sim is not None else _machine_record(), stop=STOP.event)
     except BaseException:
         live.close()
         raise
@@ -292,6 +292,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(f"run files: {run_dir}")
     live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
+
+
+def _machine_record() -> dict[str, Any]:
+    """What a real run's ``metrics.json`` says of the machine it ran on (CPU model, architecture, ISA level,
+    torch threads): a step-time profile fitted on the run records it (``nanovllm.harness.sim.calibrate``)."""
+    from nanovllm.harness.sim.this_machine import this_machine
+
+    return {"machine": this_machine()}
 
 
 def _task(cfg: DictConfig) -> float | None:

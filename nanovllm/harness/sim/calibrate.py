@@ -1,6 +1,14 @@
 """Fit the ``calibrated`` step-time model from real runs' ``steps.jsonl``::
 
     python -m nanovllm.harness.sim.calibrate RUN_DIR [RUN_DIR ...] --out profile.yaml
+    python -m nanovllm.harness.sim.calibrate --this-machine [--dtype bfloat16] [--threads 1] [--full]
+
+The second form makes the runs too: the calibration workloads of the shipped profiles, run here (one round of
+them by default, a minute or two on one core; ``--full``: the study's five rounds), fitted into this machine's
+profile cache, which ``runner=sim`` then uses instead of the shipped profile
+(``nanovllm.harness.sim.this_machine``). Every profile records the machine its runs were measured on
+(``machine``: CPU model, architecture, ISA level, torch threads, copy bandwidth), from the runs' ``metrics.json``
+(else the calibrating process's), and ``runner=sim`` warns in one logged line when that is not this machine.
 
 Non-negative least squares (``scipy.optimize.nnls``) of each step's duration on a per-step intercept and the
 features the engine records (``CALIBRATION_FEATURES``), so every feature can only add time. The profile keeps
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -158,20 +167,25 @@ def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] 
 def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None,
               gemv_max_rows: int | None | str = "auto", runs_archive: dict[str, str] | None = None) -> dict:
     """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it. The profile records
-    the runs' model, dtype and attention backend (``run_setup``); runs in different dtypes are an error (one
-    profile describes one dtype's step times). ``gemv_max_rows``: the kernel split to fit ("auto":
+    the runs' model, dtype and attention backend (``run_setup``) and machine (``this_machine.profile_machine``);
+    runs in different dtypes or on different machines are an error (one profile describes one dtype's step
+    times on one machine). ``gemv_max_rows``: the kernel split to fit ("auto":
     ``default_gemv_max_rows``; "fit": ``fitted_kernel_switch``; None or 0: none). ``runs_archive``: the
     ``{"file", "sha256"}`` of the archive the runs came from, recorded after ``command``."""
+    from nanovllm.harness.sim.this_machine import profile_machine
+
     steps: list[dict] = []
     gaps: list[float] = []
     configs = []
     setups = []
+    machines = []
     for run_dir in run_dirs:
         data = read_run(run_dir, missing_ok=False)
         steps.extend(working_steps(data.steps))
         gaps.extend(step_gaps(data.steps))
         configs.append(data.metrics.get("simulated", False))
         setups.append(run_setup(run_dir))
+        machines.append(data.metrics.get("machine"))
     if any(configs):
         raise ValueError("calibration: a run directory holds a simulated run; calibrate from real runs only")
     dtypes = sorted({str(setup["dtype"]) for setup in setups if setup.get("dtype")})
@@ -183,6 +197,7 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         values = {setup.get(key) for setup in setups}
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
+    metadata["machine"] = profile_machine(machines)
     metadata.update(runs=[str(Path(r)) for r in run_dirs], command=command or "")
     if runs_archive:
         metadata[archives.KEY] = {"file": runs_archive["file"], "sha256": runs_archive["sha256"]}
@@ -216,31 +231,62 @@ def _runs_archive(run_dirs: Sequence[str], out: str, given: str | None) -> dict[
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from nanovllm.harness.sim import this_machine
+
     parser = argparse.ArgumentParser(prog="python -m nanovllm.harness.sim.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dirs", nargs="+", help="directories of real runs (with steps.jsonl)")
-    parser.add_argument("--out", required=True, help="profile YAML to write")
+    parser.add_argument("run_dirs", nargs="*", help="directories of real runs (with steps.jsonl)")
+    parser.add_argument("--out", default=None, help="profile YAML to write (--this-machine: default this "
+                        "machine's cache entry, which runner=sim picks up)")
     parser.add_argument("--gemv-max-rows", type=int, default=None,
                         help="fit the matmul kernel split at this many rows (0: none; default: the engine's GEMV "
                              "switch when the runs are bfloat16 on CPU, found from the steps for other CPU runs)")
     parser.add_argument("--runs-archive", default=None,
                         help="a .tar.xz the runs are kept in: RUN_DIRs missing on disk are unpacked from it, and the "
                              "profile records its name and SHA-256 (default: the archive the --out profile records)")
+    here = parser.add_argument_group("--this-machine: make the calibration runs here, then fit them")
+    here.add_argument("--this-machine", action="store_true",
+                      help="run the calibration workloads on this machine and write its profile")
+    here.add_argument("--dtype", choices=this_machine.DTYPES, default="bfloat16", help="engine.dtype of the runs")
+    here.add_argument("--threads", type=int, default=1,
+                      help="torch threads of the runs (default 1, as the shipped profiles; runner=sim uses a "
+                           "cached profile whose thread count is its own torch thread count)")
+    here.add_argument("--rounds", type=int, default=None,
+                      help=f"rounds of the calibration workloads, 2 runs each (default {this_machine.SHORT_ROUNDS})")
+    here.add_argument("--full", action="store_true",
+                      help=f"the study's protocol: {this_machine.FULL_ROUNDS} rounds (10 runs)")
     args = parser.parse_args(argv)
     command = "python -m nanovllm.harness.sim.calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.gemv_max_rows is not None and args.gemv_max_rows < 0:
-        print(f"error: --gemv-max-rows must be >= 0, got {args.gemv_max_rows}", file=sys.stderr)
-        sys.exit(1)
+        _fail(f"--gemv-max-rows must be >= 0, got {args.gemv_max_rows}")
     try:
-        archive = _runs_archive(args.run_dirs, args.out, args.runs_archive)
-        profile = calibrate(args.run_dirs, args.out, command,
-                            "auto" if args.gemv_max_rows is None else args.gemv_max_rows, runs_archive=archive)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        if args.this_machine:
+            if args.run_dirs:
+                _fail("--this-machine makes its own runs; give it no RUN_DIRs")
+            if args.full and args.rounds is not None:
+                _fail("give --full or --rounds, not both")
+            rounds = this_machine.FULL_ROUNDS if args.full else args.rounds or this_machine.SHORT_ROUNDS
+            profile, out = this_machine.calibrate_this_machine(args.dtype, args.threads, rounds, args.out)
+        else:
+            if not args.run_dirs or args.out is None:
+                _fail("give RUN_DIR... and --out PROFILE, or --this-machine")
+            out = args.out
+            archive = _runs_archive(args.run_dirs, out, args.runs_archive)
+            profile = calibrate(args.run_dirs, out, command,
+                                "auto" if args.gemv_max_rows is None else args.gemv_max_rows, runs_archive=archive)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        _fail(str(exc))
+    except subprocess.CalledProcessError as exc:
+        _fail(f"a calibration run failed (exit status {exc.returncode}): {shlex.join(exc.cmd)}")
     fit = profile["fit"]
     print(f"{profile['num_steps']} steps: R^2 {fit['r2']:.3f}, median |error| {fit['median_abs_rel_error']:.1%}, "
-          f"p90 {fit['p90_abs_rel_error']:.1%}; wrote {args.out}")
+          f"p90 {fit['p90_abs_rel_error']:.1%}; machine: {this_machine.describe_machine(profile['machine'])}; "
+          f"wrote {out}")
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

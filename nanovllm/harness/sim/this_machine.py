@@ -1,0 +1,229 @@
+"""Step-time profiles per machine: which machine a profile was measured on, whether that is this one, and a
+profile of this machine's own, calibrated with one command and cached::
+
+    python -m nanovllm.harness.sim.calibrate --this-machine [--dtype bfloat16] [--threads 1] [--full]
+
+A step time is a property of the CPU it was measured on (its model, the instruction set the kernels use, the
+torch threads), so ``calibrate`` writes that into every profile (``machine:``) and ``runner=sim`` compares it
+with this machine (``mismatch``): a profile of another CPU model, ISA level or thread count gets one warning
+line (logged: a run prints it and writes it to its ``run.log``) naming both machines and the command above. That command makes real runs of the
+calibration workloads (the ones ``experiments/sim_accuracy.py`` fits the shipped profiles on,
+``CALIBRATION_WORKLOADS``; by default ``SHORT_ROUNDS`` round(s) of them, ``--full`` the study's
+``FULL_ROUNDS``) and writes the profile into the per-machine cache (``profiles_dir()``: ``$NANOVLLM_SIM_PROFILES``,
+default ``$NANOVLLM_CACHE/sim-profiles``, i.e. ``~/.cache/nanovllm/sim-profiles``), one directory per CPU model,
+ISA level and thread count (``machine_key``), one file per dtype. ``runner=sim`` without ``runner.profile`` then
+uses that profile instead of the shipped one (``cached_profile``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from nanovllm import machine
+
+PROFILES_ENV = "NANOVLLM_SIM_PROFILES"
+# What a profile records of its machine (``machine.describe`` has these and the ISA levels supported).
+MACHINE_KEYS = ("cpu", "arch", "isa", "threads", "copy_bandwidth_gbs")
+# What has to agree for a profile to describe this machine.
+MATCH_KEYS = ("cpu", "isa", "threads")
+
+# The calibration workloads of the shipped profiles (``experiments/sim_accuracy.py measure``): round k serves
+# each with workload seed k (never 0, the seed of the study's compared runs).
+CALIBRATION_WORKLOADS: dict[str, list[str]] = {
+    "calib_synthetic": ["workload=synthetic", "workload.num_requests=40", "workload.request_rate=3",
+                        "workload.input_len.kind=uniform", "workload.input_len.mean=200",
+                        "workload.input_len.range_ratio=0.9", "workload.output_len.kind=uniform",
+                        "workload.output_len.mean=32", "workload.output_len.range_ratio=0.8"],
+    "calib_chat": ["workload=chat", "workload.num_requests=24", "workload.request_rate=2", "workload.max_tokens=64"],
+}
+# Engine settings of every calibration (and study) run.
+RUN_OVERRIDES = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
+SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (a minute or two on one core)
+FULL_ROUNDS = 5   # --full: the study's protocol, 10 runs
+DTYPES = ("bfloat16", "float32")  # the dtypes a profile is shipped in
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment that gives a run ``threads`` torch (OpenMP) threads."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def run_engine(overrides: Sequence[str], run_dir: Path, dtype: str, threads: int = 1, cwd: Path | None = None,
+               echo: bool = True) -> None:
+    """One real run, ``python -m nanovllm.run`` with ``overrides`` + ``RUN_OVERRIDES`` in ``dtype``, into
+    ``run_dir``, with ``threads`` torch threads (its stdout dropped; errors stop with CalledProcessError)."""
+    command = [sys.executable, "-m", "nanovllm.run", *overrides, *RUN_OVERRIDES, f"engine.dtype={dtype}",
+               f"hydra.run.dir={run_dir}"]
+    if echo:
+        print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True, cwd=cwd, stdout=subprocess.DEVNULL, env={**os.environ, **thread_env(threads)})
+
+
+def calibration_runs(rounds: int) -> list[tuple[str, list[str]]]:
+    """(run name, overrides) of rounds 1..``rounds`` of the calibration workloads."""
+    return [(f"{name}_seed{seed}", [*overrides, f"workload.seed={seed}"])
+            for seed in range(1, rounds + 1) for name, overrides in CALIBRATION_WORKLOADS.items()]
+
+
+# -- which machine ------------------------------------------------------------------------------------------------
+
+def this_machine(threads: int | None = None, bandwidth: bool = False) -> dict[str, Any]:
+    """This machine as a profile records it (``MACHINE_KEYS``); ``threads`` None: torch's current count."""
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    info = machine.describe(threads, bandwidth=bandwidth)
+    return {key: info[key] for key in MACHINE_KEYS if key in info}
+
+
+def machine_key(info: Mapping[str, Any]) -> str:
+    """The cache directory of one machine's profiles: CPU model, ISA level and threads, as a file name
+    (``intel-r-xeon-r-processor-2-80ghz_avx512_1t``)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", str(info["cpu"]).lower()).strip("-") or "cpu"
+    return f"{slug}_{info['isa']}_{int(info['threads'])}t"
+
+
+def profiles_dir() -> Path:
+    """The per-machine profile cache: ``$NANOVLLM_SIM_PROFILES``, else ``<cache_root()>/sim-profiles``."""
+    from nanovllm.models.loader import cache_root
+
+    override = os.environ.get(PROFILES_ENV, "").strip()
+    return Path(override).expanduser() if override else cache_root() / "sim-profiles"
+
+
+def profile_name(dtype: str) -> str:
+    """The file name of a profile of the default model (SmolLM2-135M) in ``dtype``, shipped or cached."""
+    return f"smollm2-135m-{dtype}-cpu.yaml"
+
+
+def cached_profile_path(dtype: str, info: Mapping[str, Any] | None = None) -> Path:
+    """Where this machine's (or ``info``'s) profile in ``dtype`` is cached, whether or not it exists."""
+    return profiles_dir() / machine_key(info or this_machine()) / profile_name(dtype)
+
+
+def cached_profile(dtype: str) -> Path | None:
+    """This machine's cached profile of the default model in ``dtype`` (at the current torch thread count), or
+    None when none was calibrated."""
+    path = cached_profile_path(dtype)
+    return path if path.is_file() else None
+
+
+def cached_thread_counts(dtype: str) -> list[int]:
+    """The thread counts this CPU and ISA level has a cached ``dtype`` profile for."""
+    info = this_machine(threads=1)
+    prefix = machine_key(info)[: -len("1t")]
+    root = profiles_dir()
+    if not root.is_dir():
+        return []
+    counts = []
+    for entry in root.iterdir():
+        tail = entry.name[len(prefix):]
+        if entry.name.startswith(prefix) and tail[:-1].isdigit() and (entry / profile_name(dtype)).is_file():
+            counts.append(int(tail[:-1]))
+    return sorted(counts)
+
+
+@functools.cache
+def copy_bandwidth_gbs() -> float:
+    """This machine's copy bandwidth (``machine.copy_bandwidth_gbs``, one decimal), measured once a process."""
+    return round(machine.copy_bandwidth_gbs(), 1)
+
+
+def profile_machine(recorded: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+    """What a profile fitted on runs that recorded ``recorded`` (each run's ``metrics.json`` ``machine``, None
+    where a run has none) says under ``machine``: the runs' CPU, ISA level and threads, else (no run records
+    any) the calibrating process's; the copy bandwidth measured here when that is this CPU and ISA level.
+    ``source`` says which. Runs of different machines are a ``ValueError``."""
+    known = [dict(info) for info in recorded if isinstance(info, Mapping)]
+    distinct = {tuple(str(info.get(key)) for key in ("arch", *MATCH_KEYS)) for info in known}
+    if len(distinct) > 1:
+        raise ValueError("calibration: the runs were measured on different machines ("
+                         + "; ".join(sorted(", ".join(d) for d in distinct)) + "); a profile describes one machine "
+                         "(CPU model, ISA level, threads), so calibrate each from its own runs")
+    if known:
+        info = {key: known[0][key] for key in MACHINE_KEYS if key in known[0]}
+        info["source"] = "the runs' metrics.json"
+    else:
+        info = this_machine()
+        info["source"] = "the calibrating process (the runs record no machine)"
+    here = this_machine(threads=info.get("threads"))
+    if "copy_bandwidth_gbs" not in info:
+        same = all(str(info.get(key)) == str(here.get(key)) for key in ("cpu", "isa"))
+        info["copy_bandwidth_gbs"] = copy_bandwidth_gbs() if same else None
+    return {**{key: info.get(key) for key in MACHINE_KEYS}, "source": info["source"]}
+
+
+def describe_machine(info: Mapping[str, Any]) -> str:
+    """``<cpu> (<isa>, <n> thread(s))``."""
+    threads = info.get("threads")
+    plural = "" if threads == 1 else "s"
+    return f"{info.get('cpu', 'unknown CPU')} ({info.get('isa', 'unknown ISA')}, {threads} thread{plural})"
+
+
+def calibrate_command(dtype: str, threads: int) -> str:
+    """The command that calibrates this machine in ``dtype`` with ``threads`` threads (``calibrate --this-machine``)."""
+    return f"python -m nanovllm.harness.sim.calibrate --this-machine --dtype {dtype} --threads {threads}"
+
+
+def mismatch(profile: Mapping[str, Any], label: str, dtype: str,
+             here: Mapping[str, Any] | None = None) -> str | None:
+    """One line when ``profile`` (``label``: which file it is) records a machine other than this one (or
+    ``here``): another CPU model, ISA level or thread count. None when it matches or records no machine."""
+    recorded = profile.get("machine")
+    if not isinstance(recorded, Mapping):
+        return None
+    here = here or this_machine()
+    differ = [key for key in MATCH_KEYS if str(recorded.get(key)) != str(here.get(key))]
+    if not differ:
+        return None
+    # This CPU calibrated at another thread count (a 1-thread profile, and a run with torch's default threads).
+    others = [n for n in cached_thread_counts(dtype) if n != here["threads"]]
+    hint = (f" (this CPU has a cached profile for {', '.join(map(str, others))} thread(s): "
+            f"OMP_NUM_THREADS={others[0]} uses it)") if others else ""
+    return (f"runner=sim: step-time profile {label} was measured on {describe_machine(recorded)}, not on "
+            f"this machine, {describe_machine(here)}: its simulated times may be far off here; calibrate this "
+            f"machine with `{calibrate_command(dtype, int(here['threads']))}` (a few minutes; runner=sim without "
+            f"runner.profile then uses it){hint}")
+
+
+# -- calibrate this machine ---------------------------------------------------------------------------------------
+
+def calibrate_this_machine(dtype: str = "bfloat16", threads: int = 1, rounds: int = SHORT_ROUNDS,
+                           out: str | Path | None = None, echo: bool = True) -> tuple[dict, Path]:
+    """Make the real runs of rounds 1..``rounds`` of the calibration workloads here (``threads`` torch threads,
+    ``dtype``), fit a profile on them and write it to ``out`` (None: this machine's cache entry, the one
+    ``runner=sim`` picks up). The runs go beside the profile (``runs-<dtype>/``), replacing earlier ones.
+    Returns the profile and where it went."""
+    from nanovllm.harness.sim.calibrate import calibrate
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if threads < 1 or rounds < 1:
+        raise ValueError(f"--threads and --rounds must be at least 1, got {threads} and {rounds}")
+    here = this_machine(threads=threads)
+    out = Path(out) if out is not None else cached_profile_path(dtype, here)
+    runs_root = out.parent / f"runs-{dtype}"
+    shutil.rmtree(runs_root, ignore_errors=True)
+    run_dirs = []
+    start = time.perf_counter()
+    for name, overrides in calibration_runs(rounds):
+        run_dirs.append(runs_root / name)
+        run_engine(overrides, run_dirs[-1], dtype, threads, echo=echo)
+    command = (f"{calibrate_command(dtype, threads)} --rounds {rounds}"
+               + (f" --out {out}" if out != cached_profile_path(dtype, here) else ""))
+    profile = calibrate(run_dirs, out, command=command)
+    if profile["machine"].get("threads") != threads:
+        raise RuntimeError(f"calibration runs recorded {profile['machine'].get('threads')} torch threads, not the "
+                           f"{threads} asked for (OMP_NUM_THREADS={threads} did not take effect)")
+    if echo:
+        print(f"calibration runs took {time.perf_counter() - start:.0f} s", flush=True)
+    return profile, out
