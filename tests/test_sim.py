@@ -8,6 +8,8 @@ and a user policy plugin, with preemptions in the run. Calibration, the analytic
 from __future__ import annotations
 
 import bisect
+import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +19,12 @@ import pytest
 import torch
 import yaml
 
+from nanovllm import machine
 from nanovllm.config import EngineConfig
 from nanovllm.harness.loggers import JsonlLogger
 from nanovllm.harness.records import RunWriter, read_run
 from nanovllm.harness.serving import serve
-from nanovllm.harness.sim import Hardware, Simulation, check_runner, step_time
+from nanovllm.harness.sim import Hardware, Simulation, check_runner, step_time, this_machine
 from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
@@ -46,6 +49,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def profile_cache(tmp_path, monkeypatch) -> Path:
+    """An empty per-machine profile cache of each test's own (``$NANOVLLM_SIM_PROFILES``, inherited by the CLI
+    runs too), so a profile calibrated on this machine before (``calibrate --this-machine``) changes nothing."""
+    cache = tmp_path / "sim-profiles"
+    monkeypatch.setenv(this_machine.PROFILES_ENV, str(cache))
+    return cache
 
 
 def _workload() -> list[WorkloadRequest]:
@@ -385,3 +397,153 @@ def test_an_architecture_without_weights_or_tokenizer_is_simulated_on_hardware()
                 for i in range(20)]
     result = sim.serve(workload)
     assert result.summary["completed"] == 20 and result.summary["total_output_tokens"] == 20 * 50
+
+
+# -- which machine a profile describes (issue 22) ------------------------------------------------------------------
+
+def _profile_on(machine_info: dict | None, dtype: str = "bfloat16") -> dict:
+    profile = {"dtype": dtype, **fit_profile(_timed_steps(60, 5, 2e-4))}
+    if machine_info is not None:
+        profile["machine"] = machine_info
+    return profile
+
+
+def _warnings(caplog, **build) -> list[str]:
+    """The warnings logged while a calibrated simulation is built (what ``runner=sim`` prints and logs)."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Simulation.build(EngineConfig(dtype="bfloat16", num_kv_blocks=64), "calibrated", **build)
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_profile_of_another_machine_says_so_in_one_line_naming_the_calibrate_command(tmp_path, caplog) -> None:
+    here = machine.describe(bandwidth=False)
+    other = {**here, "cpu": "AMD EPYC 9B14 96-Core Processor", "isa": "avx512_bf16"}
+    path = tmp_path / "other.yaml"
+    path.write_text(yaml.safe_dump(_profile_on(other)))
+    lines = _warnings(caplog, profile=str(path))
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    command = f"python -m nanovllm.harness.sim.calibrate --this-machine --dtype bfloat16 --threads {here['threads']}"
+    assert lines[0].startswith(f"runner=sim: step-time profile {path} was measured on AMD EPYC 9B14 96-Core "
+                               "Processor (avx512_bf16, ")
+    assert f"this machine, {here['cpu']} ({here['isa']}, {here['threads']} thread" in lines[0]
+    assert f"`{command}`" in lines[0]
+    # Another ISA level alone (a CPU of the same name without the extension, a NANOVLLM_CPU_ISA-capped run) or
+    # another torch thread count is another machine too.
+    for differs in ({"isa": "amx" if here["isa"] != "amx" else "avx2"}, {"threads": here["threads"] + 1}):
+        path.write_text(yaml.safe_dump(_profile_on({**here, **differs})))
+        assert len(_warnings(caplog, profile=str(path))) == 1
+    # The shipped profiles record the machine they were measured on, and on any other one a default run says so.
+    for dtype in ("bfloat16", "float32"):
+        shipped = yaml.safe_load(default_profile_path(dtype).read_text())["machine"]
+        assert set(this_machine.MACHINE_KEYS) <= set(shipped) and shipped["cpu"].startswith("AMD EPYC")
+    if shipped["cpu"] != here["cpu"]:
+        lines = _warnings(caplog)
+        assert len(lines) == 1 and "smollm2-135m-bfloat16-cpu.yaml (shipped) was measured on AMD EPYC" in lines[0]
+        assert command in lines[0]
+
+
+def test_a_profile_of_this_machine_or_of_no_recorded_machine_says_nothing(tmp_path, caplog) -> None:
+    path = tmp_path / "here.yaml"
+    path.write_text(yaml.safe_dump(_profile_on(machine.describe(bandwidth=False))))
+    assert _warnings(caplog, profile=str(path)) == []
+    path.write_text(yaml.safe_dump(_profile_on(None)))  # fitted from Python: no machine to compare
+    assert _warnings(caplog, profile=str(path)) == []
+
+
+def test_this_machines_cached_profile_is_preferred_over_the_shipped_one(tmp_path, monkeypatch, caplog) -> None:
+    # The cache lives under cache_root() ($NANOVLLM_CACHE) unless $NANOVLLM_SIM_PROFILES points elsewhere.
+    with monkeypatch.context() as env:
+        env.delenv(this_machine.PROFILES_ENV)
+        env.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+        assert CalibratedStepTime(dtype="bfloat16").path == default_profile_path("bfloat16")
+        here = this_machine.this_machine()
+        cached = this_machine.cached_profile_path("bfloat16")
+        assert cached == (tmp_path / "cache" / "sim-profiles" / this_machine.machine_key(here)
+                          / "smollm2-135m-bfloat16-cpu.yaml")
+        assert cached.parent.name.endswith(f"_{here['isa']}_{here['threads']}t")
+        cached.parent.mkdir(parents=True)
+        cached.write_text(yaml.safe_dump(_profile_on(machine.describe(bandwidth=False))))
+        model = CalibratedStepTime(dtype="bfloat16")
+        assert model.path == cached and model.describe() == f"calibrated:{cached.parent.name}/{cached.name}"
+        assert model.machine_warning() is None
+        assert CalibratedStepTime(dtype="float32").path == default_profile_path("float32")  # one file per dtype
+        # An explicit runner.profile still wins.
+        explicit = tmp_path / "explicit.yaml"
+        explicit.write_text(yaml.safe_dump(_profile_on(None)))
+        assert CalibratedStepTime(profile=str(explicit), dtype="bfloat16").path == explicit
+    # Through a whole simulated engine (the model from the usual cache, the profile from a cache of the test's).
+    cached = this_machine.cached_profile_path("bfloat16")
+    cached.parent.mkdir(parents=True)
+    cached.write_text(yaml.safe_dump(_profile_on(machine.describe(bandwidth=False))))
+    assert _warnings(caplog) == []
+    # Cached for this thread count only: with another, the shipped one is used, and a line on a profile of this
+    # CPU at another thread count says which thread count is cached.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert CalibratedStepTime(dtype="bfloat16").path == default_profile_path("bfloat16")
+    finally:
+        torch.set_num_threads(threads)
+    other_threads = {**machine.describe(bandwidth=False), "threads": threads + 1}
+    line = this_machine.mismatch(_profile_on(machine.describe(bandwidth=False)), "p.yaml", "bfloat16", other_threads)
+    assert line.endswith(f"(this CPU has a cached profile for {threads} thread(s): OMP_NUM_THREADS={threads} uses it)")
+
+
+def test_calibrate_writes_the_machine_of_the_runs(tmp_path) -> None:
+    recorded = {"cpu": "Some CPU 9000", "arch": "x86_64", "isa": "avx2", "threads": 4}
+
+    def run_on(name: str, seed: int, info: dict | None) -> Path:
+        run_dir = _run_dir(tmp_path / name, "bfloat16", _timed_steps(60, seed, 2e-4))
+        if info is not None:
+            metrics = json.loads((run_dir / "metrics.json").read_text())
+            (run_dir / "metrics.json").write_text(json.dumps({**metrics, "machine": info}))
+        return run_dir
+
+    runs = [run_on(f"run{i}", i, recorded) for i in range(2)]
+    profile = calibrate(runs, tmp_path / "p.yaml")
+    written = yaml.safe_load((tmp_path / "p.yaml").read_text())["machine"]
+    # Another machine's runs: its CPU, ISA and threads; no copy bandwidth (it cannot be measured from here).
+    assert written == profile["machine"] and list(written)[:5] == list(this_machine.MACHINE_KEYS)
+    assert {k: written[k] for k in ("cpu", "arch", "isa", "threads")} == recorded
+    assert written["copy_bandwidth_gbs"] is None and "metrics.json" in written["source"]
+    # Runs without a record (made before runs recorded one): the calibrating process's machine, measured here.
+    old = calibrate([run_on("old", 3, None)], tmp_path / "q.yaml")["machine"]
+    info = machine.describe(torch.get_num_threads(), bandwidth=False)
+    assert {k: old[k] for k in ("cpu", "arch", "isa", "threads")} == {k: info[k] for k in ("cpu", "arch", "isa",
+                                                                                            "threads")}
+    assert old["copy_bandwidth_gbs"] > 0 and "calibrating process" in old["source"]
+    # Runs of two machines make no one profile.
+    with pytest.raises(ValueError, match="runs were measured on different machines"):
+        calibrate([*runs, run_on("other", 4, {**recorded, "threads": 1})], tmp_path / "r.yaml")
+
+
+def test_a_real_run_records_its_machine_and_calibrate_cli_checks_its_arguments(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _cli("workload=synthetic", "workload.num_requests=2", "workload.request_rate=100",
+                "workload.input_len.mean=16", "workload.output_len.kind=fixed", "workload.output_len.mean=4",
+                "monitor.calibrate=false", "progress=false", f"hydra.run.dir={run_dir}", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    info, recorded = machine.describe(bandwidth=False), read_run(run_dir).metrics["machine"]
+    assert list(recorded) == ["cpu", "arch", "isa", "threads"] and recorded["threads"] >= 1  # the run's torch threads
+    assert {key: recorded[key] for key in ("cpu", "arch", "isa")} == {key: info[key] for key in ("cpu", "arch", "isa")}
+    for args, message in [(["--this-machine", str(run_dir)], "--this-machine makes its own runs; give it no RUN_DIRs"),
+                          ([str(run_dir)], "give RUN_DIR... and --out PROFILE, or --this-machine"),
+                          (["--this-machine", "--full", "--rounds", "2"], "give --full or --rounds, not both")]:
+        done = subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *args], capture_output=True,
+                              text=True, cwd=ROOT)
+        assert (done.returncode, done.stderr.strip().splitlines()) == (1, [f"error: {message}"])
+
+
+def test_cli_simulation_on_another_machines_profile_prints_and_logs_one_line(tmp_path) -> None:
+    here = machine.describe(bandwidth=False)
+    profile = tmp_path / "other.yaml"
+    profile.write_text(yaml.safe_dump(_profile_on({**here, "cpu": "Another CPU", "threads": 1})))
+    run_dir = tmp_path / "run"
+    proc = _cli("runner=sim", f"runner.profile={profile}", "workload=synthetic", "workload.num_requests=20",
+                "progress=false", "monitor.calibrate=false", f"hydra.run.dir={run_dir}", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "step-time profile" in line]
+    assert len(lines) == 1 and "[WARNING]" in lines[0] and "was measured on Another CPU" in lines[0], proc.stdout
+    assert "calibrate --this-machine --dtype bfloat16" in lines[0] and proc.stderr.strip() == ""
+    assert [line for line in (run_dir / "run.log").read_text().splitlines() if "step-time profile" in line] == lines

@@ -12,6 +12,7 @@ records and files. From Python::
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -23,7 +24,7 @@ from nanovllm.harness.monitor import ModelCost, MonitorConfig
 from nanovllm.harness.records import read_run
 from nanovllm.harness.serving import RunResult, serve
 from nanovllm.harness.sim.hardware import Hardware
-from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, StepTimeModel
+from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, CalibratedStepTime, StepTimeModel
 from nanovllm.request import Request
 
 RUNNER_NAMES = ("real", "sim")
@@ -79,7 +80,8 @@ class Simulation:
         """Build the engine around the step-time model named ``step_time``. ``output_lengths``: request_id ->
         target output length (others stop at ``max_tokens``); a replay takes them from its run by default.
         With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``, the KV cache gets the memory the
-        weights leave (an error naming ``hardware.memory_bytes`` when they do not fit)."""
+        weights leave (an error naming ``hardware.memory_bytes`` when they do not fit). A ``calibrated`` profile
+        measured on another machine says so in one warning, logged (``machine_warning``)."""
         from transformers import AutoConfig
 
         from nanovllm.models.loader import resolve_model
@@ -92,6 +94,9 @@ class Simulation:
                 config = dataclasses.replace(config, kv_cache_memory=kv_bytes)
         model = STEP_TIME_MODELS.build({"name": step_time, "profile": profile, "run": replay_run, "cost": cost,
                                         "hardware": hardware, "dtype": config.dtype, "model": config.model})
+        warning = model.machine_warning() if isinstance(model, CalibratedStepTime) else None
+        if warning:
+            logging.getLogger(__name__).warning(warning)
         if output_lengths is None and replay_run:
             output_lengths = output_lengths_of(replay_run)
         clock = VirtualClock()

@@ -6,8 +6,10 @@ A model is a plugin like a policy (``STEP_TIME_MODELS``, ``@register_step_time``
 same numbers the engine writes to ``steps.jsonl``, so a model fitted on real runs reads them unchanged.
 
 * ``calibrated``: a linear model fitted on real runs (``nanovllm.harness.sim.calibrate``), loaded from a
-  profile YAML (by default the shipped one for the default model in the engine's dtype,
-  ``profiles/smollm2-135m-{dtype}-cpu.yaml``). Coefficients are non-negative: each feature can only add time.
+  profile YAML (by default this machine's own, made by ``calibrate --this-machine``, else the shipped one for
+  the default model in the engine's dtype, ``profiles/smollm2-135m-{dtype}-cpu.yaml``). Each profile records
+  the machine it was measured on, and ``runner=sim`` warns when that is not this one
+  (``nanovllm.harness.sim.this_machine``). Coefficients are non-negative: each feature can only add time.
   A profile may also split the steps by matmul kernel (``gemv_max_rows``, ``KERNEL_FEATURES``) and carry the
   serving loop's own time between steps (``step_gap``), which every predicted step then includes.
 * ``analytical``: a roofline estimate from the monitor's cost model (FLOPs and bytes of the step) and a
@@ -92,9 +94,14 @@ class CalibratedStepTime(StepTimeModel):
 
     def __init__(self, profile: str | Path | None = None, dtype: str = "float32", model: str | None = None,
                  **context: Any) -> None:
-        """``profile``: a profile YAML; None picks the shipped one for ``model`` (None: the default model) in
-        ``dtype`` (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error."""
-        path = Path(profile) if profile else shipped_profile(dtype, model)
+        """``profile``: a profile YAML; None picks this machine's own for ``model`` (None: the default model) in
+        ``dtype`` when one was calibrated (``this_machine.cached_profile``), else the shipped one
+        (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error."""
+        from nanovllm.harness.sim.this_machine import cached_profile
+
+        # This machine's own profile (calibrate --this-machine), when there is one for the default model.
+        self.cached = cached_profile(dtype) if not profile and model in (None, "") else None
+        path = Path(profile) if profile else self.cached or shipped_profile(dtype, model)
         if not path.is_file():
             raise ValueError(f"runner.profile: calibration profile {str(path)!r} does not exist "
                              "(make one with python -m nanovllm.harness.sim.calibrate RUN_DIR... --out FILE)")
@@ -107,6 +114,8 @@ class CalibratedStepTime(StepTimeModel):
                              f"engine.dtype={data['dtype']}")
         self.path = path
         self.profile = data
+        self.dtype = dtype
+        self.explicit = bool(profile)
         self.intercept = float(data["intercept"])
         terms = [(name, float(value)) for name, value in data["coefficients"].items() if value]
         self.coefficients = [(name, value) for name, value in terms if name not in KERNEL_FEATURES]
@@ -125,7 +134,17 @@ class CalibratedStepTime(StepTimeModel):
         return seconds
 
     def describe(self) -> str:
-        return f"calibrated:{self.path.name}"
+        """``calibrated:<file>``; this machine's cached profile as ``calibrated:<machine key>/<file>``."""
+        return f"calibrated:{self.path.parent.name}/{self.path.name}" if self.cached else f"calibrated:{self.path.name}"
+
+    def machine_warning(self) -> str | None:
+        """One line when the profile was measured on another machine than this one (another CPU
+        model, ISA level or torch thread count), naming both and the command that calibrates this one; None
+        when it matches or records no machine (``this_machine.mismatch``)."""
+        from nanovllm.harness.sim.this_machine import mismatch
+
+        shipped = not self.explicit and not self.cached
+        return mismatch(self.profile, f"{self.path.name} (shipped)" if shipped else str(self.path), self.dtype)
 
 
 @register_step_time("analytical")
