@@ -4,9 +4,9 @@
     python -m nanovllm.harness.sim.calibrate --this-machine [--dtype bfloat16] [--threads 1] [--full]
 
 The second form makes the runs too: the calibration workloads of the shipped profiles, run here (one round of
-them by default, a minute or two on one core; ``--full``: the study's five rounds), fitted into this machine's
-profile cache, which ``runner=sim`` then uses instead of the shipped profile
-(``nanovllm.harness.sim.this_machine``). Every profile records the machine its runs were measured on
+them by default, 2 runs: 4-8 minutes on one core of a loaded 2-core Xeon; ``--full``: the study's five
+rounds), fitted into this machine's profile cache, which ``runner=sim`` then uses instead of the shipped
+profile (``nanovllm.harness.sim.this_machine``). Every profile records the machine its runs were measured on
 (``machine``: CPU model, architecture, ISA level, torch threads, copy bandwidth), from the runs' ``metrics.json``
 (else the calibrating process's), and ``runner=sim`` warns in one logged line when that is not this machine.
 

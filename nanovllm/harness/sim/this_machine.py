@@ -6,13 +6,15 @@ profile of this machine's own, calibrated with one command and cached::
 A step time is a property of the CPU it was measured on (its model, the instruction set the kernels use, the
 torch threads), so ``calibrate`` writes that into every profile (``machine:``) and ``runner=sim`` compares it
 with this machine (``mismatch``): a profile of another CPU model, ISA level or thread count gets one warning
-line (logged: a run prints it and writes it to its ``run.log``) naming both machines and the command above. That command makes real runs of the
-calibration workloads (the ones ``experiments/sim_accuracy.py`` fits the shipped profiles on,
-``CALIBRATION_WORKLOADS``; by default ``SHORT_ROUNDS`` round(s) of them, ``--full`` the study's
-``FULL_ROUNDS``) and writes the profile into the per-machine cache (``profiles_dir()``: ``$NANOVLLM_SIM_PROFILES``,
-default ``$NANOVLLM_CACHE/sim-profiles``, i.e. ``~/.cache/nanovllm/sim-profiles``), one directory per CPU model,
-ISA level and thread count (``machine_key``), one file per dtype. ``runner=sim`` without ``runner.profile`` then
-uses that profile instead of the shipped one (``cached_profile``).
+line (logged: a run prints it and writes it to its ``run.log``) naming both machines and the command above.
+
+That command makes real runs of the calibration workloads (the ones ``experiments/sim_accuracy.py`` fits the
+shipped profiles on, ``CALIBRATION_WORKLOADS``; by default ``SHORT_ROUNDS`` round of them, ``--full`` the
+study's ``FULL_ROUNDS``) and writes the profile into the per-machine cache (``profiles_dir()``:
+``$NANOVLLM_SIM_PROFILES``, default ``$NANOVLLM_CACHE/sim-profiles``, i.e. ``~/.cache/nanovllm/sim-profiles``),
+one directory per CPU model, ISA level and thread count (``machine_key``), one file per dtype, with the runs
+beside it. ``runner=sim`` without ``runner.profile`` then uses that profile instead of the shipped one
+(``cached_profile``), as long as its own torch thread count is the profile's.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ CALIBRATION_WORKLOADS: dict[str, list[str]] = {
 }
 # Engine settings of every calibration (and study) run.
 RUN_OVERRIDES = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
-SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (a minute or two on one core)
+SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (~40 s of serving on the EPYC, 4 min on a 2-core Xeon)
 FULL_ROUNDS = 5   # --full: the study's protocol, 10 runs
 DTYPES = ("bfloat16", "float32")  # the dtypes a profile is shipped in
 
