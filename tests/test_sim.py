@@ -513,6 +513,11 @@ def test_calibrate_writes_the_machine_of_the_runs(tmp_path) -> None:
     assert {k: old[k] for k in ("cpu", "arch", "isa", "threads")} == {k: info[k] for k in ("cpu", "arch", "isa",
                                                                                             "threads")}
     assert old["copy_bandwidth_gbs"] > 0 and "calibrating process" in old["source"]
+    # Refitting the runs a profile names keeps the machine it records (a shipped profile's, refitted anywhere).
+    profile_of_old = yaml.safe_load((tmp_path / "q.yaml").read_text())
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump({**profile_of_old, "machine": recorded}))
+    assert calibrate([tmp_path / "old"], tmp_path / "q.yaml")["machine"] == recorded
+    assert calibrate([tmp_path / "old"], tmp_path / "elsewhere.yaml")["machine"] == old  # a new file: this one's
     # Runs of two machines make no one profile.
     with pytest.raises(ValueError, match="runs were measured on different machines"):
         calibrate([*runs, run_on("other", 4, {**recorded, "threads": 1})], tmp_path / "r.yaml")

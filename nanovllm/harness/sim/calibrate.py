@@ -8,7 +8,8 @@ them by default, 2 runs: 4-8 minutes on one core of a loaded 2-core Xeon; ``--fu
 rounds), fitted into this machine's profile cache, which ``runner=sim`` then uses instead of the shipped
 profile (``nanovllm.harness.sim.this_machine``). Every profile records the machine its runs were measured on
 (``machine``: CPU model, architecture, ISA level, torch threads, copy bandwidth), from the runs' ``metrics.json``
-(else the calibrating process's), and ``runner=sim`` warns in one logged line when that is not this machine.
+(runs that record none: what the ``--out`` profile says if it was fitted on the same runs, else the calibrating
+process's), and ``runner=sim`` warns in one logged line when that is not this machine.
 
 Non-negative least squares (``scipy.optimize.nnls``) of each step's duration on a per-step intercept and the
 features the engine records (``CALIBRATION_FEATURES``), so every feature can only add time. The profile keeps
@@ -197,8 +198,9 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         values = {setup.get(key) for setup in setups}
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
-    metadata["machine"] = profile_machine(machines)
-    metadata.update(runs=[str(Path(r)) for r in run_dirs], command=command or "")
+    runs = [str(Path(r)) for r in run_dirs]
+    metadata["machine"] = profile_machine(machines, previous=_previous_machine(out, runs))
+    metadata.update(runs=runs, command=command or "")
     if runs_archive:
         metadata[archives.KEY] = {"file": runs_archive["file"], "sha256": runs_archive["sha256"]}
     if gemv_max_rows == "auto":
@@ -211,6 +213,18 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")
     return profile
+
+
+def _previous_machine(out: str | Path, runs: list[str]) -> dict | None:
+    """The ``machine`` the profile at ``out`` records, when it was fitted on these very ``runs``: refitting the
+    runs of a shipped profile (runs that record no machine) keeps the machine they were measured on."""
+    try:
+        previous = yaml.safe_load(Path(out).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    if isinstance(previous, dict) and previous.get("runs") == runs and isinstance(previous.get("machine"), dict):
+        return previous["machine"]
+    return None
 
 
 def _runs_archive(run_dirs: Sequence[str], out: str, given: str | None) -> dict[str, str] | None:

@@ -140,12 +140,16 @@ def copy_bandwidth_gbs() -> float:
     return round(machine.copy_bandwidth_gbs(), 1)
 
 
-def profile_machine(recorded: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+def profile_machine(recorded: Sequence[Mapping[str, Any] | None],
+                    previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What a profile fitted on runs that recorded ``recorded`` (each run's ``metrics.json`` ``machine``, None
-    where a run has none) says under ``machine``: the runs' CPU, ISA level and threads, else (no run records
-    any) the calibrating process's; the copy bandwidth measured here when that is this CPU and ISA level.
-    ``source`` says which. Runs of different machines are a ``ValueError``."""
+    where a run has none) says under ``machine``: the runs' CPU, ISA level and threads; when no run records any,
+    ``previous`` (what an earlier profile of the very same runs said: a refit keeps it), else the calibrating
+    process's. The copy bandwidth is measured here when the machine is this CPU and ISA level. ``source`` says
+    which. Runs of different machines are a ``ValueError``."""
     known = [dict(info) for info in recorded if isinstance(info, Mapping)]
+    if not known and previous is not None:
+        return dict(previous)
     distinct = {tuple(str(info.get(key)) for key in ("arch", *MATCH_KEYS)) for info in known}
     if len(distinct) > 1:
         raise ValueError("calibration: the runs were measured on different machines ("
