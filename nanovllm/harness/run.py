@@ -12,7 +12,8 @@ in the config itself are reported by Hydra, except an unknown config-group optio
 ``nanovllm.harness.group_options``); that and everything else a user can get wrong (an unknown plugin name, a
 plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with
 one ``error: ...`` line on stderr and exit status 1 -- the traceback only with ``HYDRA_FULL_ERROR=1``.
-Everything that can be checked before the model loads is.
+Everything that can be checked before the model loads is, the attention backend's availability on the device
+included (``attention=flashinfer`` on a CPU machine fails before the model or the kernels load).
 
 Ctrl-C (SIGINT) or SIGTERM before serving starts -- while importing, composing, checking, loading the model,
 building the kernels or waiting for another process's build, warming up -- ends the run at once with one
@@ -39,7 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
-from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
+from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.config_errors import one_line_composition_errors
@@ -157,6 +158,14 @@ def _check_model_path(path: str | None) -> None:
                          "HF directory with config.json or a .gguf file")
 
 
+def _check_device(device: str) -> None:
+    """``engine.device=cuda`` needs CUDA (``LLMEngine`` says so too, but only after importing the engine)."""
+    import torch
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"engine.device={device!r} was asked for but CUDA is not available; use engine.device=cpu")
+
+
 def _check_missing(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -221,12 +230,15 @@ def check_config(cfg: DictConfig) -> _Checked:
     from nanovllm.harness.sim.simulate import check_runner
 
     check_runner(runner, hardware)
+    attention = plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention")
+    if runner["name"] != "sim":  # a simulated run loads no model and runs no attention: any device will do
+        _check_device(engine.device)
+        check_attention_available(attention, engine.device)
     return _Checked(
         engine=engine,
         scheduler=plugin_spec(POLICIES, cfg.scheduler, "scheduler"),
         allocator=plugin_spec(ALLOCATORS, cfg.allocator, "allocator"),
-        attention=plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device),
-                              "attention"),
+        attention=attention,
         logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
         slo=SLO(**cfg.slo),
         monitor=MonitorConfig(**cfg.monitor),
