@@ -187,7 +187,8 @@ def test_a_signal_during_start_up_ends_the_run_at_once_with_one_line(tmp_path, h
     assert run.proc.returncode == 128 + sig, "".join(run.stderr)[-3000:]
     name = signal.Signals(sig).name
     line = run.error_line()
-    assert line.startswith(f"error: interrupted by {name} while {phase}") and line.endswith("; nothing was served"), line
+    assert line.startswith(f"error: interrupted by {name} while {phase}"), line
+    assert line.endswith("; nothing was served"), line
     assert took < ENDS_WITHIN
     if hold.startswith("nanovllm."):  # Hydra got that far: its run directory stays, with nothing served
         assert (run_dir / ".hydra" / "config.yaml").is_file()

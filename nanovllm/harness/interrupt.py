@@ -102,7 +102,7 @@ _PHASES_BY_FRAME: tuple[tuple[str, str | None, str], ...] = (
     ("nanovllm/kernels.py", "_build", "building the C++ kernels"),
     ("torch/utils/cpp_extension.py", None, "building the C++ kernels"),
     ("nanovllm/kernels.py", None, "loading the C++ kernels"),
-    ("nanovllm/models/loader.py", "resolve_model", "preparing the model (GGUF conversion)"),
+    ("nanovllm/models/loader.py", "resolve_model", "preparing the model files (GGUF conversion, checksums)"),
     ("nanovllm/models/loader.py", None, "loading the model"),
     ("nanovllm/engine/model_runner.py", "__init__", "loading the model"),
     ("nanovllm/engine/tp/runner.py", "__init__", "loading the model"),
@@ -137,8 +137,8 @@ def interrupt_message(exc: KeyboardInterrupt) -> str:
 @contextlib.contextmanager
 def one_line_interrupts() -> Iterator[None]:
     """Around the entry point: an interrupt that escapes (one during start-up, or a second signal) ends the
-    process with ``error:`` and :func:`interrupt_message` on stderr and status 130 / 143, no traceback (``HYDRA_FULL_ERROR=1``:
-    the traceback, as for every other error)."""
+    process with ``error: <interrupt_message>`` on stderr and status 130 / 143, no traceback
+    (``HYDRA_FULL_ERROR=1``: the traceback, as for every other error)."""
     try:
         yield
     except KeyboardInterrupt as exc:
