@@ -5,8 +5,9 @@ writes its summary over the jobs that ran and marks the interrupted one.
 
 Before serving starts, a signal ends the run at once: status 130 / 143, one ``error: interrupted by SIGINT
 while <phase>; nothing was served`` line, no traceback, whatever the phase (the imports, Hydra's composition,
-the model load, the wait for another process's kernel build). ``tests/startup_hold/sitecustomize.py`` parks
-the subprocess in a phase, so the signal lands there for sure; the waits poll with a timeout, never sleep.
+the model load, the wait for another process's kernel build, the engine's warm-up).
+``tests/startup_hold/sitecustomize.py`` parks the subprocess in a phase, so the signal lands there for sure; the
+waits poll with a timeout, never sleep.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def _held_env(tmp_path: Path, hold: str, **extra: str) -> dict[str, str]:
     ("torch", "importing torch", signal.SIGINT),
     ("hydra._internal.logging_config", "composing the config", signal.SIGTERM),  # imported by hydra.main
     ("nanovllm.engine.model_runner:load_model", "loading the model", signal.SIGINT),
-], ids=["imports", "hydra-composition", "model-load"])
+    ("nanovllm.engine.warmup:_requests", "warming up the engine", signal.SIGINT),  # inside warm_up's loop
+], ids=["imports", "hydra-composition", "model-load", "warm-up"])
 def test_a_signal_during_start_up_ends_the_run_at_once_with_one_line(tmp_path, hold, phase, sig):
     run_dir = tmp_path / "run"
     run = _Run(tmp_path, *STARTUP, f"hydra.run.dir={run_dir}", env=_held_env(tmp_path, hold))

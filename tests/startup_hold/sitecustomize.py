@@ -7,7 +7,7 @@ Python imports ``sitecustomize`` at start-up from ``sys.path``; the test puts th
 * ``<module>``: when ``<module>`` is first imported (``torch``: the imports; a module Hydra imports while it
   composes the config: Hydra's composition);
 * ``<module>:<function>``: when ``<module>.<function>`` is called (``nanovllm.engine.model_runner:load_model``:
-  the model load).
+  the model load; ``nanovllm.engine.warmup:_requests``: inside the engine's warm-up).
 
 There the process writes ``NANOVLLM_TEST_HOLD_MARKER`` (a file path) and sleeps (for at most a minute, then
 goes on), so the test waits for the file and sends its signal. Nothing happens without ``NANOVLLM_TEST_HOLD``.
