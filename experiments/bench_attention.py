@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from nanovllm import machine
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -65,6 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(machine.header(torch.get_num_threads()), flush=True)
     dtype = getattr(torch, args.dtype)
     rng = random.Random(1)
     contexts = [max(1, int(args.context * rng.uniform(0.5, 1.5))) for _ in range(args.seqs)]

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from nanovllm import LLM
+from nanovllm import LLM, machine
 
 
 def timed_ms(fn, repeats: int = 30) -> float:
@@ -50,6 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(machine.header(torch.get_num_threads()), flush=True)
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True

@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, machine
 
 
 def make_workload(num_seqs: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
+    host = machine.describe(torch.get_num_threads())  # the host CPU: the GPU is named in each model's row
+    print(machine.header(info=host), flush=True)
     print("| model | engine | output tokens | seconds | output tok/s | vs transformers |")
     print("|---|---|---|---|---|---|")
     results = []
@@ -114,7 +116,7 @@ def main() -> None:
                         "nanovllm_s": ours_s, "transformers_s": hf_s, "enforce_eager": args.enforce_eager})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"machine": host, "results": results}, f, indent=2)
 
 
 def _workload(model: str | None, args) -> tuple[list[list[int]], list[int]]:

@@ -20,7 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from nanovllm import LLM
+import torch
+
+from nanovllm import LLM, machine
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.live.launch import start_live
 from nanovllm.harness.loggers import JsonlLogger, RunLogger
@@ -116,6 +118,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
+    info = machine.describe(torch.get_num_threads())
+    print(machine.header(info=info), flush=True)
     engine = LLM(num_kv_blocks=256, max_num_seqs=args.max_num_seqs, max_model_len=1024).engine
     workload = generate_workload(SyntheticWorkloadConfig(
         num_requests=args.num_requests, input_len=LengthDist(kind="fixed", mean=args.input_len),
@@ -140,7 +144,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"off": tokens_per_s["off"], "web": tokens_per_s["web"],
                                                "ratio": web / off, "live_logger_share": logger_share,
-                                               **vars(args)}, indent=2))
+                                               **vars(args), "machine": info}, indent=2))
 
 
 if __name__ == "__main__":

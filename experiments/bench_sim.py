@@ -19,6 +19,7 @@ import time
 
 import yaml
 
+from nanovllm import machine
 from nanovllm.config import EngineConfig
 from nanovllm.harness.sim import Hardware, Simulation
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
@@ -34,6 +35,9 @@ def main() -> None:
     parser.add_argument("--profile-top", type=int, default=0)
     args = parser.parse_args()
 
+    import torch  # the simulator's own steps run in this process
+
+    print(machine.header(torch.get_num_threads()), flush=True)
     if args.hardware:
         hardware = Hardware.from_config(yaml.safe_load(open(args.hardware, encoding="utf-8")))
         sim = Simulation.build(EngineConfig(max_num_seqs=args.max_num_seqs, dtype="bfloat16"), "analytical",

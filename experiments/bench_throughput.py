@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, machine
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 
 
@@ -73,6 +73,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    info = machine.describe(torch.get_num_threads())
+    print(machine.header(info=info), flush=True)
 
     llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_kv_blocks=8192, max_model_len=2048)
     requests = sharegpt_like(llm, args.num_requests, args.input_mean, args.output_mean, args.seed)
@@ -82,7 +84,7 @@ def main() -> None:
     ours_s = run_nanovllm(llm, requests)
     result = {"num_requests": args.num_requests, "dtype": args.dtype, "prompt_tokens": prompt_tokens,
               "output_tokens": output_tokens, "threads": torch.get_num_threads(),
-              "nanovllm_s": ours_s, "nanovllm_output_tok_s": output_tokens / ours_s}
+              "nanovllm_s": ours_s, "nanovllm_output_tok_s": output_tokens / ours_s, "machine": info}
     print(f"workload: {args.num_requests} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
           f"(lognormal, means {args.input_mean:.0f}/{args.output_mean:.0f}), {args.dtype}, "
           f"{torch.get_num_threads()} threads")

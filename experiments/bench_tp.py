@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, machine
 
 
 def _best_time(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int) -> tuple[float, list]:
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    print(machine.header(torch.get_num_threads()), flush=True)  # each row then sets its own threads
     prompts = [f"Write a short story about a robot named R{i} who learns to paint." for i in range(args.prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     options = dict(num_kv_blocks=512, max_model_len=512)

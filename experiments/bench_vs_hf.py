@@ -28,7 +28,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, machine
 from nanovllm.harness.workload import load_chat_prompts
 from nanovllm.profile import run_gemm_floor
 
@@ -126,6 +126,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = parse_paths(parser, args.paths)
+    info = machine.describe(torch.get_num_threads())
+    print(machine.header(info=info), flush=True)
     results = [bench_path(p, args.num_prompts, args.max_tokens, args.repeats) for p in paths]
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), "
           f"{torch.get_num_threads()} threads, one process")
@@ -146,7 +148,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                       "threads": torch.get_num_threads(), "results": results}, f, indent=2)
+                       "threads": torch.get_num_threads(), "machine": info, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_hf import PATHS, bench_path, parse_paths  # noqa: E402
 
+from nanovllm import machine  # noqa: E402
+
 PEER = Path(__file__).resolve().parent / "vllm_peer.py"
 RESULT_PREFIX = "nano-vllm-bench-result: "  # as vllm_peer.py prints it (that file imports nothing of ours)
 
@@ -63,6 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     if not Path(args.vllm_python).exists():
         parser.error(f"--vllm-python: {args.vllm_python} does not exist")
+    info = machine.describe(torch.get_num_threads())
+    print(machine.header(info=info), flush=True)
     rows = []
     vllm_by_dtype: dict[str, dict] = {}  # vLLM has one path per dtype: run it once per dtype
     for path in parse_paths(parser, args.paths):
@@ -90,7 +94,7 @@ def main() -> None:
               f"{r['floor_tok_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"machine": info, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,18 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 RESULTS = Path(__file__).parent / "results" / "priority_vs_rate.md"
+MACHINE_FILE = "machine.json"  # in the sweep directory: where the sweep ran (nanovllm.machine.describe)
 
 
 def run_sweep(sweep_dir: Path, extra: list[str]) -> None:
+    import torch  # only for the thread count the sweep's jobs get by default
+
+    from nanovllm import machine
+
+    info = machine.describe(torch.get_num_threads())
+    print(machine.header(info=info), flush=True)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / MACHINE_FILE).write_text(json.dumps({"machine": info}, indent=2) + "\n")
     command = [sys.executable, "-m", "nanovllm.run", "-m", "+experiment=priority_vs_rate",
                f"hydra.sweep.dir={sweep_dir}", *extra]
     print("running:", " ".join(command), flush=True)
@@ -44,6 +53,11 @@ def table(sweep_dir: Path) -> str:
     header = ("| rate (req/s) | policy | output tok/s | p50 TTFT ms | p99 TTFT ms | p50 TPOT ms | p99 TPOT ms "
               "| urgent p50 / p99 TTFT ms | background p50 / p99 TTFT ms | preemptions |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    machine_file = sweep_dir / MACHINE_FILE
+    if machine_file.is_file():
+        from nanovllm import machine
+
+        lines[:0] = [f"Measured on: {machine.header(info=json.loads(machine_file.read_text())['machine'])}", ""]
     for rate, policy, m, by_class in rows:
         urgent, background = by_class.get("0", {}), by_class.get("1", {})
         lines.append(

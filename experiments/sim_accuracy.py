@@ -122,16 +122,25 @@ class Setup:
 def measure(setup: Setup, rounds: list[int]) -> None:
     """Make the real runs of each round in ``rounds``: the calibration workloads (seed = the round), then every
     compared workload and policy (seed 0). Finished runs are reused."""
+    import json
+
+    from nanovllm import machine
     from nanovllm.harness.records import read_metrics
 
+    info = machine.describe(int(ONE_THREAD["OMP_NUM_THREADS"]))  # the real runs' one thread
+    print(machine.header(info=info), flush=True)
     for round_ in rounds:
         todo = [(overrides + [f"workload.seed={round_}"], setup.calibration_dir(name, round_))
                 for name, overrides in CALIBRATION.items()]
         todo += [([*overrides, "workload.seed=0", f"scheduler={policy}"], setup.real_dir(workload, policy, round_))
                  for workload, overrides in WORKLOADS.items() for policy in POLICIES]
+        todo = [(overrides, run_dir) for overrides, run_dir in todo if not read_metrics(run_dir)]
+        if todo:  # where this round's runs are made (a round may be measured on another day, or machine)
+            setup.runs.mkdir(parents=True, exist_ok=True)
+            (setup.runs / f"machine_r{round_}.json").write_text(
+                json.dumps({"round": round_, "machine": info}, indent=2) + "\n", encoding="utf-8")
         for overrides, run_dir in todo:
-            if not read_metrics(run_dir):
-                setup.run(overrides, run_dir)
+            setup.run(overrides, run_dir)
 
 
 def finished(run_dirs: list[Path]) -> list[Path]:

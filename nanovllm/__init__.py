@@ -1,33 +1,71 @@
-"""nano-vllm: a small, readable LLM inference engine whose every serving decision is a plugin."""
+"""nano-vllm: a small, readable LLM inference engine whose every serving decision is a plugin.
+
+The public names below are imported on first use (PEP 562), so ``import nanovllm`` itself stays light: plugin
+modules load fast, and ``python -m nanovllm.run`` can install its Ctrl-C handling before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from nanovllm import machine
 
 machine.apply_isa_cap()  # before anything imports torch: a forced lower ISA level caps oneDNN and ATen too
 
+# name -> the module it lives in
+_EXPORTS = {
+    "LLM": "nanovllm.llm",
+    "LLMEngine": "nanovllm.engine.engine",
+    "SamplingParams": "nanovllm.sampling",
+    "RequestOutput": "nanovllm.outputs",
+    "RequestMetrics": "nanovllm.outputs",
+    "EngineConfig": "nanovllm.config",
+    "Policy": "nanovllm.policy",
+    "SchedulerView": "nanovllm.policy",
+    "StepBudget": "nanovllm.policy",
+    "register_policy": "nanovllm.policy",
+    "POLICIES": "nanovllm.policy",
+    "EvictionTracker": "nanovllm.eviction",
+    "EVICTION_POLICIES": "nanovllm.eviction",
+    "BlockAllocator": "nanovllm.allocator",
+    "register_allocator": "nanovllm.allocator",
+    "ALLOCATORS": "nanovllm.allocator",
+    "AttentionBackend": "nanovllm.attention.base",
+    "AttentionMetadata": "nanovllm.attention.base",
+    "register_attention": "nanovllm.attention.base",
+    "ATTENTION_BACKENDS": "nanovllm.attention.base",
+    "Registry": "nanovllm.registry",
+    "UnknownPluginError": "nanovllm.registry",
+    "Request": "nanovllm.request",
+    "RequestStatus": "nanovllm.request",
+}
 
-from nanovllm.allocator import ALLOCATORS, BlockAllocator, register_allocator
-from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
-from nanovllm.config import EngineConfig
-from nanovllm.outputs import RequestMetrics, RequestOutput
-from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
-from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
-from nanovllm.registry import Registry, UnknownPluginError
-from nanovllm.request import Request, RequestStatus
-from nanovllm.sampling import SamplingParams
+__all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    # LLM pulls in transformers and the engine; import it on first use so plugin modules load fast.
-    if name in ("LLM", "LLMEngine"):
-        from nanovllm.llm import LLM
-        from nanovllm.engine.engine import LLMEngine
-        return {"LLM": LLM, "LLMEngine": LLMEngine}[name]
-    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
 
 
-__all__ = [
-    "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig",
-    "Policy", "SchedulerView", "StepBudget", "EvictionTracker", "EVICTION_POLICIES", "BlockAllocator", "AttentionBackend", "AttentionMetadata",
-    "register_policy", "register_allocator", "register_attention",
-    "POLICIES", "ALLOCATORS", "ATTENTION_BACKENDS", "Registry", "UnknownPluginError", "Request", "RequestStatus",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from nanovllm.allocator import ALLOCATORS, BlockAllocator, register_allocator
+    from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.engine import LLMEngine
+    from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
+    from nanovllm.llm import LLM
+    from nanovllm.outputs import RequestMetrics, RequestOutput
+    from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
+    from nanovllm.registry import Registry, UnknownPluginError
+    from nanovllm.request import Request, RequestStatus
+    from nanovllm.sampling import SamplingParams

@@ -137,8 +137,9 @@ def describe(threads: int | None = None, bandwidth: bool = True) -> dict:
     return info
 
 
-def header(threads: int | None = None) -> str:
-    """One line for a benchmark's header: ``CPU: <model> | ISA: <level> (supports ...) | threads | copy GB/s``."""
-    info = describe(threads)
+def header(threads: int | None = None, info: dict | None = None) -> str:
+    """One line for a benchmark's header: ``CPU: <model> | ISA: <level> (supports ...) | threads | copy GB/s``.
+    ``info``: a ``describe()`` result to format (a benchmark that also stores it prints the same figures)."""
+    info = describe(threads) if info is None else info
     return (f"CPU: {info['cpu']} ({info['arch']}) | ISA: {info['isa']} (supports {', '.join(info['isa_supported'])})"
             f" | threads: {info['threads']} | copy bandwidth: {info['copy_bandwidth_gbs']} GB/s")

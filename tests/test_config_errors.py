@@ -7,15 +7,22 @@ loads. Both stages are run here in-process, the way the entry point runs them (H
 ``tests/test_run.py`` runs a handful of them through the real command line. The table covers every group in
 ``conf/`` and every field of the schema (a test checks that, so a new group must bring its cases); the
 hypothesis test throws junk at every leaf of the composed configs of every scheduler and group option.
+
+What cannot run on this machine (``attention=flashinfer`` or ``engine.device=cuda`` without CUDA) is refused
+by ``check_config`` too, and ``LLM(...)`` / ``LLMEngine`` refuse it, and every bad plugin spec, before they load
+the model or the kernels: the tests below make loading them fail loudly and see the right error instead.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -107,6 +114,9 @@ CASES: list[tuple[list[str], list[str]]] = [
     # attention
     (["attention.name=nope"], ["unknown attention backend 'nope'", "torch"]),
     (["+attention.bogus=1"], ["attention=", "bogus"]),
+    *([(["attention=flashinfer"], ["attention backend 'flashinfer' cannot run on cpu", "CUDA device"]),
+       (["engine.device=cuda"], ["engine.device='cuda'", "CUDA is not available"])]
+      if not torch.cuda.is_available() else []),
     # workload: chat (default), synthetic, trace
     (["workload.num_requests=abc"], ["workload.num_requests", "Integer"]),
     (["workload.num_request=3"], ["workload.num_request"]),
@@ -252,3 +262,64 @@ def test_junk_at_any_leaf_is_valid_or_one_error_line_naming_it(data) -> None:
         leaf = key.rsplit(".", 1)[-1]
         _assert_one_line(line, [])
         assert key in line or leaf in line, f"{override}: {line}"
+
+
+# -- what cannot run is refused before the model and the kernels load ---------------------------------------------
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading the model's weights or the C++ kernels raises: an error the engine could have given before
+    them shows up as the test's expected error only if it came first."""
+
+    def loaded(what):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{what} loaded before the error")
+        return fail
+
+    monkeypatch.setattr("nanovllm.engine.model_runner.load_model", loaded("the model"))
+    monkeypatch.setattr("nanovllm.kernels.load", loaded("the kernels"))
+    monkeypatch.setattr("nanovllm.models.llama.load_kernels", loaded("the kernels"))
+
+
+NOT_LOADABLE = [
+    (dict(scheduler="fcsf"), r"unknown policy 'fcsf'.*Did you mean 'fcfs'"),
+    (dict(allocator={"name": "paged", "num_blocks": 4}), r"allocator='paged' does not take options \['num_blocks'\]"),
+    (dict(allocator={"name": "radix", "eviction": "mru"}), r"eviction must be one of lru, lfu, fifo"),
+    (dict(scheduler={"name": "sjf", "predictor": "psychic"}), r"predictor must be one of oracle"),
+    (dict(attention="nope"), r"unknown attention backend 'nope'"),
+    (dict(attention={"name": "cpu", "bogus": 1}), r"attention backend='cpu' does not take options \['bogus'\]"),
+    (dict(kv_cache_memory=100), r"the KV cache budget \(100 bytes\) is smaller than one block"),
+    (dict(max_model_len=10 ** 6), r"max_model_len must be <= the model's max_position_embeddings"),
+]
+if not torch.cuda.is_available():
+    NOT_LOADABLE.append((dict(attention="flashinfer"), r"attention backend 'flashinfer' cannot run on cpu: .*CUDA"))
+
+
+@pytest.mark.parametrize("options, message", NOT_LOADABLE, ids=[str(o) for o, _ in NOT_LOADABLE])
+def test_the_engine_refuses_what_cannot_run_before_it_loads_anything(nothing_loads, options, message):
+    from nanovllm import LLM
+
+    with pytest.raises(ValueError, match=message):
+        LLM(**options)
+
+
+def test_the_spies_do_catch_a_load(nothing_loads):
+    from nanovllm import LLM
+
+    with pytest.raises(AssertionError, match="the model loaded before the error"):
+        LLM(num_kv_blocks=8)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flashinfer may run here")
+def test_the_command_line_refuses_flashinfer_on_cpu_before_the_model_loads(tmp_path):
+    # The subprocess would write tmp_path/held on its first call of load_model (tests/startup_hold).
+    from test_interrupt import _held_env
+
+    proc = subprocess.run([sys.executable, "-m", "nanovllm.run", "attention=flashinfer", "progress=false",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env=_held_env(tmp_path, "nanovllm.engine.model_runner:load_model"), timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["error: attention backend 'flashinfer' cannot run on cpu: FlashInfer's kernels need a CUDA "
+                     "device (use attention=torch on CPU)"], proc.stderr[-3000:]
+    assert not (tmp_path / "held").exists(), "the model started loading"

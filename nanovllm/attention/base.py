@@ -118,3 +118,26 @@ def resolve_attention(spec: Any, device: torch.device | str) -> Any:
     if isinstance(spec, Mapping) and spec.get("name") == AUTO:
         return {**spec, "name": default_attention_name(device)}
     return spec
+
+
+def attention_class(spec: Any) -> type[AttentionBackend] | None:
+    """The backend class ``spec`` stands for (a registered name, a ``{"name": ...}`` mapping or an instance;
+    ``auto`` already resolved), or None for a spec that names none (``Registry.check`` reports those)."""
+    if isinstance(spec, AttentionBackend):
+        return type(spec)
+    name = spec if isinstance(spec, str) else spec.get("name") if isinstance(spec, Mapping) else None
+    return ATTENTION_BACKENDS.get(name) if isinstance(name, str) and name else None
+
+
+def check_attention_available(spec: Any, device: torch.device | str) -> None:
+    """Raise ``ValueError`` saying why when the backend ``spec`` names cannot run on ``device`` (FlashInfer on
+    a CPU machine): asked of the class, so it is known before any model or kernel loads."""
+    device = torch.device(device)
+    spec = resolve_attention(spec, device)
+    cls = attention_class(spec)
+    if cls is None:
+        return
+    backend = spec if isinstance(spec, AttentionBackend) else cls
+    if not backend.is_available(device):
+        reason = backend.unavailable_reason(device) or "the backend says it is not available there"
+        raise ValueError(f"attention backend {cls.registered_name!r} cannot run on {device}: {reason}")

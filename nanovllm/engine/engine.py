@@ -21,6 +21,7 @@ from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
+from nanovllm.engine.startup_checks import check_before_load
 from nanovllm.engine.warmup import warm_up
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
@@ -88,6 +89,8 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
+        check_before_load(config, self.hf_config, self.max_model_len, scheduler, allocator, attention, device,
+                          simulated)
         self.runner = runner if runner is not None else self._make_runner(config, attention, device)
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
@@ -97,9 +100,6 @@ class LLMEngine:
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
             resolve_attention(attention, device), runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
-        if not simulated and not backend.is_available(device):
-            reason = backend.unavailable_reason(device) or "the backend says it is not available there"
-            raise ValueError(f"attention backend {backend.registered_name!r} cannot run on {device}: {reason}")
         graphs = (not simulated and device.type == "cuda" and not config.enforce_eager
                   and backend.supports_cuda_graphs)
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,

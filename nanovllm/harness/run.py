@@ -12,7 +12,13 @@ in the config itself are reported by Hydra, except an unknown config-group optio
 ``nanovllm.harness.group_options``); that and everything else a user can get wrong (an unknown plugin name, a
 plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with
 one ``error: ...`` line on stderr and exit status 1 -- the traceback only with ``HYDRA_FULL_ERROR=1``.
-Everything that can be checked before the model loads is.
+Everything that can be checked before the model loads is, the attention backend's availability on the device
+included (``attention=flashinfer`` on a CPU machine fails before the model or the kernels load).
+
+Ctrl-C (SIGINT) or SIGTERM before serving starts -- while importing, composing, checking, loading the model,
+building the kernels or waiting for another process's build, warming up -- ends the run at once with one
+``error: interrupted by SIGINT while <phase>; nothing was served`` line and status 130 (143 for SIGTERM); once
+serving, the run stops after the current step and writes its files (``nanovllm.harness.interrupt``).
 """
 
 from __future__ import annotations
@@ -34,13 +40,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
-from nanovllm.attention.base import ATTENTION_BACKENDS, resolve_attention
+from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
 from nanovllm.config import EngineConfig
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.config_errors import one_line_composition_errors
 from nanovllm.harness.group_options import check_group_choices
 from nanovllm.harness.live.config import LiveConfig
-from nanovllm.harness.interrupt import STOP
+from nanovllm.harness.interrupt import STOP, StartupInterrupt, interrupt_message, one_line_interrupts
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.harness.metrics import SLO, format_summary
 from nanovllm.harness.monitor import MonitorConfig
@@ -152,6 +158,14 @@ def _check_model_path(path: str | None) -> None:
                          "HF directory with config.json or a .gguf file")
 
 
+def _check_device(device: str) -> None:
+    """``engine.device=cuda`` needs CUDA (``LLMEngine`` says so too, but only after importing the engine)."""
+    import torch
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"engine.device={device!r} was asked for but CUDA is not available; use engine.device=cpu")
+
+
 def _check_missing(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -216,12 +230,15 @@ def check_config(cfg: DictConfig) -> _Checked:
     from nanovllm.harness.sim.simulate import check_runner
 
     check_runner(runner, hardware)
+    attention = plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention")
+    if runner["name"] != "sim":  # a simulated run loads no model and runs no attention: any device will do
+        _check_device(engine.device)
+        check_attention_available(attention, engine.device)
     return _Checked(
         engine=engine,
         scheduler=plugin_spec(POLICIES, cfg.scheduler, "scheduler"),
         allocator=plugin_spec(ALLOCATORS, cfg.allocator, "allocator"),
-        attention=plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device),
-                              "attention"),
+        attention=attention,
         logger=plugin_spec(LOGGERS, cfg.logger, "logger"),
         slo=SLO(**cfg.slo),
         monitor=MonitorConfig(**cfg.monitor),
@@ -239,6 +256,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     multirun = hc.mode == RunMode.MULTIRUN
 
     # The slow part: torch, transformers and the model.
+    STOP.starting("importing the engine")
     from nanovllm.engine.engine import LLMEngine
     from nanovllm.harness.live.launch import start_live
     from nanovllm.harness.monitor import ModelCost, Monitor
@@ -248,18 +266,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     plugins = dict(scheduler=checked.scheduler, allocator=checked.allocator, attention=checked.attention)
     sim = None
     live = start_live(checked.live, run_dir)  # live=web: the dashboard process starts while the model loads
-    with _engine_field_errors():
-        if checked.runner["name"] == "sim":
-            from nanovllm.harness.sim.simulate import Simulation
+    try:
+        STOP.starting("starting the engine")  # the model, the kernels, the warm-up: see interrupt.startup_phase
+        with _engine_field_errors():
+            if checked.runner["name"] == "sim":
+                from nanovllm.harness.sim.simulate import Simulation
 
-            sim = Simulation.from_config(checked.runner, checked.hardware, checked.engine, **plugins)
-            engine = sim.engine
-        else:
-            engine = LLMEngine(checked.engine, **plugins)
-    workload = generate_workload(cfg.workload, engine.tokenizer)
-    cost = sim.cost if sim is not None else ModelCost.from_model(engine.runner.model)
-    monitor_config = sim.monitor_config(checked.monitor) if sim is not None else checked.monitor
-    monitor = Monitor.from_config(cost, monitor_config, engine.runner.dtype, checked.engine.device)
+                sim = Simulation.from_config(checked.runner, checked.hardware, checked.engine, **plugins)
+                engine = sim.engine
+            else:
+                engine = LLMEngine(checked.engine, **plugins)
+        STOP.starting("generating the workload")
+        workload = generate_workload(cfg.workload, engine.tokenizer)
+        STOP.starting("calibrating the monitor")
+        cost = sim.cost if sim is not None else ModelCost.from_model(engine.runner.model)
+        monitor_config = sim.monitor_config(checked.monitor) if sim is not None else checked.monitor
+        monitor = Monitor.from_config(cost, monitor_config, engine.runner.dtype, checked.engine.device)
+    except BaseException:
+        live.close()  # the dashboard process must not outlive a start-up that failed or was interrupted
+        raise
+    STOP.starting("starting the loggers")
 
     loggers: list[RunLogger] = [LOGGERS.build(checked.logger)]
     if not isinstance(loggers[0], JsonlLogger):
@@ -274,6 +300,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         for logger in loggers:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
+        STOP.serving()  # from here a signal stops the run after the current step, its files written
         result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
                        loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
                        clock=sim.clock if sim is not None else None,
@@ -310,6 +337,7 @@ def _task(cfg: DictConfig) -> float | None:
     if STOP.requested:  # a later job of an interrupted multirun: do not start it
         _stopped(f"not run: the sweep was interrupted by {STOP.name}")
         return None
+    STOP.starting("checking the config")
     try:
         objective = _prepare_job(cfg, hc)
         summary = run(cfg)
@@ -318,6 +346,14 @@ def _task(cfg: DictConfig) -> float | None:
             return None
         optimizing = hc.mode == RunMode.MULTIRUN and hc.sweeper.get("direction") is not None
         return objective_value(summary, objective) if optimizing else None
+    except StartupInterrupt as exc:
+        # A single run: one_line_interrupts (main) says where it was and exits 130 / 143. A job of a multirun
+        # notes it like a job that was stopped while serving; the jobs after it do not start (STOP.requested),
+        # and the sweep's summary, over the jobs that ran, exits with the signal's status.
+        if hc.mode != RunMode.MULTIRUN or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _stopped(interrupt_message(exc))
+        return None
     except Exception as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -330,6 +366,9 @@ def _task(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        if hc.mode == RunMode.MULTIRUN:  # between jobs, a signal stops the sweep after this one (as before it)
+            STOP.serving("running the sweep")
 
 
 def _stopped(message: str) -> None:
@@ -383,12 +422,16 @@ def _check_group_choices_or_exit(argv: list[str]) -> None:
 
 def main() -> None:
     """Entry point of ``python -m nanovllm.run`` and the ``nanovllm-run`` console script."""
-    register_configs()
-    # An unknown group option is caught before Hydra starts (with the options and a close match, and before
-    # any job of a sweep runs); whatever else Hydra finds while composing is folded into one line too.
-    _check_group_choices_or_exit(sys.argv[1:])
-    with STOP.installed(), one_line_composition_errors():
-        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+    # Ctrl-C before serving starts ends the run at once with one line (nanovllm/run.py installs this before
+    # the heavy imports; here again for a caller of this function).
+    with STOP.installed(), one_line_interrupts():
+        STOP.starting("composing the config")
+        register_configs()
+        # An unknown group option is caught before Hydra starts (with the options and a close match, and before
+        # any job of a sweep runs); whatever else Hydra finds while composing is folded into one line too.
+        _check_group_choices_or_exit(sys.argv[1:])
+        with one_line_composition_errors():
+            hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,13 @@ HEADLINE_METRICS = (
 
 
 class SweepSummary(Callback):
-    """Writes the sweep's summary table when a multirun ends; exits non-zero if a job failed."""
+    """Writes the sweep's summary table when a multirun ends; exits non-zero if a job failed. While the sweep
+    runs, a signal stops it after the current job (each job's own start-up is interrupted at once)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Jobs may run in other processes (joblib, submitit, Ray): this one then only waits for them, and a
+        # signal must not cut that wait short, or no summary would be written over the jobs that ran.
+        STOP.serving("running the sweep")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
