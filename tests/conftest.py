@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from nanovllm import machine
+
+# The suite's simulated runs use the shipped step-time profiles, never one a developer calibrated on this machine
+# (python -m nanovllm.harness.sim.calibrate --this-machine): an empty per-machine cache, inherited by subprocesses.
+os.environ["NANOVLLM_SIM_PROFILES"] = tempfile.mkdtemp(prefix="nanovllm-sim-profiles-")
 from nanovllm.kernels import kernel_build
 
 # Every kernel build this CPU can run (amx shares avx512_bf16's), best first: the kernel tests run each one, so

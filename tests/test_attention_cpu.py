@@ -1,6 +1,7 @@
 """The cpu attention backend against the torch reference on random paged batches: decodes, prefill chunks on
 top of cached prefixes and whole prompts mixed in one step, block sizes 1/16/64, GQA and MHA, float32 and
-bfloat16. Both backends start from the same cache contents; outputs and the written caches must agree."""
+bfloat16, on every kernel build (ISA level) the CPU supports. Both backends start from the same cache contents;
+outputs and the written caches must agree."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _random_step(rng: random.Random, block_size: int, num_blocks: int, num_seqs:
 # 64 and 128 take the kernel's AVX-512 path (where the CPU has it), 32 its plain loop.
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("sdpa_min_query", [16, None], ids=["long-chunks-on-sdpa", "all-on-kernel"])
-def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, head_dim, sdpa_min_query):
+def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, head_dim, sdpa_min_query, kernel_isa):
     num_heads, num_kv_heads = heads
     num_seqs = 7
     rng = random.Random(block_size * 100 + num_heads)
@@ -51,7 +52,7 @@ def test_cpu_backend_matches_torch_reference(dtype, block_size, heads, head_dim,
     k = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
     outputs, caches = [], []
-    for spec in ("torch", {"name": "cpu", "sdpa_min_query": sdpa_min_query}):
+    for spec in ("torch", {"name": "cpu", "sdpa_min_query": sdpa_min_query, "isa": kernel_isa}):
         backend = ATTENTION_BACKENDS.build(spec, num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
         own = cache.clone()
         backend.bind_kv_caches([(own[0], own[1])])

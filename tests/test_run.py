@@ -157,6 +157,9 @@ def test_single_run_writes_its_files(tmp_path: Path) -> None:
     assert set(metrics["breakdowns"]) == {"priority", "client_id"}
     assert set(metrics["breakdowns"]["priority"]) <= {"0", "1"}
     assert "mfu" in metrics and "mean_ttft_ms" in metrics
+    # The engine warmed up before the run's clock started, and says so (log line and metrics.json).
+    assert metrics["warmup_steps"] > 0 and metrics["warmup_time_s"] > 0
+    assert "warm-up:" in proc.stdout + proc.stderr
 
     requests = _read_jsonl(run_dir / "requests.jsonl")
     assert sorted(r["request_id"] for r in requests) == ["0", "1", "2", "3"]
