@@ -30,12 +30,22 @@ def _sampled(llm: LLM) -> list[list[int]]:
 
 
 def test_warm_up_leaves_the_sampling_stream_and_the_cache_untouched(llm):
-    warm = LLM(num_kv_blocks=64, max_model_len=512, warmup=True)
-    cold = LLM(num_kv_blocks=64, max_model_len=512, warmup=False)
+    # block_size=8: shapes no other engine of the session has warmed on these weights
+    warm = LLM(num_kv_blocks=64, max_model_len=512, block_size=8, warmup=True)
+    cold = LLM(num_kv_blocks=64, max_model_len=512, block_size=8, warmup=False)
     assert warm.engine.warmup_steps > 0 and warm.engine.warmup_time > 0
     assert cold.engine.warmup_steps == 0 and cold.engine.warmup_time == 0
     assert warm.engine.allocator.num_free_blocks() == warm.engine.num_kv_blocks and warm.engine.num_steps == 0
     assert _sampled(warm) == _sampled(cold)
+
+
+def test_a_second_engine_over_the_same_weights_finds_its_shapes_warm(llm):
+    first = LLM(num_kv_blocks=64, max_model_len=512, block_size=4)
+    again = LLM(num_kv_blocks=64, max_model_len=512, block_size=4)
+    more_seqs = LLM(num_kv_blocks=256, max_model_len=512, block_size=4, max_num_seqs=256)
+    assert first.engine.warmup_steps > 0 and again.engine.warmup_steps == 0
+    # only what is new: the larger decode batches (128, 256), and 64 now greedy (random sampling warms the largest)
+    assert more_seqs.engine.warmup_steps == 3
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

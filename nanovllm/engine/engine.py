@@ -107,9 +107,13 @@ class LLMEngine:
         # Before the first request's clock starts, every representative batch shape runs once (warmup.py).
         self.warmup_steps, self.warmup_time = 0, 0.0
         if config.warmup and not simulated:
-            self.warmup_steps, self.warmup_time = warm_up(
-                runner, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, self.num_kv_blocks,
-                config.block_size, self.hf_config.vocab_size)
+            try:
+                self.warmup_steps, self.warmup_time = warm_up(
+                    runner, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                    self.num_kv_blocks, config.block_size, self.hf_config.vocab_size)
+            except Exception as exc:
+                raise RuntimeError(f"engine warm-up failed (engine.warmup=false skips it): {type(exc).__name__}: "
+                                   f"{exc}") from exc
             logger.info("warm-up: %d steps on representative batch shapes in %.2f s (engine.warmup=false skips it)",
                         self.warmup_steps, self.warmup_time)
         self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)

@@ -11,11 +11,16 @@ stream is untouched). The batches go through the runner's own ``execute`` (the s
 planning, forward and sampling as a real step) on synthetic requests whose block tables point at blocks the
 allocator has not handed out: the allocator, the scheduler and the step counter never see them, and what they
 write into the cache is overwritten by the first real request that gets those blocks.
+
+What a warm-up warms is the process's (oneDNN's primitive cache, the thread pool, the allocator), so a batch
+shape runs once per process for each loaded model and attention backend: a second engine over the same weights
+(the loader shares them between engines) finds those shapes warm and skips them.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -70,15 +75,31 @@ def _requests(batch: list[tuple[int, int]], block_size: int, vocab_size: int, pa
     return scheduled
 
 
+# Per loaded model (weakly held: a freed model takes its entry along), the warm-up shapes this process has run.
+_WARMED: "weakref.WeakKeyDictionary[Any, set[tuple]]" = weakref.WeakKeyDictionary()
+
+
 def warm_up(runner: Any, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_blocks: int,
             block_size: int, vocab_size: int) -> tuple[int, float]:
-    """Run every warm-up step through ``runner.execute``; returns ``(steps, seconds)``. Called by
-    ``LLMEngine.__init__`` once the KV cache is bound, before any request exists (``engine.warmup``)."""
+    """Run every warm-up step this process has not yet run for this model and backend through
+    ``runner.execute``; returns ``(steps run, seconds)``. Called by ``LLMEngine.__init__`` once the KV cache is
+    bound, before any request exists (``engine.warmup``)."""
     generator = torch.Generator(device=runner.device).manual_seed(0)
     start = time.perf_counter()
     batches = warmup_batches(max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, block_size)
+    try:
+        warmed = _WARMED.setdefault(getattr(runner, "model", runner), set())
+    except TypeError:  # a runner that cannot be weakly referenced: warm it every time
+        warmed = set()
+    backend = type(runner.backend).__qualname__
+    steps = 0
     for i, batch in enumerate(batches):
         # Greedy everywhere; the largest decode batch also samples, so both samplers are warm.
         params = RANDOM if i == len(batches) - 1 else GREEDY
+        shape = (backend, block_size, tuple(batch), params is RANDOM)
+        if shape in warmed:
+            continue
         runner.execute(_requests(batch, block_size, vocab_size, params, generator))
-    return len(batches), time.perf_counter() - start
+        warmed.add(shape)
+        steps += 1
+    return steps, time.perf_counter() - start
