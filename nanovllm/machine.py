@@ -57,12 +57,10 @@ def cpu_model() -> str:
     """The CPU's model name (``Intel(R) Xeon(R) ...``), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # no /proc (not Linux): what the platform module knows
+        name = ""
+    return name or platform.processor() or platform.machine() or "unknown CPU"
 
 
 def supported_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:

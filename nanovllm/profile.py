@@ -31,9 +31,11 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from nanovllm.kernels import ISA_CFLAGS
+
 # Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
 LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise",
-                        *(f"nanovllm_{build}::gemv_bf16" for build in ("avx512_bf16", "avx512", "avx2", "scalar"))})
+                        *(f"nanovllm_{build}::gemv_bf16" for build in ISA_CFLAGS)})  # each kernel build's op
 SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
 
 
