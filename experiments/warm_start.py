@@ -4,8 +4,9 @@ the same run (a run's own steady state, so machines compare as ratios).
     python experiments/warm_start.py                 # serves the default experiment twice: engine.warmup=false, then true
     python experiments/warm_start.py RUN_DIR ...     # or reads runs already made (their steps.jsonl)
 
-A step's kind: prefill-only, decode-only or mixed, with its number of sequences (decode batch size); prefill
-steps of different lengths are one kind each per 64-token bucket.
+A step's kind: prefill-only, decode-only or mixed. Each of the first steps is set against the median of the
+``NEAREST`` later steps of its kind closest to it in tokens computed (prefill tokens + decode sequences), the
+same work at the run's steady state; an exact match of batch composition is rare in a short run.
 """
 
 from __future__ import annotations
@@ -19,23 +20,32 @@ import tempfile
 from pathlib import Path
 
 FIRST = 4
+NEAREST = 5
 
 
-def step_kind(step: dict) -> tuple:
+def step_kind(step: dict) -> str:
     prefill, decode = step["num_prefill_tokens"], step["num_decode_seqs"]
-    kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
-    return kind, step["num_prefill_seqs"] + decode, prefill // 64
+    return "mixed" if prefill and decode else "prefill" if prefill else "decode"
+
+
+def step_tokens(step: dict) -> int:
+    return step["num_prefill_tokens"] + step["num_decode_seqs"]
 
 
 def first_steps_vs_steady(run_dir: Path) -> list[dict]:
-    """Per one of the first ``FIRST`` steps: its duration, the median of the later steps of its kind, the ratio."""
+    """Per one of the first ``FIRST`` steps: its duration, the median of the ``NEAREST`` later steps of its kind
+    closest in tokens computed, and the ratio of the two."""
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
     steps = [s for s in steps if s["num_prefill_tokens"] or s["num_decode_seqs"]]
     rows = []
     for step in steps[:FIRST]:
-        later = [s["duration"] for s in steps[FIRST:] if step_kind(s) == step_kind(step)]
-        median = statistics.median(later) if later else None
-        rows.append({"step": step["step"], "kind": step_kind(step), "ms": 1e3 * step["duration"],
+        later = [s for s in steps[FIRST:] if step_kind(s) == step_kind(step)]
+        later.sort(key=lambda s: abs(step_tokens(s) - step_tokens(step)))
+        nearest = later[:NEAREST]
+        median = statistics.median(s["duration"] for s in nearest) if nearest else None
+        rows.append({"step": step["step"], "kind": step_kind(step), "tokens": step_tokens(step),
+                     "ms": 1e3 * step["duration"],
+                     "steady_tokens": [step_tokens(s) for s in nearest],
                      "steady_ms": None if median is None else 1e3 * median,
                      "ratio": None if not median else step["duration"] / median})
     return rows
@@ -63,12 +73,13 @@ def main() -> None:
     for run_dir in runs:
         metrics = json.loads((run_dir / "metrics.json").read_text())
         print(f"\n{run_dir} (warm-up {metrics.get('warmup_steps', 0)} steps, {metrics.get('warmup_time_s', 0)} s)")
-        print("| step | kind | ms | median of its kind later, ms | ratio |\n|---|---|---|---|---|")
+        print("| step | kind | tokens | ms | later steps of its kind nearest in tokens | their median, ms | ratio |")
+        print("|---|---|---|---|---|---|---|")
         for row in first_steps_vs_steady(run_dir):
             steady = "-" if row["steady_ms"] is None else f"{row['steady_ms']:.1f}"
             ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-            print(f"| {row['step']} | {row['kind'][0]} x{row['kind'][1]} | {row['ms']:.1f} | {steady} | {ratio} |")
-
+            nearest = ", ".join(map(str, row["steady_tokens"])) or "-"
+            print(f"| {row['step']} | {row['kind']} | {row['tokens']} | {row['ms']:.1f} | {nearest} | {steady} | {ratio} |")
 
 if __name__ == "__main__":
     main()
