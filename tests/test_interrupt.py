@@ -216,7 +216,8 @@ def test_a_signal_while_waiting_for_another_process_kernel_build(tmp_path):
     import filelock
 
     from nanovllm import kernels, machine
-    from nanovllm.models.loader import cache_root, resolve_model
+    from nanovllm.models.loader import resolve_model
+    from nanovllm.paths import cache_root
 
     model_dir = resolve_model()  # converted once into the shared cache, if it is not already
     cache = tmp_path / "cache"
