@@ -36,6 +36,8 @@ _EXPORTS = {
     "register_attention": "nanovllm.attention.base",
     "ATTENTION_BACKENDS": "nanovllm.attention.base",
     "Registry": "nanovllm.registry",
+    "load_plugins": "nanovllm.plugins",
+    "PluginImportError": "nanovllm.plugins",
     "UnknownPluginError": "nanovllm.registry",
     "Request": "nanovllm.request",
     "RequestStatus": "nanovllm.request",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
     from nanovllm.llm import LLM
     from nanovllm.outputs import RequestMetrics, RequestOutput
+    from nanovllm.plugins import PluginImportError, load_plugins
     from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
     from nanovllm.registry import Registry, UnknownPluginError
     from nanovllm.request import Request, RequestStatus

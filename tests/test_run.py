@@ -317,7 +317,8 @@ def test_bad_input_fails_before_the_model_loads_with_one_line(tmp_path: Path, ov
 
 
 def test_pre_model_checks_name_what_is_wrong(tmp_path: Path, compose_cfg, monkeypatch) -> None:
-    from nanovllm.harness.run import PluginImportError, _check_missing, _engine_field_errors, import_plugins, plugin_spec
+    from nanovllm import LLM, PluginImportError, load_plugins
+    from nanovllm.harness.run import _check_missing, _engine_field_errors, plugin_spec
 
     with pytest.raises(ValueError, match=r"unknown allocator 'nope'.*contiguous, paged, prefix"):
         plugin_spec(ALLOCATORS, {"name": "nope"}, "allocator")
@@ -329,12 +330,14 @@ def test_pre_model_checks_name_what_is_wrong(tmp_path: Path, compose_cfg, monkey
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(PluginImportError, match="'no_such_plugin_module' failed to import.*No module named"):
-        import_plugins(["no_such_plugin_module"])
+        load_plugins(["no_such_plugin_module"])
     with pytest.raises(PluginImportError, match="'missing.py' does not exist"):
-        import_plugins(["missing.py"])
+        load_plugins(["missing.py"])
     (tmp_path / "syntax_error.py").write_text("def (:\n")
     with pytest.raises(PluginImportError, match="syntax_error.py.*SyntaxError"):
-        import_plugins(["syntax_error.py"])
+        load_plugins(["syntax_error.py"])
+    with pytest.raises(PluginImportError, match="'missing.py' does not exist"):
+        LLM(plugins=["missing.py"])   # the Python front door loads the same files, before anything else
 
     with pytest.raises(ValueError, match=r"no value for model.path"):
         _check_missing(compose_cfg("model=hf"))

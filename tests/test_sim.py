@@ -92,11 +92,10 @@ def _decisions(run) -> dict:
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "shortest_prompt_first"])
 def test_replay_makes_the_real_engines_scheduling_decisions(llm, one_thread, tmp_path, policy) -> None:
     from nanovllm import LLM
-    from nanovllm.harness.run import import_plugins
 
-    import_plugins([str(ROOT / "experiments" / "my_policy.py")])
     scheduler = {"name": policy, "max_wait": 0.2} if policy == "shortest_prompt_first" else policy
-    engine = LLM(scheduler=scheduler, **ENGINE).engine
+    # The user's policy file, loaded by LLM itself as python -m nanovllm.run plugins=[...] loads it.
+    engine = LLM(scheduler=scheduler, plugins=[str(ROOT / "experiments" / "my_policy.py")], **ENGINE).engine
     logger = JsonlLogger()
     logger.start(tmp_path, {})
     real = serve(engine, _workload(), progress=False, loggers=[logger])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import importlib.util
 import logging
 import os
@@ -58,13 +57,10 @@ from nanovllm.harness.objective import (
 from nanovllm.harness.option_types import check_option_types
 from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
+from nanovllm.plugins import PluginImportError, load_plugins
 from nanovllm.policy import POLICIES
 from nanovllm.registry import Registry
 from nanovllm.sampling import SamplingParams
-
-
-class PluginImportError(ImportError):
-    """A module or file named in ``plugins`` could not be imported."""
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -90,55 +86,6 @@ def config_dir() -> Path:
 
 
 # -- checks that run before the model loads ------------------------------------------------------------------------
-
-def import_plugins(plugins: list[str]) -> None:
-    """Import each plugin (a module name, or the path of a ``.py`` file) so its ``@register_*`` runs."""
-    for entry in plugins:
-        try:
-            if entry.endswith(".py") or "/" in entry or os.sep in entry:
-                _import_file(Path(entry).expanduser())
-            else:
-                _import_module(entry)
-        except PluginImportError:
-            raise
-        except Exception as exc:
-            raise PluginImportError(f"plugins: {entry!r} failed to import: {type(exc).__name__}: {exc}") from exc
-
-
-_imported_files: set[Path] = set()  # each file once per process, however many multirun jobs name it
-
-
-def _import_file(path: Path) -> None:
-    if not path.is_file():
-        raise PluginImportError(f"plugins: file {str(path)!r} does not exist (cwd: {os.getcwd()})")
-    if path.resolve() in _imported_files:
-        return
-    # Its own name when free (so reprs and pickles read naturally), else one that cannot clash.
-    name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else f"_nanovllm_plugin_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    _imported_files.add(path.resolve())
-
-
-def _import_module(name: str) -> None:
-    # The console script does not put the working directory on sys.path the way `python -m` does.
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        importlib.import_module(name)
-    finally:
-        if added:
-            sys.path.remove(cwd)
-
 
 def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
     """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
@@ -219,7 +166,7 @@ def _check_mappings(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> _Checked:
     _check_missing(cfg)
     _check_mappings(cfg)
-    import_plugins(list(cfg.plugins))  # first: a plugin may register the names checked below
+    load_plugins(cfg.plugins)  # first: a plugin may register the names checked below
     validate_workload_config(cfg.workload)
     _check_model_path(cfg.model.path)
     with _engine_field_errors():
