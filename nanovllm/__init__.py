@@ -35,6 +35,10 @@ _EXPORTS = {
     "AttentionMetadata": "nanovllm.attention.base",
     "register_attention": "nanovllm.attention.base",
     "ATTENTION_BACKENDS": "nanovllm.attention.base",
+    "Runner": "nanovllm.engine.runner",
+    "RunnerContext": "nanovllm.engine.runner",
+    "register_runner": "nanovllm.engine.runner",
+    "RUNNERS": "nanovllm.engine.runner",
     "Registry": "nanovllm.registry",
     "load_plugins": "nanovllm.plugins",
     "PluginImportError": "nanovllm.plugins",
@@ -64,6 +68,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
     from nanovllm.config import EngineConfig
     from nanovllm.engine.engine import LLMEngine
+    from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, register_runner
     from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
     from nanovllm.llm import LLM
     from nanovllm.outputs import RequestMetrics, RequestOutput

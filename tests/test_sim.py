@@ -24,7 +24,8 @@ from nanovllm.config import EngineConfig
 from nanovllm.harness.loggers import JsonlLogger
 from nanovllm.harness.records import RunWriter, read_run
 from nanovllm.harness.serving import serve
-from nanovllm.harness.sim import Hardware, Simulation, check_runner, step_time, this_machine
+from nanovllm.harness.runners import check_runner
+from nanovllm.harness.sim import Hardware, Simulation, step_time, this_machine
 from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,

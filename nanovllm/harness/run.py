@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
 from nanovllm.config import EngineConfig
+from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.config_errors import one_line_composition_errors
 from nanovllm.harness.group_options import check_group_choices
@@ -174,11 +175,11 @@ def check_config(cfg: DictConfig) -> _Checked:
     SamplingParams(temperature=cfg.temperature)  # validates it
     runner = OmegaConf.to_container(cfg.runner, resolve=True)
     hardware = OmegaConf.to_container(cfg.hardware, resolve=True) if cfg.get("hardware") is not None else None
-    from nanovllm.harness.sim.simulate import check_runner
+    from nanovllm.harness.runners import check_runner
 
     check_runner(runner, hardware)
     attention = plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention")
-    if runner["name"] != "sim":  # a simulated run loads no model and runs no attention: any device will do
+    if RUNNERS.get(runner["name"]).loads_model:  # a simulated run runs no model and no attention: any device
         _check_device(engine.device)
         check_attention_available(attention, engine.device)
     return _Checked(
@@ -204,31 +205,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     # The slow part: torch, transformers and the model.
     STOP.starting("importing the engine")
-    from nanovllm.engine.engine import LLMEngine
     from nanovllm.harness.live.launch import start_live
-    from nanovllm.harness.monitor import ModelCost, Monitor
-    from nanovllm.harness.serving import format_breakdown, serve
+    from nanovllm.harness.monitor import Monitor
+    from nanovllm.harness.runners import served_engine
+    from nanovllm.harness.serving import format_breakdown
     from nanovllm.harness.workload import generate_workload
 
     plugins = dict(scheduler=checked.scheduler, allocator=checked.allocator, attention=checked.attention)
-    sim = None
     live = start_live(checked.live, run_dir)  # live=web: the dashboard process starts while the model loads
     try:
         STOP.starting("starting the engine")  # the model, the kernels, the warm-up: see interrupt.startup_phase
         with _engine_field_errors():
-            if checked.runner["name"] == "sim":
-                from nanovllm.harness.sim.simulate import Simulation
-
-                sim = Simulation.from_config(checked.runner, checked.hardware, checked.engine, **plugins)
-                engine = sim.engine
-            else:
-                engine = LLMEngine(checked.engine, **plugins)
+            served = served_engine(checked.runner, checked.hardware, checked.engine, **plugins)
+        engine = served.engine
         STOP.starting("generating the workload")
         workload = generate_workload(cfg.workload, engine.tokenizer)
         STOP.starting("calibrating the monitor")
-        cost = sim.cost if sim is not None else ModelCost.from_model(engine.runner.model)
-        monitor_config = sim.monitor_config(checked.monitor) if sim is not None else checked.monitor
-        monitor = Monitor.from_config(cost, monitor_config, engine.runner.dtype, checked.engine.device)
+        monitor = Monitor.from_config(served.cost, served.monitor_config(checked.monitor), engine.runner.dtype,
+                                      checked.engine.device)
     except BaseException:
         live.close()  # the dashboard process must not outlive a start-up that failed or was interrupted
         raise
@@ -248,10 +242,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
         STOP.serving()  # from here a signal stops the run after the current step, its files written
-        result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
-                       loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
-                       clock=sim.clock if sim is not None else None,
-                       annotations=sim.annotations if sim is not None else _machine_record(), stop=STOP.event)
+        result = served.serve(workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
+                              loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
+                              stop=STOP.event)
     except BaseException:
         live.close()
         raise
@@ -266,14 +259,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(f"run files: {run_dir}")
     live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
-
-
-def _machine_record() -> dict[str, Any]:
-    """What a real run's ``metrics.json`` says of the machine it ran on (CPU model, architecture, ISA level,
-    torch threads): a step-time profile fitted on the run records it (``nanovllm.harness.sim.calibrate``)."""
-    from nanovllm.harness.sim.this_machine import this_machine
-
-    return {"machine": this_machine()}
 
 
 def _task(cfg: DictConfig) -> float | None:
