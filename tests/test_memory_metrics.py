@@ -3,28 +3,35 @@ fragmentation and cached-but-unreferenced blocks, per step (StepRecord) and per 
 
 from __future__ import annotations
 
+from helpers import drive, request, scheduler
 from nanovllm import LLM, SamplingParams
 from nanovllm.harness.metrics import summarize
 from nanovllm.harness.records import request_record
-from nanovllm.harness.scheduler_sim import make_request, simulate
+
+
+def _early_and_late(allocator: str = "paged"):
+    """6 blocks of 4: two 8-token prompts growing to 16 tokens cannot both fit; the later one is preempted."""
+    early, late = request("early", 8, 8), request("late", 8, 8, arrival=1.0, start=11)
+    bare = scheduler("fcfs", allocator, num_blocks=6, block_size=4, max_num_seqs=4)
+    for r in (early, late):
+        bare.add(r, 0.0)
+    drive(bare)
+    return early, late
 
 
 def test_tokens_recomputed_after_preemption_are_counted_per_request():
-    # 6 blocks of 4: two 8-token prompts growing to 16 tokens cannot both fit; the later one is preempted.
-    early, late = make_request("early", list(range(1, 9)), 8), make_request("late", list(range(11, 19)), 8, arrival=1.0)
-    run = simulate("fcfs", [early, late], num_blocks=6, block_size=4, max_num_seqs=4)
+    early, late = _early_and_late()
     assert late.num_preemptions >= 1 and early.num_recomputed_tokens == 0
     # Everything `late` had computed before its (last) preemption was computed again, nothing else.
     assert 8 <= late.num_recomputed_tokens < late.num_tokens * late.num_preemptions + 1
     assert late.max_computed_tokens == late.num_tokens - 1   # the newest token is never computed
-    records = [request_record(r, 0.0) for r in run.requests]
+    records = [request_record(r, 0.0) for r in (early, late)]
     assert summarize(records)["recomputed_tokens"] == late.num_recomputed_tokens
 
 
 def test_a_prefix_cache_hit_is_not_recompute():
     # With a prefix cache, the preempted request's prompt blocks survive in the cache: re-admission hits them.
-    early, late = make_request("early", list(range(1, 9)), 8), make_request("late", list(range(11, 19)), 8, arrival=1.0)
-    simulate("fcfs", [early, late], allocator="prefix", num_blocks=6, block_size=4, max_num_seqs=4)
+    _, late = _early_and_late("prefix")
     assert late.num_preemptions >= 1
     assert late.num_recomputed_tokens <= late.max_computed_tokens - late.num_cached_tokens
 

@@ -92,6 +92,19 @@ def test_no_slo_no_goodput():
     assert "goodput" not in format_summary(s)
 
 
+def test_own_slo_attainment_is_against_each_requests_own_targets():
+    # A: TTFT 0.1 s, E2EL 0.5 s; B: TTFT 0.3 s, E2EL 1.0 s; C failed. Targets in seconds, as Request holds them.
+    a = {**A, "slo_ttft": 0.2, "slo_e2el": 1.0}      # meets both
+    b = {**B, "slo_ttft": 0.2, "slo_e2el": None}     # TTFT 0.3 > 0.2: misses
+    c = {**C, "slo_ttft": 5.0, "slo_e2el": 9.0}      # failed: misses whatever its targets
+    assert summarize([a, b, c])["slo_attainment"] == pytest.approx(1 / 3)
+    assert summarize([a, {**B, "slo_ttft": None, "slo_e2el": 1.0}])["slo_attainment"] == 1.0  # E2EL 1.0 <= 1.0
+    # Requests without targets (or records from before the fields) are not counted; none at all: None.
+    assert summarize([a, B])["slo_attainment"] == 1.0
+    assert summarize([A, B])["slo_attainment"] is None and "attainment" not in format_summary(summarize([A, B]))
+    assert "Own-SLO attainment:" in format_summary(summarize([a, b, c]))
+
+
 def test_duration_override():
     s = summarize([A, B], [], duration=4.0)
     assert s["duration"] == 4.0 and s["request_throughput"] == pytest.approx(0.5)

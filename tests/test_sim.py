@@ -308,7 +308,7 @@ def test_cli_bad_step_time_model_is_one_error_line(tmp_path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: runner.step_time: unknown step-time model 'roofline'. Registered step-time model names: "
-        "analytical, calibrated, replay."]
+        "analytical, calibrated, replay, token_cost."]
 
 
 def _run_dir(path: Path, dtype: str, steps: list[dict]) -> Path:
