@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 from omegaconf import DictConfig
 
 from nanovllm.harness.conf_schema import RunConfig, register_configs
-from nanovllm.harness.config_errors import composition_error_line
+from nanovllm.harness.errors import composition_error_line, user_errors
 from nanovllm.harness.objective import ObjectiveConfig
-from nanovllm.harness.run import _user_errors, check_config, config_dir
+from nanovllm.harness.run import check_config, config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_RUN_GROUPS = {"experiment", "hydra"}  # conf/ groups that configure sweeps, not a run
@@ -54,7 +54,7 @@ def _error_line(build) -> str | None:
         return composition_error_line(exc)
     try:
         _check(cfg)
-    except _user_errors() as exc:
+    except user_errors() as exc:
         return f"error: {exc}"
     return None
 

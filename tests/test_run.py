@@ -303,7 +303,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     (["allocator=radix", "allocator.eviction=mru"], ["allocator.eviction must be one of lru, lfu, fifo", "'mru'"]),
     (["scheduler=sjf", "scheduler.predictor=psychic"],
      ["scheduler.predictor must be one of oracle, prompt_length, client_history", "'psychic'"]),
-    # Found by Hydra while composing, folded into one line by nanovllm/harness/config_errors.py
+    # Found by Hydra while composing, folded into one line by nanovllm/harness/errors.py
     (["engine.num_kv_blocks=many"], ["engine.num_kv_blocks=many", "could not be converted to Integer"]),
     (["slo.ttft=100"], ["slo.ttft", "not in 'SLO'"]),
 ])
@@ -372,7 +372,7 @@ def test_unknown_group_option_is_one_error_line(tmp_path: Path, overrides, expec
 
 
 def test_group_choice_check_passes_what_hydra_accepts() -> None:
-    from nanovllm.harness.group_options import check_group_choices
+    from nanovllm.harness.errors import check_group_choices
 
     conf = config_dir()
     # Existing options, sweeps of them, Hydra's own groups, non-group keys (even =null) and deletions pass.

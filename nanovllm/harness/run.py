@@ -7,11 +7,11 @@ into Hydra's run directory beside ``.hydra/``::
     python -m nanovllm.run -m scheduler=fcfs,priority          # one job each + summary.csv/.md of the sweep
     python -m nanovllm.run plugins=[experiments/my_policy.py] scheduler.name=shortest_prompt_first
 
-Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/harness/conf_schema.py``. Mistakes
-in the config itself are reported by Hydra, except an unknown config-group option (``hardware=nope``:
-``nanovllm.harness.group_options``); that and everything else a user can get wrong (an unknown plugin name, a
-plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with
-one ``error: ...`` line on stderr and exit status 1 -- the traceback only with ``HYDRA_FULL_ERROR=1``.
+Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/harness/conf_schema.py``.
+Everything a user can get wrong (an unknown config-group option, an override Hydra cannot compose, an unknown
+plugin name, a plugin that does not import, an impossible workload or engine value, a policy that raises) ends
+the run with one ``error: ...`` line on stderr and exit status 1 -- the traceback only with
+``HYDRA_FULL_ERROR=1``; how each is caught is ``nanovllm.harness.errors``.
 Everything that can be checked before the model loads is, the attention backend's availability on the device
 included (``attention=flashinfer`` on a CPU machine fails before the model or the kernels load).
 
@@ -43,8 +43,14 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_availabl
 from nanovllm.config import EngineConfig
 from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
-from nanovllm.harness.config_errors import one_line_composition_errors
-from nanovllm.harness.group_options import check_group_choices
+from nanovllm.harness.errors import (
+    check_group_choices,
+    exit_with_error,
+    full_tracebacks,
+    one_line_errors,
+    print_error,
+    user_errors,
+)
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.interrupt import STOP, StartupInterrupt, interrupt_message, one_line_interrupts
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
@@ -58,19 +64,10 @@ from nanovllm.harness.objective import (
 from nanovllm.harness.option_types import check_option_types
 from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
-from nanovllm.plugins import PluginImportError, load_plugins
+from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
 from nanovllm.registry import Registry
 from nanovllm.sampling import SamplingParams
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    # PolicyError lives with the engine, which is imported lazily (it pulls in torch and transformers).
-    from nanovllm.engine.engine import StepError
-    from nanovllm.engine.scheduler import PolicyError
-    from nanovllm.harness.records import RunFilesError
-
-    return (ValueError, PolicyError, PluginImportError, FileNotFoundError, StepError, RunFilesError)
 
 
 # -- where the configs are -----------------------------------------------------------------------------------------
@@ -282,22 +279,22 @@ def _task(cfg: DictConfig) -> float | None:
         # A single run: one_line_interrupts (main) says where it was and exits 130 / 143. A job of a multirun
         # notes it like a job that was stopped while serving; the jobs after it do not start (STOP.requested),
         # and the sweep's summary, over the jobs that ran, exits with the signal's status.
-        if hc.mode != RunMode.MULTIRUN or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if hc.mode != RunMode.MULTIRUN or full_tracebacks():
             raise
         _stopped(interrupt_message(exc))
         return None
     except Exception as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if full_tracebacks():
             raise
-        user_error = isinstance(exc, _user_errors())
+        user_error = isinstance(exc, user_errors())
         if hc.mode == RunMode.MULTIRUN:
             # Let the other jobs run, whichever launcher runs them; the sweep summary lists this one with its
             # error and exits non-zero at the end.
             return _record_job_error(exc, Path(hc.runtime.output_dir), user_error)
         if not user_error:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        # From inside the job: raised, it would reach the user through Hydra's "Error executing job" line.
+        exit_with_error(str(exc))
     finally:
         if hc.mode == RunMode.MULTIRUN:  # between jobs, a signal stops the sweep after this one (as before it)
             STOP.serving("running the sweep")
@@ -306,13 +303,12 @@ def _task(cfg: DictConfig) -> float | None:
 def _stopped(message: str) -> None:
     """After a stop request: a single run exits with the signal's status (130 / 143); a multirun job notes it
     in ``error.txt`` and the sweep summary, written over the jobs that ran, exits with that status."""
-    print(f"error: {message}", file=sys.stderr)
     hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
-        Path(hc.runtime.output_dir).mkdir(parents=True, exist_ok=True)
-        Path(hc.runtime.output_dir, "error.txt").write_text(f"{message}\n", encoding="utf-8")
-        return
-    sys.exit(STOP.exit_status)
+    if hc.mode != RunMode.MULTIRUN:
+        exit_with_error(message, STOP.exit_status)
+    print_error(message)
+    Path(hc.runtime.output_dir).mkdir(parents=True, exist_ok=True)
+    Path(hc.runtime.output_dir, "error.txt").write_text(f"{message}\n", encoding="utf-8")
 
 
 # -- beyond one process: launchers run jobs side by side, sweepers read the objective ------------------------------
@@ -333,23 +329,11 @@ def _prepare_job(cfg: DictConfig, hc: Any) -> ObjectiveConfig:
 
 def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> None:
     message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
-    print(f"error: {message}", file=sys.stderr)
+    print_error(message)
     if not user_error:
         traceback.print_exc()
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "error.txt").write_text(f"{message}\n", encoding="utf-8")
-
-
-def _check_group_choices_or_exit(argv: list[str]) -> None:
-    """An unknown config-group option (``hardware=nope``) is one ``error:`` line and exit status 1, like every
-    other bad input, instead of Hydra's multi-line report."""
-    try:
-        check_group_choices(argv, config_dir())
-    except ValueError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 def main() -> None:
@@ -359,10 +343,10 @@ def main() -> None:
     with STOP.installed(), one_line_interrupts():
         STOP.starting("composing the config")
         register_configs()
-        # An unknown group option is caught before Hydra starts (with the options and a close match, and before
-        # any job of a sweep runs); whatever else Hydra finds while composing is folded into one line too.
-        _check_group_choices_or_exit(sys.argv[1:])
-        with one_line_composition_errors():
+        with one_line_errors():
+            # An unknown group option is caught before Hydra starts (with the options and a close match, and
+            # before any job of a sweep runs); whatever Hydra finds while composing is one line too.
+            check_group_choices(sys.argv[1:], config_dir())
             hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 
