@@ -1,5 +1,6 @@
 """The layering is a checked contract: import-linter's contracts in pyproject.toml hold for the tree, and an
-engine module that imports the harness breaks them."""
+import against them (the engine reaching into the harness, a policy into the engine, a lower layer of the core
+into a higher one) breaks them."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def test_a_policy_reaching_into_the_engine_breaks_the_contract(tmp_path):
     result = _lint(tree)
     assert result.returncode != 0
     assert "use only nanovllm's public interfaces BROKEN" in result.stdout
+
+
+def test_the_kernels_importing_the_model_loader_break_the_layers(tmp_path):
+    # The circle this contract ended: the kernel build asked the model loader for its cache directory.
+    tree = _copy_tree(tmp_path)
+    kernels = tree / "nanovllm" / "kernels.py"
+    kernels.write_text(kernels.read_text() + "\nfrom nanovllm.models import loader  # noqa\n")
+    result = _lint(tree)
+    assert result.returncode != 0
+    assert "The engine core is layered" in result.stdout and "BROKEN" in result.stdout
+    assert "nanovllm.kernels -> nanovllm.models.loader" in result.stdout
