@@ -32,30 +32,29 @@ def test_the_tree_keeps_every_contract(tmp_path):
     assert "0 broken" in result.stdout
 
 
-def test_an_engine_module_importing_the_harness_breaks_the_contract(tmp_path):
+def _lint_with(tmp_path, module: str, line: str) -> subprocess.CompletedProcess:
+    """lint-imports over a copy of the tree in which ``module`` (a path below it) also has ``line``."""
     tree = _copy_tree(tmp_path)
-    scheduler = tree / "nanovllm" / "engine" / "scheduler.py"
-    scheduler.write_text(scheduler.read_text() + "\nfrom nanovllm.harness import metrics  # noqa\n")
-    result = _lint(tree)
+    path = tree / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa\n")
+    return _lint(tree)
+
+
+def test_an_engine_module_importing_the_harness_breaks_the_contract(tmp_path):
+    result = _lint_with(tmp_path, "nanovllm/engine/scheduler.py", "from nanovllm.harness import metrics")
     assert result.returncode != 0
     assert "The engine core never imports the research harness BROKEN" in result.stdout
 
 
 def test_a_policy_reaching_into_the_engine_breaks_the_contract(tmp_path):
-    tree = _copy_tree(tmp_path)
-    fcfs = tree / "policies" / "fcfs.py"
-    fcfs.write_text(fcfs.read_text() + "\nfrom nanovllm.engine.scheduler import Scheduler  # noqa\n")
-    result = _lint(tree)
+    result = _lint_with(tmp_path, "policies/fcfs.py", "from nanovllm.engine.scheduler import Scheduler")
     assert result.returncode != 0
     assert "use only nanovllm's public interfaces BROKEN" in result.stdout
 
 
 def test_the_kernels_importing_the_model_loader_break_the_layers(tmp_path):
     # The circle this contract ended: the kernel build asked the model loader for its cache directory.
-    tree = _copy_tree(tmp_path)
-    kernels = tree / "nanovllm" / "kernels.py"
-    kernels.write_text(kernels.read_text() + "\nfrom nanovllm.models import loader  # noqa\n")
-    result = _lint(tree)
+    result = _lint_with(tmp_path, "nanovllm/kernels.py", "from nanovllm.models import loader")
     assert result.returncode != 0
     assert "The engine core is layered" in result.stdout and "BROKEN" in result.stdout
     assert "nanovllm.kernels -> nanovllm.models.loader" in result.stdout
