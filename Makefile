@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench study mutate clean
+.PHONY: setup run test test-fast bench study mutate clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ run: setup
 test: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fast tier: no model load, no Python subprocess, no browser (tests/tiers.py), in a few minutes.
+test-fast: setup
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 bench: setup
 	$(BIN)/python experiments/bench_vs_hf.py $(ARGS)

@@ -1,7 +1,7 @@
 """The one thing pyproject.toml cannot say: which packages ship, found rather than listed. The code packages
 (nanovllm and its subpackages, policies, allocators), and conf/ as ``nanovllm.conf`` with every Hydra config
 group under it as a subpackage, so a new group ships in the wheel without touching packaging
-(tests/test_run.py::test_runs_from_an_installed_wheel checks that every group ships). The rest is in
+(tests/harness/test_run.py::test_runs_from_an_installed_wheel checks that every group ships). The rest is in
 pyproject.toml."""
 
 from setuptools import find_namespace_packages, setup

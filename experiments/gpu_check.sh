@@ -3,7 +3,7 @@
 #   bash experiments/gpu_check.sh
 # 1. a venv .venv-gpu that sees the system's CUDA torch (--system-site-packages) gets the project with its
 #    `gpu` and `test` extras (FlashInfer) and the default model's package;
-# 2. the GPU tests (tests/test_gpu.py, mark `gpu`): FlashInfer vs the torch backend on CUDA, fp32 parity with
+# 2. the GPU tests (tests/kernels/test_gpu.py, mark `gpu`): FlashInfer vs the torch backend on CUDA, fp32 parity with
 #    transformers on CUDA, the fast-path standard for FlashInfer in bf16/fp16, CUDA graphs on vs off, KV sizing;
 # 3. throughput on upstream nano-vllm's workload (256 sequences, input/output lengths uniform in 100-1024) with
 #    the default model, and with a Qwen3-0.6B if its weights are on this machine (QWEN3_0_6B=DIR, or the
@@ -43,7 +43,7 @@ PY
 )
 echo "$ENVLINE"
 
-"$PY" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider -o addopts="" -s 2>&1 | tee "$OUT/gpu_tests.log"
+"$PY" -m pytest -m gpu tests/kernels/test_gpu.py -q -rs -p no:cacheprovider -o addopts="" -s 2>&1 | tee "$OUT/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 TESTS_LINE=$(grep -E "(passed|failed|error)" "$OUT/gpu_tests.log" | tail -1)
 FAST_PATH=$(grep -E "^flashinfer (bfloat16|float16):" "$OUT/gpu_tests.log" || true)
@@ -59,7 +59,7 @@ BENCH_RC=${PIPESTATUS[0]}
     echo
     echo "$ENVLINE"
     echo
-    echo "- GPU tests (tests/test_gpu.py): $TESTS_LINE"
+    echo "- GPU tests (tests/kernels/test_gpu.py): $TESTS_LINE"
     [ -n "$FAST_PATH" ] && echo "$FAST_PATH" | sed 's/^/- /'
     [ -z "$QWEN" ] && echo "- Qwen3-0.6B: weights not on this machine (set QWEN3_0_6B=DIR), not benchmarked"
     echo

@@ -29,14 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BUG = "tests/test_bug_classes.py::"
-
-# The tests that do not load the model (the set `make mutate` runs too); see pyproject's [tool.mutmut].
-FAST_SET = ["tests/test_scheduler.py", "tests/test_allocators.py", "tests/test_allocator_properties.py",
-            "tests/test_policy_effects.py", "tests/test_sampling.py", "tests/test_bug_classes.py",
-            "tests/test_eviction.py", "tests/test_mutation_survivors.py",
-            "--deselect", "tests/test_sampling.py::test_engine_seeded_sampling_is_reproducible_and_top_k_1_is_greedy",
-            "--deselect", BUG + "test_chunked_recompute_after_preemption_matches_transformers"]
+# The fast tier of the subjects `make mutate` runs too (see pyproject's [tool.mutmut]): no test there loads the model.
+FAST_SET = ["tests/policies", "tests/allocators", "tests/engine/test_scheduler.py", "tests/engine/test_sampling.py",
+            "tests/engine/test_abort.py", "-m", "not slow"]
 
 
 @dataclass(frozen=True)
@@ -57,40 +52,40 @@ MUTATIONS: list[Mutation] = [
     _one("priority-victim-most-urgent", "policies/priority.py",
          "victim = max(running, key=lambda r: (r.priority, r.arrival_time))",
          "victim = min(running, key=lambda r: (r.priority, r.arrival_time))",
-         BUG + "test_priority_preempts_the_least_urgent_latest_running_request"),
+         "tests/policies/test_policies.py::test_priority_preempts_the_least_urgent_latest_running_request"),
     _one("priority-victim-earliest-arrival", "policies/priority.py",
          "victim = max(running, key=lambda r: (r.priority, r.arrival_time))",
          "victim = max(running, key=lambda r: (r.priority, -r.arrival_time))",
-         BUG + "test_priority_preempts_the_least_urgent_latest_running_request"),
+         "tests/policies/test_policies.py::test_priority_preempts_the_least_urgent_latest_running_request"),
     _one("priority-preempts-for-an-equal", "policies/priority.py",
          "victim.priority > waiting.priority", "victim.priority >= waiting.priority",
-         BUG + "test_priority_preempts_the_least_urgent_latest_running_request"),
+         "tests/policies/test_policies.py::test_priority_preempts_the_least_urgent_latest_running_request"),
     _one("default-victim-most-urgent", "nanovllm/policy.py",
          "return max(candidates, key=lambda r: (self.priority(r, now), r.arrival_time))",
          "return min(candidates, key=lambda r: (self.priority(r, now), r.arrival_time))",
-         BUG + "test_priority_preempts_the_least_urgent_latest_running_request"),
+         "tests/policies/test_policies.py::test_priority_preempts_the_least_urgent_latest_running_request"),
     # -- prefix cache
     _one("prefix-whole-prompt", "allocators/prefix.py",
          "max_blocks = (request.num_tokens - 1) // self.block_size",
          "max_blocks = request.num_tokens // self.block_size",
-         BUG + "test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool[prefix]"),
+         "tests/allocators/test_allocators.py::test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool[prefix]"),
     _one("radix-whole-prompt", "allocators/radix.py",
          "for i in range((request.num_tokens - 1) // self.block_size):",
          "for i in range(request.num_tokens // self.block_size):",
-         BUG + "test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool[radix]"),
+         "tests/allocators/test_allocators.py::test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool[radix]"),
     _one("prefix-hit-left-evictable", "allocators/prefix.py",
          "            if self._ref_count[block] == 0:\n                self.eviction.pin(block)",
          "            if self._ref_count[block] < 0:\n                self.eviction.pin(block)",
-         BUG + "test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool[prefix]",
-         BUG + "test_a_matched_block_is_never_evicted_for_another_request[prefix]"),
+         "tests/allocators/test_allocators.py::test_prefix_cache_never_matches_a_whole_prompt_and_takes_hit_blocks_out_of_the_free_pool[prefix]",
+         "tests/allocators/test_allocators.py::test_a_matched_block_is_never_evicted_for_another_request[prefix]"),
     _one("radix-hit-left-evictable", "allocators/radix.py",
          "                self.eviction.pin(node.block)",
          "                self.eviction.hit(node.block)",
-         BUG + "test_a_matched_block_is_never_evicted_for_another_request[radix]"),
+         "tests/allocators/test_allocators.py::test_a_matched_block_is_never_evicted_for_another_request[radix]"),
     # -- admission
     _one("watermark-ignored", "nanovllm/engine/scheduler.py",
          "reserve = self.watermark_blocks if self.running else 0", "reserve = 0",
-         BUG + "test_admission_keeps_the_watermark_free_while_others_run"),
+         "tests/engine/test_scheduler.py::test_admission_keeps_the_watermark_free_while_others_run"),
     _one("admission-after-memory-preemption", "nanovllm/engine/scheduler.py",
          "        budget = self._schedule_running(out, budget, now)\n"
          "        # After a preemption for memory, admitting new work would only thrash the cache (vLLM does the same).\n"
@@ -98,54 +93,54 @@ MUTATIONS: list[Mutation] = [
          "        budget = self._schedule_running(out, budget, now)\n"
          "        # After a preemption for memory, admitting new work would only thrash the cache (vLLM does the same).\n"
          "        if True:",
-         BUG + "test_no_admission_in_a_step_that_preempted_for_memory"),
+         "tests/engine/test_scheduler.py::test_no_admission_in_a_step_that_preempted_for_memory"),
     # -- preemption
     _one("preemption-keeps-computed-tokens", "nanovllm/engine/scheduler.py",
          "        self.allocator.free(request)\n        request.num_computed_tokens = 0\n        request.num_preemptions",
          "        self.allocator.free(request)\n        request.num_preemptions",
-         BUG + "test_a_preempted_request_forgets_its_computed_tokens_and_recomputes_them_all"),
+         "tests/engine/test_scheduler.py::test_memory_pressure_preempts_the_latest_arrival_which_forgets_its_work_and_recomputes_it_all"),
     # -- sampling
     Mutation("temperature-after-filters", "nanovllm/sampling.py",
              (("        logits = logits / temperature\n        top_k = ", "        top_k = "),
               ("        return logits.softmax(dim=-1)\n", "        return (logits / temperature).softmax(dim=-1)\n")),
-             (BUG + "test_temperature_scales_logits_before_top_p_filters_them",)),
+             ("tests/engine/test_sampling.py::test_temperature_scales_logits_before_top_p_filters_them",)),
     _one("top-p-keeps-one-too-few", "nanovllm/sampling.py",
          "drop_sorted = mass_before >= top_p.unsqueeze(1)",
          "drop_sorted = sorted_probs.cumsum(dim=-1) >= top_p.unsqueeze(1)",
-         "tests/test_sampling.py::test_top_k_and_top_p_restrict_the_support",
-         BUG + "test_temperature_scales_logits_before_top_p_filters_them"),
+         "tests/engine/test_sampling.py::test_top_k_and_top_p_restrict_the_support",
+         "tests/engine/test_sampling.py::test_temperature_scales_logits_before_top_p_filters_them"),
     _one("top-k-drops-the-kth", "nanovllm/sampling.py",
          "logits = logits.masked_fill(logits < kth, float(\"-inf\"))",
          "logits = logits.masked_fill(logits <= kth, float(\"-inf\"))",
-         "tests/test_sampling.py::test_top_k_and_top_p_restrict_the_support"),
+         "tests/engine/test_sampling.py::test_top_k_and_top_p_restrict_the_support"),
     # -- stop logic
     _one("stop-ids-ignored-under-ignore-eos", "nanovllm/request.py",
          "if params.stop_token_ids and last in params.stop_token_ids:",
          "if not params.ignore_eos and params.stop_token_ids and last in params.stop_token_ids:",
-         BUG + "test_stop_token_ids_stop_even_when_eos_is_ignored"),
+         "tests/engine/test_sampling.py::test_stop_token_ids_stop_even_when_eos_is_ignored"),
     _one("max-tokens-off-by-one", "nanovllm/request.py",
          "if self.num_output_tokens >= params.max_tokens", "if self.num_output_tokens > params.max_tokens",
-         "tests/test_mutation_survivors.py::test_a_request_stops_at_exactly_max_tokens_or_max_model_len"),
+         "tests/engine/test_sampling.py::test_a_request_stops_at_exactly_max_tokens_or_max_model_len"),
     # -- policies
     _one("vtc-weights-swapped", "policies/fair.py",
          "weight = self.output_weight if is_decode else self.input_weight",
          "weight = self.input_weight if is_decode else self.output_weight",
-         BUG + "test_vtc_charges_prompt_tokens_at_input_weight_and_decodes_at_output_weight"),
+         "tests/policies/test_policies.py::test_vtc_charges_prompt_tokens_at_input_weight_and_decodes_at_output_weight"),
     _one("mlfq-quantum-ignored", "policies/mlfq.py",
          "int(math.log2(1 + service / self.quantum))", "int(math.log2(1 + service / 64))",
-         BUG + "test_mlfq_levels_follow_the_quantum"),
+         "tests/policies/test_policies.py::test_mlfq_levels_follow_the_quantum_are_capped_and_reset_on_finish"),
     _one("sjf-ignores-generated-tokens", "policies/sjf.py",
          "remaining_output = max(self.predicted_output_len(request) - request.num_output_tokens, 0)",
          "remaining_output = self.predicted_output_len(request)",
-         BUG + "test_sjf_counts_the_tokens_already_generated"),
+         "tests/policies/test_policies.py::test_sjf_remaining_work_counts_uncomputed_prompt_and_generated_tokens_and_floors_each_part_at_zero"),
     _one("lpm-ignores-the-cache", "policies/lpm.py",
          "return (1, -self.cached_prefix_len(request), request.arrival_time)",
          "return (1, 0, request.arrival_time)",
-         "tests/test_policy_effects.py"),
+         "tests/policies/test_policy_effects.py"),
     # -- the chunk boundary after a recompute (the model runner decides which rows sample)
     _one("sample-at-every-chunk-past-the-prompt", "nanovllm/engine/model_runner.py",
          "if end == request.num_tokens:", "if end >= request.num_prompt_tokens:",
-         BUG + "test_chunked_recompute_after_preemption_matches_transformers", needs_model=True),
+         "tests/engine/test_engine.py::test_chunked_recompute_after_preemption_matches_transformers", needs_model=True),
 ]
 
 

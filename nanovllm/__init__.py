@@ -35,7 +35,13 @@ _EXPORTS = {
     "AttentionMetadata": "nanovllm.attention.base",
     "register_attention": "nanovllm.attention.base",
     "ATTENTION_BACKENDS": "nanovllm.attention.base",
+    "Runner": "nanovllm.engine.runner",
+    "RunnerContext": "nanovllm.engine.runner",
+    "register_runner": "nanovllm.engine.runner",
+    "RUNNERS": "nanovllm.engine.runner",
     "Registry": "nanovllm.registry",
+    "load_plugins": "nanovllm.plugins",
+    "PluginImportError": "nanovllm.plugins",
     "UnknownPluginError": "nanovllm.registry",
     "Request": "nanovllm.request",
     "RequestStatus": "nanovllm.request",
@@ -62,9 +68,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
     from nanovllm.config import EngineConfig
     from nanovllm.engine.engine import LLMEngine
+    from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, register_runner
     from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
     from nanovllm.llm import LLM
     from nanovllm.outputs import RequestMetrics, RequestOutput
+    from nanovllm.plugins import PluginImportError, load_plugins
     from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
     from nanovllm.registry import Registry, UnknownPluginError
     from nanovllm.request import Request, RequestStatus

@@ -30,6 +30,7 @@ import filelock
 import torch
 
 from nanovllm import machine
+from nanovllm.paths import kernel_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "bindings.cpp")]
@@ -49,13 +50,6 @@ ISA_CFLAGS: dict[str, list[str]] = {
 def kernel_build(level: str) -> str:
     """The kernel build that serves ISA ``level`` (``amx`` runs the ``avx512_bf16`` build)."""
     return "avx512_bf16" if level == "amx" else level
-
-
-def extension_dir() -> Path:
-    """Where built kernels are cached."""
-    from nanovllm.models.loader import cache_root
-
-    return cache_root() / "extensions"
 
 
 @functools.cache
@@ -103,7 +97,7 @@ def load(level: str | None = None) -> ModuleType:
     level = machine.check_isa(level, "isa") if level is not None else machine.selected_isa()
     build = kernel_build(level)
     name = build_name(build)
-    build_dir = extension_dir() / name
+    build_dir = kernel_cache_dir() / name
     library = build_dir / f"{name}.so"
     try:
         if not library.exists():

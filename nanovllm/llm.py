@@ -9,6 +9,7 @@ from nanovllm.chat_template import chat_token_ids
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
 from nanovllm.outputs import RequestMetrics, RequestOutput, StepRecord
+from nanovllm.plugins import load_plugins
 from nanovllm.progress import RequestProgress
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
@@ -21,7 +22,8 @@ class LLM:
     num_kv_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_chunked_prefill, seed, ...). ``scheduler``, ``allocator`` and ``attention`` take a registered name,
     an instance, or ``{"name": ..., **options}``; ``attention="auto"`` is the C++ ``cpu`` backend on CPU and the
-    ``torch`` reference elsewhere."""
+    ``torch`` reference elsewhere. ``plugins``: files or modules to import first (``nanovllm.load_plugins``),
+    so the names they register can be chosen here, as ``plugins=[...]`` does for ``python -m nanovllm.run``."""
 
     def __init__(
         self,
@@ -29,8 +31,10 @@ class LLM:
         scheduler: PluginSpec = "fcfs",
         allocator: PluginSpec = "paged",
         attention: PluginSpec = "auto",
+        plugins: Sequence[str] = (),
         **engine_options,
     ) -> None:
+        load_plugins(plugins)
         config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
         self.tokenizer = self.engine.tokenizer

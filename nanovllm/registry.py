@@ -1,7 +1,9 @@
-"""One small registry class behind every plugin seam (policies, allocators, attention backends, loggers).
+"""One small registry class behind every plugin seam (policies, allocators, attention backends, runners,
+loggers, step-time models).
 
-A registry maps a name to a class. Built-in plugins live in packages (``policies``, ``allocators``, ...) that
-are imported lazily on the first lookup, so the engine never imports a concrete plugin itself.
+A registry maps a name to a class. Built-in plugins live in packages (``policies``, ``allocators``, ...) or
+modules (the runners) that are imported lazily on the first lookup, so the engine never imports a concrete
+plugin itself.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Name -> class for one kind of plugin (``kind`` is used in error messages, e.g. "policy").
 
-    ``engine_args`` names the constructor arguments the engine passes itself, positionally, before a config's
-    options (an allocator gets ``num_blocks, block_size``); ``check`` needs them to validate the options alone.
+    ``builtin_packages`` names where the built-ins register themselves: a package (each of its modules is
+    imported) or a single module. ``engine_args`` names the constructor arguments the engine passes itself,
+    positionally, before a config's options (an allocator gets ``num_blocks, block_size``); ``check`` needs
+    them to validate the options alone.
     """
 
     def __init__(self, kind: str, base: type | None = None, builtin_packages: tuple[str, ...] = (),
@@ -50,7 +54,7 @@ class Registry(Generic[T]):
         self._builtins_loaded = True
         for package_name in self.builtin_packages:
             package = importlib.import_module(package_name)
-            for info in pkgutil.iter_modules(package.__path__):
+            for info in pkgutil.iter_modules(getattr(package, "__path__", [])):  # a module: imported above
                 if not info.name.startswith("_"):
                     importlib.import_module(f"{package_name}.{info.name}")
 

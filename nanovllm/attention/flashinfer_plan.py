@@ -1,5 +1,5 @@
 """``AttentionMetadata`` -> the arguments of FlashInfer's paged-KV ``plan()`` calls. Pure torch on CPU, no
-flashinfer import: the translation is tested on machines without a GPU (tests/test_flashinfer_plan.py).
+flashinfer import: the translation is tested on machines without a GPU (tests/kernels/test_flashinfer_plan.py).
 
 FlashInfer indexes a paged KV cache like a CSR matrix (docs.flashinfer.ai, tutorials "KV-Cache Layout in
 FlashInfer", section "Page Table Layout"): request ``i`` owns pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``

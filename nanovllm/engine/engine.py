@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,7 +18,7 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolv
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, resolve_runner, runner_class
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.engine.startup_checks import check_before_load
 from nanovllm.engine.warmup import warm_up
@@ -42,17 +41,17 @@ class StepError(RuntimeError):
 @dataclass
 class StepOutput:
     """What one ``LLMEngine.step()`` did: the requests that ended in it (finished, or failed on arrival) and
-    its record (``start_time`` is the step's ``time.perf_counter()``; callers make it relative to their run)."""
+    its record (``start_time`` is the step's start on the engine's clock; callers make it relative to their run)."""
 
     finished: list[Request]
     record: StepRecord
 
 
 class LLMEngine:
-    """Owns the model runner and the scheduler (with its policy and allocator). Requests go in through
+    """Owns the runner and the scheduler (with its policy and allocator). Requests go in through
     ``make_request`` + ``add_request``; ``step()`` runs one step and returns what ended in it. One request's
     path: ``LLM.generate`` -> ``make_request`` (tokenize, validate) -> ``add_request`` (waiting queue) ->
-    ``step``: ``Scheduler.schedule`` -> ``ModelRunner.execute`` -> ``Scheduler.update_from_output`` (tokens
+    ``step``: ``Scheduler.schedule`` -> ``Runner.execute`` -> ``Scheduler.update_from_output`` (tokens
     appended, stop checked, blocks freed) -> ``LLM`` turns the finished ``Request`` into a ``RequestOutput``."""
 
     def __init__(
@@ -61,19 +60,19 @@ class LLMEngine:
         scheduler: PluginSpec = "fcfs",
         allocator: PluginSpec = "paged",
         attention: PluginSpec = "auto",
-        runner: Any = None,
-        clock: Callable[[], float] | None = None,
+        runner: PluginSpec = "real",
         tokenizer: Any = None,
     ) -> None:
-        """``runner``: None runs the real model (``ModelRunner``); a simulated runner
-        (``nanovllm.engine.sim_runner.SimulatedRunner``) loads no weights and predicts each step's time.
-        ``clock``: the engine's notion of now (``time.perf_counter`` by default; the simulator's virtual clock).
-        ``tokenizer``: None loads the model directory's own."""
+        """``runner``: a registered runner (``RUNNERS``: ``real``, the model in this process, the default;
+        ``tp``, split over ``tensor_parallel_size`` processes, which ``real`` means when that is > 1; ``sim``, a
+        step-time model on a virtual clock), as a name, ``{"name": ..., **options}`` or a ``Runner`` instance.
+        The engine's clock is the runner's (``Runner.clock``). ``tokenizer``: None loads the model
+        directory's own."""
         self.config = config
-        self.clock: Callable[[], float] = clock or time.perf_counter
-        simulated = runner is not None
+        runner = resolve_runner(runner, config)
+        loads_model = runner_class(runner).loads_model  # an unknown runner name fails here, before any load
         device = torch.device(config.device)
-        if device.type == "cuda" and not torch.cuda.is_available() and not simulated:
+        if device.type == "cuda" and not torch.cuda.is_available() and loads_model:
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
@@ -90,23 +89,26 @@ class LLMEngine:
                 f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
             )
         check_before_load(config, self.hf_config, self.max_model_len, scheduler, allocator, attention, device,
-                          simulated)
-        self.runner = runner if runner is not None else self._make_runner(config, attention, device)
+                          loads_model)
+        attention = resolve_attention(attention, device)
+        self.runner: Runner = runner if isinstance(runner, Runner) else RUNNERS.build(
+            runner, RunnerContext(config, self.hf_config, self.model_dir, attention))
+        self.clock: Callable[[], float] = self.runner.clock
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       runner.dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         scale = runner.head_dim ** -0.5
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
-            resolve_attention(attention, device), runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
+            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
         )
-        graphs = (not simulated and device.type == "cuda" and not config.enforce_eager
+        graphs = (loads_model and device.type == "cuda" and not config.enforce_eager
                   and backend.supports_cuda_graphs)
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
                              GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
         # Before the first request's clock starts, every representative batch shape runs once (warmup.py).
         self.warmup_steps, self.warmup_time = 0, 0.0
-        if config.warmup and not simulated:
+        if config.warmup and loads_model:
             try:
                 self.warmup_steps, self.warmup_time = warm_up(
                     runner, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -126,16 +128,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._num_steps = 0
         self._evictions_seen = 0
-
-    def _make_runner(self, config: EngineConfig, attention: PluginSpec, device: torch.device) -> ModelRunner:
-        """The real model in this process, or split over ``tensor_parallel_size`` worker processes."""
-        if config.tensor_parallel_size == 1:
-            return ModelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
-                               fast_path=config.fast_path)
-        from nanovllm.engine.tp.runner import TensorParallelRunner  # its worker processes start here
-
-        return TensorParallelRunner(self.hf_config, self.model_dir, config.dtype, config.device, config.seed,
-                                    config.tensor_parallel_size, resolve_attention(attention, device))
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(
@@ -222,7 +214,7 @@ class LLMEngine:
         ``error`` = ``reason``), freeing its KV blocks at once; the next ``step()`` reports it among the
         finished and the other requests go on. An unknown or already-ended id is a no-op: it is logged and
         False is returned, never raised, so a serving loop can abort freely."""
-        if self.scheduler.abort(request_id, time.perf_counter(), reason) is None:
+        if self.scheduler.abort(request_id, self.clock(), reason) is None:
             logger.info("abort_request(%r): no waiting or running request has this id; nothing to abort",
                         request_id)
             return False

@@ -1,5 +1,5 @@
-"""The model runner: turns a scheduled batch into flat tensors once, runs the model over the paged cache,
-computes logits only for the rows that sample, and samples."""
+"""The model runner (``runner=real``, the default): turns a scheduled batch into flat tensors once, runs the
+model over the paged cache, computes logits only for the rows that sample, and samples."""
 
 from __future__ import annotations
 
@@ -9,28 +9,34 @@ from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from nanovllm.engine.kv_cache import allocate_kv_cache
+from nanovllm.engine.runner import Runner, RunnerContext, register_runner
 from nanovllm.models.loader import load_model
-from nanovllm.request import Request
 from nanovllm.outputs import Logprob
+from nanovllm.request import Request
 from nanovllm.sampling import Sampler, top_logprobs
 
-class ModelRunner:
+
+@register_runner("real")
+class ModelRunner(Runner):
     """Runs the model for the scheduler's batches: owns the loaded model, the paged KV cache tensor and the
     attention backend bound to it, and the engine's sampling generator. ``execute(scheduled)`` builds the
     step's flat tensors and ``AttentionMetadata`` once, plans the backend, runs the forward pass with the
     backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token."""
 
-    def __init__(self, hf_config, model_dir, dtype: str, device: str, seed: int, fast_path: bool = False) -> None:
-        self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype)
+    def __init__(self, context: RunnerContext) -> None:
+        """Load the model of ``context.model_dir`` in the engine's dtype on its device (the fast weight
+        layouts when ``config.fast_path``); seed the engine's sampling generator."""
+        config, hf_config = context.config, context.hf_config
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
         self.hf_config = hf_config
-        self.model = load_model(hf_config, model_dir, self.dtype, self.device, fast_path)
+        self.model = load_model(hf_config, context.model_dir, self.dtype, self.device, config.fast_path)
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.backend: AttentionBackend | None = None

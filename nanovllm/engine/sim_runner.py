@@ -1,6 +1,6 @@
-"""The simulated runner: the engine's runner seam without a model. It loads no weights and computes nothing;
-each step it asks a step-time model how long the batch would take, advances a virtual clock by that much, and
-hands back deterministic stand-in tokens. The scheduler, the policy and the allocator around it are the real
+"""The simulated runner (``runner=sim``): the engine's runner seam without a model. It loads no weights and
+computes nothing; each step it asks a step-time model how long the batch would take, advances its virtual
+clock (the engine's clock) by that much, and hands back deterministic stand-in tokens. The scheduler, the policy and the allocator around it are the real
 ones, unchanged, so a simulated run makes the decisions a real run would make given the same step times.
 
 Output lengths: a request stops when it reaches its target length (``target_len(request)``, by default its
@@ -8,7 +8,8 @@ Output lengths: a request stops when it reaches its target length (``target_len(
 are the real ones, so prefix caching sees what it would see in a real run.
 
 The step-time model is any callable from a batch's features (``batch_features``: the keys of a ``StepRecord``)
-to seconds; the harness (``nanovllm.harness.sim``) provides calibrated, analytical and replay models.
+and the step's start time to seconds; the harness (``nanovllm.harness.sim``) provides calibrated, analytical,
+replay and token-cost models (``StepTimeModel.predict``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 
 from nanovllm.config import EngineConfig, head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine, PluginSpec, batch_features
+from nanovllm.engine.runner import Runner, RunnerContext, register_runner
 from nanovllm.request import Request
 
-StepTimeFn = Callable[[Mapping[str, int]], float]
+StepTimeFn = Callable[[Mapping[str, int], float], float]   # (batch features, step start) -> seconds
 
 
 class VirtualClock:
@@ -46,23 +48,28 @@ class VirtualClock:
         self.time = max(self.time, t)
 
 
-class SimulatedRunner:
-    """Stands in for ``ModelRunner``: same attributes the engine reads, no weights, no KV tensor."""
+@register_runner("sim")
+class SimulatedRunner(Runner):
+    """Stands in for ``ModelRunner``: same attributes the engine reads, no weights, no KV tensor; its clock is
+    virtual (``VirtualClock``) and is the engine's."""
 
-    simulated = True
+    loads_model = False
 
-    def __init__(self, hf_config: Any, dtype: str, device: str, step_time: StepTimeFn, clock: VirtualClock,
+    def __init__(self, context: RunnerContext, step_time: StepTimeFn,
                  target_len: Callable[[Request], int] | None = None) -> None:
+        """``step_time(features, now)``: the seconds a step with these batch features, starting at ``now``,
+        takes. ``target_len(request)``: the output length at which the request ends (default ``max_tokens``)."""
+        hf_config, config = context.hf_config, context.config
         self.hf_config = hf_config
-        self.dtype = torch_dtype(dtype)
-        self.device = torch.device(device)
+        self.dtype = torch_dtype(config.dtype)
+        self.device = torch.device(config.device)
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.step_time = step_time
-        self.clock = clock
+        self.clock = VirtualClock()
         self.target_len = target_len or (lambda request: request.max_tokens)
         self.num_blocks = 0
         self.block_size = 0
@@ -74,7 +81,7 @@ class SimulatedRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[list[int | None], list[None]]:
         """Advance the clock by the predicted step time; a stand-in token for every row that samples (and no
         logprobs: there is no distribution to report), as ``ModelRunner.execute`` returns them."""
-        self.clock.advance(float(self.step_time(batch_features(scheduled))))
+        self.clock.advance(float(self.step_time(batch_features(scheduled), self.clock.time)))
         tokens = [self._token(request) if request.num_computed_tokens + n == request.num_tokens else None
                   for request, n in scheduled]
         return tokens, [None] * len(tokens)
@@ -94,23 +101,20 @@ class SimulatedRunner:
 
 def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: PluginSpec = "fcfs",
                      allocator: PluginSpec = "paged", attention: PluginSpec = "torch",
-                     target_len: Callable[[Request], int] | None = None,
-                     clock: VirtualClock | None = None) -> LLMEngine:
-    """An ``LLMEngine`` with the real scheduler, policy and allocator, a ``SimulatedRunner`` and a virtual
-    clock (``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
+                     target_len: Callable[[Request], int] | None = None) -> LLMEngine:
+    """An ``LLMEngine`` with the real scheduler, policy and allocator on a ``SimulatedRunner`` (its virtual
+    clock is ``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
     ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
     directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
     default model's tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from nanovllm.models.loader import resolve_model
 
-    clock = clock or VirtualClock()
     model_dir = resolve_model(config.model)
-    hf_config = AutoConfig.from_pretrained(model_dir)
     has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
                                                                  "tokenizer.model"))
     tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
-    runner = SimulatedRunner(hf_config, config.dtype, config.device, step_time, clock, target_len)
+    runner = {"name": "sim", "step_time": step_time, "target_len": target_len}
     return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
-                     clock=clock, tokenizer=tokenizer)
+                     tokenizer=tokenizer)

@@ -16,18 +16,18 @@ from nanovllm.policy import POLICIES
 
 
 def check_before_load(config: EngineConfig, hf_config: Any, max_model_len: int, scheduler: Any, allocator: Any,
-                      attention: Any, device: torch.device, simulated: bool) -> None:
+                      attention: Any, device: torch.device, loads_model: bool) -> None:
     """Raise what ``LLMEngine.__init__`` would raise after the load, now: an unknown scheduler, allocator or
     attention name or option, or a bad scheduler or allocator option value; an attention backend that cannot
-    run on ``device``; a ``kv_cache_memory`` smaller than one KV block. A simulated run loads no model: only
-    the specs are checked."""
+    run on ``device``; a ``kv_cache_memory`` smaller than one KV block. A runner that loads no model (``sim``)
+    runs no attention and holds no KV tensor: only the specs are checked."""
     # Throwaway instances, as python -m nanovllm.run builds them: their constructors check option values (an
     # eviction or predictor name) with the messages LLMEngine gave after the load. An instance passes as is.
     POLICIES.build(scheduler)
     ALLOCATORS.build(allocator, 1, config.block_size)
     attention = resolve_attention(attention, device)
     ATTENTION_BACKENDS.check(attention)
-    if simulated:
+    if not loads_model:
         return
     check_attention_available(attention, device)
     if config.num_kv_blocks is None and config.kv_cache_memory is not None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 import traceback
 from types import FrameType
@@ -142,7 +141,8 @@ def one_line_interrupts() -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        from nanovllm.harness.errors import exit_with_error, full_tracebacks  # light: no Hydra, no torch
+
+        if full_tracebacks():
             raise
-        print(f"error: {interrupt_message(exc)}", file=sys.stderr, flush=True)
-        sys.exit(STOP.exit_status)
+        exit_with_error(interrupt_message(exc), STOP.exit_status)

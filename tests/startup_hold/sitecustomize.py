@@ -1,4 +1,4 @@
-"""Test hook of ``tests/test_interrupt.py``: park a ``python -m nanovllm.run`` subprocess in one phase of its
+"""Test hook of ``tests/harness/test_interrupt.py``: park a ``python -m nanovllm.run`` subprocess in one phase of its
 start-up so that a signal lands there for sure, with no sleep in the test.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; the test puts this directory first on

@@ -1,6 +1,7 @@
 """The driver of a tensor-parallel engine: rank 0 of ``tensor_parallel_size`` ranks, in the engine's process.
 
-``TensorParallelRunner`` is a ``ModelRunner`` (same interface for the engine) whose model is rank 0's shard. It
+``TensorParallelRunner`` (``runner=tp``, or ``real`` with ``tensor_parallel_size > 1``) is a ``ModelRunner``
+(same interface for the engine) whose model is rank 0's shard. It
 starts ranks 1..N-1 as worker processes (``worker.py``) over ``torch.distributed`` (gloo on CPU, NCCL on CUDA:
 rank r on ``cuda:r``), sends each of them every step's flat batch through a pipe, runs the same forward pass
 itself, and samples from the all-gathered logits. The scheduler, policy and allocator run once, in the engine.
@@ -17,6 +18,7 @@ instead of hanging: the driver checks the workers before each step, and a collec
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -28,6 +30,7 @@ import torch
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.runner import RunnerContext, register_runner
 from nanovllm.engine.tp.worker import WorkerArgs, connect, worker_main
 from nanovllm.models.parallel import check_tensor_parallel_size, head_shard, shard_model
 from nanovllm.request import Request
@@ -53,11 +56,15 @@ def check_parallel_resources(world: int, device: str) -> None:
                          f"{cores}; use at most {cores}")
 
 
+@register_runner("tp")
 class TensorParallelRunner(ModelRunner):
     """Rank 0 of a tensor-parallel model; see the module docstring."""
 
-    def __init__(self, hf_config, model_dir, dtype: str, device: str, seed: int, world: int,
-                 attention: Any) -> None:
+    def __init__(self, context: RunnerContext) -> None:
+        """Start ranks 1..N-1 (``N = tensor_parallel_size``), load rank 0's shard here, connect them. The
+        shards are cut from the unfused projections, so tensor-parallel runs never take the fast layouts."""
+        config, hf_config, attention = context.config, context.hf_config, context.attention
+        world, device, dtype, model_dir = config.tensor_parallel_size, config.device, config.dtype, context.model_dir
         check_tensor_parallel_size(hf_config.num_attention_heads, hf_config.num_key_value_heads, world)
         check_parallel_resources(world, device)
         if not isinstance(attention, (str, dict)) and not hasattr(attention, "keys"):
@@ -74,7 +81,8 @@ class TensorParallelRunner(ModelRunner):
         self._workers, self._pipes = _start_workers(common, device)
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers, self._pipes)
         try:
-            super().__init__(hf_config, model_dir, dtype, "cuda:0" if on_cuda else device, seed)
+            rank0 = dataclasses.replace(config, device="cuda:0" if on_cuda else device, fuse_projections=False)
+            super().__init__(dataclasses.replace(context, config=rank0))
             self._wait_until_loaded()
             self.comm = connect(WorkerArgs(rank=0, device=str(self.device), **common))
         except BaseException:
@@ -191,8 +199,6 @@ def _stop_workers(workers: list, pipes: list) -> None:
 
 
 def _on_cpu(meta):
-    import dataclasses
-
     return dataclasses.replace(meta, slot_mapping=meta.slot_mapping.cpu())
 
 

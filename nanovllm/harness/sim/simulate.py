@@ -6,7 +6,9 @@ records and files. From Python::
     result = sim.serve(generate_workload(SyntheticWorkloadConfig(num_requests=10_000, request_rate=20),
                                          sim.engine.tokenizer))
 
-``python -m nanovllm.run runner=sim`` builds the same thing from the Hydra config (``Simulation.from_config``).
+``python -m nanovllm.run runner=sim`` builds the same thing from the Hydra config (``Simulation.from_config``),
+and serves through it exactly as through a real engine: a ``Simulation`` is a ``ServedEngine`` whose clock is
+virtual and whose cost model and MFU/MBU peaks are the simulated machine's.
 """
 
 from __future__ import annotations
@@ -18,43 +20,18 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nanovllm.config import EngineConfig, torch_dtype
-from nanovllm.engine.engine import LLMEngine, PluginSpec
-from nanovllm.engine.sim_runner import VirtualClock, simulated_engine
+from nanovllm.engine.engine import PluginSpec
+from nanovllm.engine.sim_runner import simulated_engine
 from nanovllm.harness.monitor import ModelCost, MonitorConfig
 from nanovllm.harness.records import read_run
-from nanovllm.harness.serving import RunResult, serve
+from nanovllm.harness.serving import RunResult, ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, CalibratedStepTime, StepTimeModel
 from nanovllm.request import Request
 
-RUNNER_NAMES = ("real", "sim")
-SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from")  # conf/runner/sim.yaml
-
-
-def check_runner(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None) -> None:
-    """Validate the ``runner`` (and ``hardware``) config nodes before anything loads; errors name the field."""
-    name = runner.get("name")
-    if name not in RUNNER_NAMES:
-        raise ValueError(f"runner.name must be one of {', '.join(RUNNER_NAMES)}, got {name!r}")
-    allowed = SIM_RUNNER_KEYS if name == "sim" else ("name",)
-    unknown = sorted(set(runner) - set(allowed))
-    if unknown:
-        raise ValueError(f"runner: unknown key(s) {', '.join(unknown)} for runner={name}; allowed: "
-                         f"{', '.join(allowed)}")
-    if name == "real":
-        return
-    step_time = runner.get("step_time")
-    try:
-        STEP_TIME_MODELS.get(str(step_time))
-    except KeyError as exc:
-        raise ValueError(f"runner.step_time: {exc}") from None
-    for key in ("profile", "replay_run", "output_lengths_from"):
-        # Found now, not after the engine is built: each names a file or run directory to read.
-        value = runner.get(key)
-        if value is not None and not Path(str(value)).expanduser().exists():
-            raise ValueError(f"runner.{key}={value!r}: no such file or directory (cwd: {Path.cwd()})")
-    if step_time == "analytical" or hardware is not None:
-        Hardware.from_config(hardware)
+# The runner keys of conf/runner/sim.yaml, and those only the token_cost step-time model reads.
+TOKEN_COST_KEYS = ("step_overhead", "time_per_token")
+SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", *TOKEN_COST_KEYS)
 
 
 def output_lengths_of(run_dir: str | Path) -> dict[str, int]:
@@ -63,21 +40,21 @@ def output_lengths_of(run_dir: str | Path) -> dict[str, int]:
 
 
 @dataclass
-class Simulation:
-    """A simulated engine, its virtual clock and its step-time model, ready to ``serve`` a workload."""
+class Simulation(ServedEngine):
+    """A simulated engine (its clock is the simulated runner's virtual one) and its step-time model, ready to
+    ``serve`` a workload."""
 
-    engine: LLMEngine
-    clock: VirtualClock
     model: StepTimeModel
-    cost: ModelCost
     hardware: Hardware | None = None
 
     @classmethod
-    def build(cls, config: EngineConfig, step_time: str, *, scheduler: PluginSpec = "fcfs",
+    def build(cls, config: EngineConfig, step_time: str | Mapping[str, Any], *, scheduler: PluginSpec = "fcfs",
               allocator: PluginSpec = "paged", attention: PluginSpec = "torch", profile: str | None = None,
               replay_run: str | None = None, hardware: Hardware | None = None,
               output_lengths: Mapping[str, int] | None = None) -> "Simulation":
-        """Build the engine around the step-time model named ``step_time``. ``output_lengths``: request_id ->
+        """Build the engine around the step-time model ``step_time``: a registered name (``STEP_TIME_MODELS``)
+        or ``{"name": ..., **options}`` (``{"name": "token_cost", "step_overhead": 1, "time_per_token": 0}``
+        counts engine steps). ``output_lengths``: request_id ->
         target output length (others stop at ``max_tokens``); a replay takes them from its run by default.
         With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``, the KV cache gets the memory the
         weights leave (an error naming ``hardware.memory_bytes`` when they do not fit). A ``calibrated`` profile
@@ -92,26 +69,27 @@ class Simulation:
             kv_bytes = hardware.kv_cache_bytes(cost.total_params * cost.bytes_per_element)
             if config.num_kv_blocks is None and config.kv_cache_memory is None:
                 config = dataclasses.replace(config, kv_cache_memory=kv_bytes)
-        model = STEP_TIME_MODELS.build({"name": step_time, "profile": profile, "run": replay_run, "cost": cost,
-                                        "hardware": hardware, "dtype": config.dtype, "model": config.model})
+        options = dict(step_time) if isinstance(step_time, Mapping) else {"name": step_time}
+        model = STEP_TIME_MODELS.build({"profile": profile, "run": replay_run, "cost": cost, "hardware": hardware,
+                                        "dtype": config.dtype, "model": config.model, **options})
         warning = model.machine_warning() if isinstance(model, CalibratedStepTime) else None
         if warning:
             logging.getLogger(__name__).warning(warning)
         if output_lengths is None and replay_run:
             output_lengths = output_lengths_of(replay_run)
-        clock = VirtualClock()
-        engine = simulated_engine(config, lambda features: model.predict(features, clock.time),
-                                  scheduler=scheduler, allocator=allocator, attention=attention,
-                                  target_len=_target_len(output_lengths), clock=clock)
-        return cls(engine, clock, model, cost, hardware)
+        engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
+                                  attention=attention, target_len=_target_len(output_lengths))
+        return cls(engine, engine.runner.clock, cost, model, hardware)
 
     @classmethod
     def from_config(cls, runner: Mapping[str, Any], hardware: Mapping[str, Any] | None, config: EngineConfig,
                     **plugins: PluginSpec) -> "Simulation":
         """From the Hydra ``runner`` and ``hardware`` nodes (already checked by ``check_runner``)."""
         lengths_run = runner.get("output_lengths_from")
+        step_time = {"name": str(runner["step_time"]),
+                     **{key: runner[key] for key in TOKEN_COST_KEYS if runner.get(key) is not None}}
         return cls.build(
-            config, str(runner["step_time"]), profile=runner.get("profile"), replay_run=runner.get("replay_run"),
+            config, step_time, profile=runner.get("profile"), replay_run=runner.get("replay_run"),
             hardware=Hardware.from_config(hardware) if hardware is not None else None,
             output_lengths=output_lengths_of(lengths_run) if lengths_run else None, **plugins,
         )
@@ -122,16 +100,17 @@ class Simulation:
         return {"simulated": True, "step_time_model": self.model.describe()}
 
     def monitor_config(self, configured: MonitorConfig) -> MonitorConfig:
-        """MFU/MBU peaks: the hardware's when simulating one, else the configured ones (this machine's)."""
-        if self.hardware is None:
-            return configured
-        return MonitorConfig(peak_flops=self.hardware.peak_flops_for(self.engine.config.dtype),
-                             peak_bandwidth=self.hardware.memory_bandwidth, calibrate=False)
+        """MFU/MBU peaks: the hardware's when simulating one; none for a step-time model whose seconds are no
+        machine's (``token_cost``); else the configured ones (this machine's)."""
+        if self.hardware is not None:
+            return MonitorConfig(peak_flops=self.hardware.peak_flops_for(self.engine.config.dtype),
+                                 peak_bandwidth=self.hardware.memory_bandwidth, calibrate=False)
+        return configured if self.model.machine_seconds else MonitorConfig(calibrate=False)
 
     def serve(self, workload: Sequence[Any], **kwargs: Any) -> RunResult:
         """``serving.serve`` on the virtual clock: nothing sleeps; ``wall_time`` is simulated seconds."""
         kwargs.setdefault("progress", False)
-        return serve(self.engine, workload, clock=self.clock, annotations=self.annotations, **kwargs)
+        return super().serve(workload, **kwargs)
 
 
 def _target_len(output_lengths: Mapping[str, int] | None):

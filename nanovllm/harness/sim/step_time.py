@@ -17,6 +17,10 @@ same numbers the engine writes to ``steps.jsonl``, so a model fitted on real run
 * ``replay``: the step timeline of a recorded run, in order -- each step ends when the recorded run's next
   step started, so the gaps between steps (the serving loop's own work) are replayed too and arrivals land
   in the same steps. For exact-schedule checks.
+* ``token_cost``: ``step_overhead + time_per_token x`` the tokens the step computes, the first-order cost of a
+  step on any hardware (a long prefill is a long step), the same on every machine. ``time_per_token=0`` with
+  ``step_overhead=1`` counts time in engine steps. The policy-effect tests and the policy-library study
+  (``experiments/policy_library.py``) run on it.
 """
 
 from __future__ import annotations
@@ -66,7 +70,12 @@ def working_steps(steps: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
 
 
 class StepTimeModel(abc.ABC):
-    """Predicts one step's duration in seconds. ``now`` is the simulated time at the step's start."""
+    """Predicts one step's duration in seconds. ``now`` is the simulated time at the step's start.
+
+    ``machine_seconds``: whether its seconds are some machine's (this one's, or a ``hardware`` description's),
+    so that FLOP/s and bytes/s against that machine's peaks (MFU, MBU) mean something."""
+
+    machine_seconds: bool = True
 
     @abc.abstractmethod
     def predict(self, features: Mapping[str, int], now: float) -> float:
@@ -195,6 +204,31 @@ class ReplayStepTime(StepTimeModel):
         if k + 1 < len(self.starts):
             return max(0.0, self.starts[k + 1] - now)
         return self.durations[k]
+
+
+@register_step_time("token_cost")
+class TokenCostStepTime(StepTimeModel):
+    """``step_overhead + time_per_token * (prefill tokens + decode sequences)``: a fixed cost per step plus one
+    per token computed. Defaults: 16 ms per step and 1 ms per token (a machine computing 1,000 tokens/s with
+    16 ms of fixed cost per step); ``step_overhead=1, time_per_token=0``: one time unit per engine step."""
+
+    machine_seconds = False   # a token count's seconds, no machine's: no MFU/MBU
+
+    def __init__(self, step_overhead: float | None = None, time_per_token: float | None = None,
+                 **context: Any) -> None:
+        self.step_overhead = 0.016 if step_overhead is None else step_overhead
+        self.time_per_token = 0.001 if time_per_token is None else time_per_token
+        for key in ("step_overhead", "time_per_token"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"runner.{key} must be a number of seconds >= 0, got {value!r}")
+
+    def predict(self, features: Mapping[str, int], now: float) -> float:
+        tokens = features["num_prefill_tokens"] + features["num_decode_seqs"]
+        return self.step_overhead + self.time_per_token * tokens
+
+    def describe(self) -> str:
+        return f"token_cost:{self.step_overhead:g}+{self.time_per_token:g}/token"
 
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"

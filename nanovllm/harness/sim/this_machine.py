@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nanovllm import machine
+from nanovllm.paths import SIM_PROFILES_ENV, sim_profiles_dir
 
-PROFILES_ENV = "NANOVLLM_SIM_PROFILES"
+PROFILES_ENV = SIM_PROFILES_ENV
 # What a profile records of its machine (``machine.describe`` has these and the ISA levels supported).
 MACHINE_KEYS = ("cpu", "arch", "isa", "threads", "copy_bandwidth_gbs")
 # What has to agree for a profile to describe this machine.
@@ -96,10 +97,7 @@ def machine_key(info: Mapping[str, Any]) -> str:
 
 def profiles_dir() -> Path:
     """The per-machine profile cache: ``$NANOVLLM_SIM_PROFILES``, else ``<cache_root()>/sim-profiles``."""
-    from nanovllm.models.loader import cache_root
-
-    override = os.environ.get(PROFILES_ENV, "").strip()
-    return Path(override).expanduser() if override else cache_root() / "sim-profiles"
+    return sim_profiles_dir()
 
 
 def profile_name(dtype: str) -> str:

@@ -1,0 +1,290 @@
+"""The live views: the tolerant tail reader, what the dashboard computes from a run's files (and at a scrubbed
+moment), the terminal view, the ``live`` config group, clear errors (bad RUN_DIR, port in use, a failing live
+logger), and a real run with ``live=web`` watched in headless Chromium as a person would."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from helpers import REPO, request_record
+from nanovllm.harness.live.config import LiveConfig
+from nanovllm.harness.live.feed import (
+    NotARunError,
+    RunFeed,
+    block_map,
+    check_run_dir,
+    gantt_rows,
+    latency_table,
+    step_columns,
+)
+from nanovllm.harness.live.launch import LiveSession, NeverFails, _start_dashboard, free_port
+from nanovllm.harness.live.tui import TuiView, sparkline
+from nanovllm.harness.loggers import RunLogger
+from nanovllm.harness.records import JsonlTail, RunWriter
+
+
+
+# -- a run's files, written through the real writer ----------------------------------------------------------------
+
+def _step(i: int, running: int, waiting: int, used: int, preempted: int = 0, prefill: int = 0) -> dict:
+    return dict(step=i, start_time=0.1 * i, duration=0.1, num_prefill_tokens=prefill, num_decode_tokens=running,
+                num_prefill_seqs=int(prefill > 0), num_decode_seqs=running, num_running=running,
+                num_waiting=waiting, num_preempted=preempted, kv_blocks_used=used, kv_blocks_cached=0,
+                kv_blocks_free=8 - used, kv_blocks_total=8, context_tokens=0, attn_pairs=0, num_sampled=running)
+
+
+def _snapshot(step: int, time_: float, *requests: tuple[str, str, list[int]]) -> dict:
+    return {"step": step, "time": time_, "requests": [
+        dict(request_id=rid, status=status, priority=0, client_id=None, arrival_time=0.0, first_scheduled_time=0.1,
+             first_token_time=None, num_prompt_tokens=10, num_computed_tokens=5, num_output_tokens=0,
+             num_preemptions=0, blocks=blocks) for rid, status, blocks in requests]}
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    """Ten steps, two requests (one preempted between 0.4 s and 0.6 s), snapshots with a shared block."""
+    writer = RunWriter(tmp_path / "run", {"engine": {"max_num_seqs": 4}, "workload": {"num_requests": 3}})
+    extras = RunWriter.for_extras(tmp_path / "run")
+    extras.write_engine_info(dict(num_kv_blocks=8, bytes_per_block=2**20, max_num_seqs=4,
+                                  max_num_batched_tokens=64, num_requests=3))
+    for i in range(10):
+        writer.write_step(_step(i, running=2 if i < 8 else 1, waiting=1, used=4, preempted=int(i == 3),
+                                prefill=20 if i == 0 else 0))
+    writer.write_request(request_record("a", 0.0, token_times=(0.2, 0.55), priority=0))
+    writer.write_request(request_record("b", 0.0, token_times=(0.2, 0.95), priority=1, num_preemptions=1))
+    extras.write_blocks(_snapshot(2, 0.3, ("a", "running", [0, 1]), ("b", "running", [1, 2])))
+    extras.write_blocks(_snapshot(4, 0.5, ("a", "running", [0, 1]), ("b", "preempted", []),
+                                  ("c", "waiting", [])))
+    extras.write_blocks(_snapshot(6, 0.7, ("b", "running", [3, 4]), ("c", "waiting", [])))
+    writer.close()
+    extras.close()
+    return tmp_path / "run"
+
+
+# -- the tail reader -----------------------------------------------------------------------------------------------
+
+def test_tail_holds_back_a_torn_line_until_it_is_complete(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    tail = JsonlTail(path)
+    assert tail.read_new() == [] and not tail.torn  # not there yet: empty, no error
+    path.write_text('{"step": 0}\n{"step": 1}\n{"ste')
+    assert tail.read_new() == [{"step": 0}, {"step": 1}] and tail.torn
+    with open(path, "a") as f:
+        f.write('p": 2}\nnot json\n')
+    assert tail.read_new() == [{"step": 2}] and not tail.torn and tail.bad_lines == 1
+    assert tail.read_new() == []
+    path.write_text('{"step": 9}\n')  # rewritten by a new run: read again from the start
+    assert tail.read_new() == [{"step": 9}]
+
+
+# -- what the dashboard computes -----------------------------------------------------------------------------------
+
+def test_feed_columns_gantt_and_block_map(run_dir: Path) -> None:
+    feed = RunFeed(run_dir)
+    steps, requests, snapshots = feed.poll()
+    assert (len(steps), len(requests), len(snapshots)) == (10, 2, 3)
+    assert feed.sizes.num_kv_blocks == 8 and feed.sizes.max_num_seqs == 4
+    columns = step_columns(feed.steps, feed.sizes)
+    assert columns["running"][0] == 2 and columns["kv_used_mib"][0] == 4.0 and columns["max_num_seqs"][0] == 4
+    assert columns["throughput"][5] == pytest.approx(2 / 0.1 * 5 / 5, rel=0.3)  # two tokens a 0.1 s step
+    assert feed.preempted == {"b": [[0.5, 0.7]]}
+
+    # At 0.6 s: a has ended (finished), b is in flight (from its record cut at t) and was preempted at 0.5 s.
+    gantt = gantt_rows(feed, 0.6)
+    phases = {(rid, phase) for rid, phase in zip(gantt["request_id"], gantt["phase"])}
+    assert {("a", "finished"), ("a", "decoding"), ("b", "preempted"), ("c", "queued")} <= phases
+    assert ("b", "finished") not in phases
+    assert max(e for e, phase in zip(gantt["end"], gantt["phase"]) if phase != "finished") <= 0.6
+    assert gantt["row"][0].startswith("p0")  # rows grouped by priority
+
+    blocks = block_map(feed.snapshot_at(0.35), 8)
+    assert blocks["state"][:4] == ["owned", "shared", "owned", "free"] and blocks["owners"][1] == "a, b"
+    assert block_map(feed.snapshot_at(0.1), 8)["state"] == ["free"] * 8  # before the first snapshot
+
+    table = latency_table(feed.requests_ended_by(0.6))
+    assert table["group"] == ["all"] and table["done"] == [1]
+    table = latency_table(feed.requests)
+    assert table["group"] == ["all", "priority 0", "priority 1"] and table["p50_ttft_ms"][0] == pytest.approx(200)
+
+
+def test_dashboard_scrubs_back_and_follows_again(run_dir: Path) -> None:
+    from nanovllm.harness.live.web import RunDashboard
+
+    view = RunDashboard(run_dir)
+    view.layout()
+    view.update()
+    assert len(view.steps_src.data["t"]) == 10 and "nv-step'>9<" in view.header.text
+    assert "nv-finished'>2</span> / 3" in view.header.text and "run <span class='nv-state'>running" in view.header.text
+    view._on_scrub("value_throttled", 1.0, 0.45)
+    assert not view.following and len(view.steps_src.data["t"]) == 4
+    assert view.latency_src.data["done"] == [] and "showing t = 0.45" in view.header.text
+    assert all(span.visible and span.location == 0.45 for span in view.cursors)
+    view._on_follow()
+    assert view.following and len(view.steps_src.data["t"]) == 10 and view.latency_src.data["done"][0] == 2
+
+    with open(run_dir / "steps.jsonl", "a") as f:  # the run goes on, its writer caught mid-line
+        f.write(json.dumps(_step(10, 1, 0, 2)) + "\n" + '{"step": 11, "sta')
+    view.update()
+    assert len(view.steps_src.data["t"]) == 11 and view.notice.text == ""  # torn line while running: silent
+    (run_dir / "metrics.json").write_text("{}")
+    view.update()
+    assert "nv-state'>finished" in view.header.text and "steps.jsonl end with an incomplete line" in view.notice.text
+
+
+def test_sweep_view_lists_jobs_and_their_cdfs(run_dir: Path, tmp_path: Path) -> None:
+    from nanovllm.harness.live.web import SweepDashboard
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        shutil.copytree(run_dir, sweep / job)
+        (sweep / job / "metrics.json").write_text(json.dumps({"completed": 2, "median_ttft_ms": 200.0}))
+    view = SweepDashboard(check_run_dir(sweep))
+    view.layout()
+    view.update()
+    assert view.table_src.data["run"] == ["0", "1"] and view.table_src.data["completed"] == [2, 2]
+    assert len(view.cdf_srcs["TTFT"].data["x"]) == 2 and "nv-jobs'>2<" in view.header.text
+
+
+def test_bad_run_dirs_say_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(NotARunError, match="does not exist"):
+        check_run_dir(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotARunError, match="is a file"):
+        check_run_dir(tmp_path / "file")
+    with pytest.raises(NotARunError, match="not a run directory"):
+        check_run_dir(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "nanovllm.viz", "--live", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"error: {tmp_path / 'nope'} does not exist"
+
+
+def test_port_in_use_is_a_clear_message_and_never_stops_the_run(run_dir: Path, capsys) -> None:
+    from nanovllm.harness.live.web import PortInUseError, start_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert free_port("127.0.0.1", port) is None
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is in use"):
+            start_server(run_dir, port=port)
+        session = LiveSession(LiveConfig(mode="web", port=port), run_dir)
+        _start_dashboard(session)
+    assert session.process is None and f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+    session.close(keep_open=True)  # nothing to close: returns at once
+
+
+def test_a_failing_live_logger_is_switched_off_not_fatal(capsys) -> None:
+    class Broken(RunLogger):
+        calls = 0
+
+        def log_step(self, step: dict) -> None:
+            Broken.calls += 1
+            raise OSError("disk full")
+
+    logger = NeverFails(Broken())
+    logger.log_step({})
+    logger.log_step({})
+    assert Broken.calls == 1 and logger.failed
+    assert "Broken.log_step failed (OSError: disk full); live view off" in capsys.readouterr().err
+
+
+def test_terminal_view_shows_the_essentials() -> None:
+    view = TuiView(max_num_seqs=4, num_requests=3)
+    for i in range(6):
+        view.add_step(_step(i, running=min(i, 4), waiting=1, used=i, preempted=int(i == 2)))
+    view.add_request(request_record("a", 0.0, token_times=(0.2, 0.5)))
+    console = Console(record=True, width=100)
+    console.print(view)
+    text = console.export_text()
+    assert "running 4  waiting 1  preempted 1 (total)  finished 1 / 3" in text
+    assert "5 used, 0 cached, 3 free of 8" in text and "TTFT" in text and "p50 200" in text
+    assert sparkline([0, 2, 4], 4) == "▁▅█"
+
+
+def test_live_config_group(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from nanovllm.harness.conf_schema import register_configs
+    from nanovllm.harness.run import config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        assert compose(config_name="config").live.mode == "off"
+        cfg = compose(config_name="config", overrides=["live=web", "live.port=7000"])
+        assert (cfg.live.mode, cfg.live.port, cfg.live.host) == ("web", 7000, "127.0.0.1")
+        assert compose(config_name="config", overrides=["live=tui"]).live.mode == "tui"
+    with pytest.raises(ValueError, match="live.mode must be one of off, web, tui"):
+        LiveConfig(mode="gui")
+
+
+# -- a real run, watched in a real browser --------------------------------------------------------------------------
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (apt-get install -y chromium)")
+def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # Arrivals spread over ~30 s, so the run is still going while the page loads and is read twice.
+    command = [sys.executable, "-m", "nanovllm.run", "live=web", "live.port=0", "workload=synthetic",
+               "workload.num_requests=16", "workload.request_rate=0.5", "workload.input_len.kind=fixed",
+               "workload.input_len.mean=8", "workload.output_len.kind=fixed", "workload.output_len.mean=3",
+               "engine.num_kv_blocks=16", "engine.max_model_len=512", "monitor.calibrate=false", "progress=false",
+               f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            match = re.match(r"live dashboard: (http://\S+)", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url is not None, f"no dashboard URL printed; stderr:\n{proc.stderr.read()[-3000:]}"
+        with playwright.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            for _ in range(60):  # the dashboard process may still be importing bokeh
+                try:
+                    page.goto(url)
+                    break
+                except playwright.Error:
+                    time.sleep(1)
+            page.wait_for_selector(".nv-step", timeout=120_000)
+
+            def read() -> tuple[int, int]:
+                return int(page.locator(".nv-step").inner_text()), int(page.locator(".nv-finished").inner_text())
+
+            first = read()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not all(b > a for a, b in zip(first, read())):
+                time.sleep(1)
+            second = read()
+            assert second[0] > first[0] and second[1] > first[1], (first, second)
+            assert page.locator("canvas").count() >= 6  # the time series, the Gantt and the block map drew
+            assert page.locator(".bk-data-table").count() >= 1 or page.locator("text=p50 ttft").count() >= 1
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # kept in pytest's tmp dir
+            browser.close()  # the browser goes away mid-run: the run must not care
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert metrics["completed"] == 16
+        assert (run_dir / "blocks.jsonl").stat().st_size > 0 and (tmp_path / "dashboard.png").stat().st_size > 10_000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

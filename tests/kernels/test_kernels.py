@@ -1,0 +1,224 @@
+"""The fast path's fused C++ kernels against the torch code they replace (same math, float32 inside), for every
+kernel build (ISA level) this CPU supports (the ``compiled`` fixture); and the kernel cache and its build lock."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm import kernels, machine
+from nanovllm.models.llama import RMSNorm, apply_rotary
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _norm_with_random_weight(dtype: torch.dtype, dim: int = 96) -> RMSNorm:
+    """The reference RMSNorm module with a random (not all-ones) weight, in ``dtype``."""
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_reference_module(dtype, compiled):
+    torch.manual_seed(0)
+    norm = _norm_with_random_weight(dtype)
+    x = (torch.randn(37, 96) * 3).to(dtype)
+    expected = norm(x)
+    got = compiled.rms_norm(x, norm.weight, norm.eps)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_fused_projection_views(dtype, compiled):
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, dim = 11, 6, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q_view, k_view, v_view = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q_view.reshape(tokens, heads, dim), k_view.reshape(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, dim // 2) * 10
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    expected_q, expected_k = apply_rotary((cos[:, None].to(dtype), sin[:, None].to(dtype)), q.clone(), k.clone())
+    v_before = v_view.clone()
+    compiled.rotary_(q, k, cos.contiguous(), sin.contiguous())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(q.float(), expected_q.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k.float(), expected_k.float(), atol=tol, rtol=tol)
+    assert torch.equal(v_view, v_before)  # v, beside q and k in the same buffer, is untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_then_normalizes_like_the_two_torch_steps(dtype, compiled):
+    torch.manual_seed(2)
+    norm = _norm_with_random_weight(dtype)
+    residual, delta = (torch.randn(19, 96) * 3).to(dtype), torch.randn(19, 96).to(dtype)
+    expected_sum = residual + delta
+    expected = norm(expected_sum)
+    got = compiled.add_rms_norm_(residual, delta, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_sum)  # the add is torch's, rounding included
+    if dtype == torch.bfloat16:  # one rounding per step, as transformers' module does: bitwise the same
+        assert torch.equal(got, expected)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_of_a_fused_gate_up_block(dtype, compiled):
+    torch.manual_seed(3)
+    gate_up = (torch.randn(13, 2 * 40) * 4).to(dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = compiled.silu_and_mul(gate_up)
+    assert got.shape == (13, 40)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="2 \\* width"):
+        compiled.silu_and_mul(gate_up[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_greedy_sample_is_argmax_and_flags_nan_and_inf_rows(dtype, vocab, compiled):
+    """One pass per row: torch.argmax's token (first index on ties), and a flag for NaN / +inf rows; -inf is a
+    legitimate logit. 16-lane chunks plus a tail (vocab 1000, 7), and the plain loop (float16)."""
+    torch.manual_seed(vocab)
+    logits = (torch.randn(9, vocab) * 4).to(dtype)
+    logits[1, vocab // 2] = float("nan")
+    logits[2, vocab - 1] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[3, vocab // 3] = 0.0                      # one finite value among -inf
+    logits[4, :] = 1.0                               # all tied: the first index
+    logits[5, vocab - 1] = 1e4                       # the maximum in the tail
+    logits[6, 0] = float("-inf")
+    tokens, bad = compiled.greedy_sample(logits)
+    assert bad.tolist() == [False, True, True, False, False, False, False, False, False]
+    expected = logits.float().argmax(dim=-1)
+    assert tokens[~bad].tolist() == expected[~bad].tolist()
+    assert tokens[4] == 0 and tokens[5] == vocab - 1 and tokens[3] == vocab // 3
+
+
+@pytest.mark.parametrize("k", [576, 100, 64, 33])
+@pytest.mark.parametrize("n", [960, 37])
+def test_gemv_matches_a_float_matmul_and_packed_linear_uses_it_for_few_rows(k, n, compiled):
+    """The few-row bf16 GEMV (K and N tails included) against float32 math on the same bf16 inputs; and
+    PackedLinear gives the same result whether a batch goes through it (1-2 rows) or oneDNN (3+ rows)."""
+    from nanovllm.models.fast_path import PackedLinear, can_prepack
+
+    torch.manual_seed(k + n)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(5, k).bfloat16()
+    expected = x.float() @ weight.float().T + bias.float()
+    # The GEMV needs the bf16 dot-product instruction: its build has it, every lower build refuses.
+    assert compiled.gemv_available() == (compiled.isa == "avx512_bf16")
+    if compiled.gemv_available():
+        for rows in (1, 2, 5):
+            got = compiled.gemv_bf16(x[:rows], weight, bias)
+            torch.testing.assert_close(got.float(), expected[:rows], atol=2e-2, rtol=1e-2)
+    else:  # no AVX-512 BF16: the kernel refuses, and PackedLinear (below) uses oneDNN for every row count
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            compiled.gemv_bf16(x[:1], weight, bias)
+    if can_prepack(weight):
+        packed = PackedLinear(weight, bias, kernels=compiled)
+        few, many = packed(x[:2]), packed(x)
+        assert few.shape == (2, n) and many.shape == (5, n)
+        torch.testing.assert_close(few.float(), many[:2].float(), atol=2e-2, rtol=1e-2)
+
+
+
+
+# -- the cache and its build lock ------------------------------------------------------------------------------
+
+def _start_build(cache, level: str = "scalar") -> subprocess.Popen:
+    """A process that loads (so builds, in an empty ``cache``) the kernels of ``level``, in its own session so
+    the test can kill it with its compiler children."""
+    env = {**os.environ, "NANOVLLM_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", f"from nanovllm import kernels; kernels.load({level!r})"],
+                            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the build process ended ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def _kill(proc: subprocess.Popen) -> str:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    return stderr
+
+
+def test_a_build_killed_mid_way_does_not_block_the_next_start(tmp_path):
+    """The old failure: a build killed mid-way left torch's lock file, and every later start slept on it. Now
+    the builders' lock is an OS lock, gone with its holder: the next start takes it at once, without waiting,
+    clears torch's stale file and builds."""
+    build_dir = tmp_path / "extensions" / kernels.build_name("scalar")
+    torch_lock = build_dir / "lock"
+    first = _start_build(tmp_path)
+    try:
+        _wait_for(torch_lock.exists, first, "compiler run (torch's lock file)")
+    finally:
+        _kill(first)
+    assert torch_lock.exists()  # what the killed build leaves behind
+    left = torch_lock.stat()
+    second = _start_build(tmp_path)
+    try:
+        # It proceeds: torch's lock is recreated by the second build (a new file) or the build is done.
+        def rebuilding() -> bool:
+            try:
+                now = torch_lock.stat()
+            except FileNotFoundError:
+                return (build_dir / f"{build_dir.name}.so").exists()
+            return (now.st_ino, now.st_mtime_ns) != (left.st_ino, left.st_mtime_ns)
+
+        _wait_for(rebuilding, second, "new build after the killed one")
+    finally:
+        stderr = _kill(second)
+    assert "waiting for another process" not in stderr
+
+
+def test_a_start_that_waits_for_another_build_says_so_once(tmp_path):
+    """While another process holds the build lock (here: this test), a start waits, and says so once, however
+    long it waits (here: until it has said so, and two seconds more)."""
+    build_dir = tmp_path / "extensions" / kernels.build_name("scalar")
+    build_dir.mkdir(parents=True)
+    message = "waiting for another process's kernel build"
+    with kernels._build_lock(build_dir / "build.lock"):
+        waiter = _start_build(tmp_path)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(waiter.stderr), daemon=True)
+        reader.start()
+        try:
+            _wait_for(lambda: any(message in line for line in lines), waiter, "waiting message")
+            time.sleep(2)
+            assert waiter.poll() is None  # still waiting: the lock is held
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(waiter.pid, signal.SIGKILL)
+            waiter.wait(timeout=60)
+            reader.join(timeout=60)
+    assert sum(message in line for line in lines) == 1, lines
+
+
+def test_bad_isa_levels_are_clear_errors():
+    with pytest.raises(ValueError, match="isa='avx9' is not an ISA level; choose one of amx, avx512_bf16"):
+        kernels.load("avx9")
+    unsupported = [level for level in machine.ISA_LEVELS if level not in machine.supported_isas()]
+    for level in unsupported:
+        with pytest.raises(ValueError, match=f"isa={level!r}: this CPU .* does not support it"):
+            kernels.load(level)
