@@ -250,6 +250,10 @@ def check_config(cfg: DictConfig) -> _Checked:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Serve the configured workload once; return the summary. Writes into Hydra's run directory."""
+    if cfg.runner.get("name") == "http":  # an OpenAI-compatible server serves it: nanovllm/harness/http_client.py
+        from nanovllm.harness.http_client import run_over_http
+
+        return run_over_http(cfg, HydraConfig.get())
     checked = check_config(cfg)
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

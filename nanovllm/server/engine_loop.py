@@ -178,10 +178,10 @@ class EngineLoop:
     def stopping(self) -> bool:
         return self._stopping
 
-    def write_summary(self) -> dict[str, Any]:
-        """Compute the summary and hand it to every logger (``metrics.json`` through the jsonl logger); on the
-        engine thread (``call``) while it runs, or after ``stop``."""
-        summary = self.summary()
+    def write_summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Compute the summary (plus ``extra``) and hand it to every logger (``metrics.json`` through the jsonl
+        logger); on the engine thread (``call``) while it runs, or after ``stop``."""
+        summary = {**self.summary(), **(extra or {})}
         breakdowns = {by: breakdown(self.records, by, slo=self.slo) for by in ("priority", "client_id")}
         for run_logger in self.loggers:
             run_logger.log_summary(summary, breakdowns)
@@ -195,7 +195,7 @@ class EngineLoop:
             overall = self.monitor.overall(self.steps)
             summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
         summary.update(warmup_time_s=round(self.engine.warmup_time, 3), warmup_steps=self.engine.warmup_steps,
-                       server=True, in_flight=len(self._tracked))
+                       server=True)
         if self.fault is not None:
             summary.update(fault=self.fault)
         return summary
