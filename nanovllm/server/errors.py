@@ -22,6 +22,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
 # A ValueError of the engine or SamplingParams starts with the field it is about ("max_tokens must be ...").
 _FIELD_AT_START = re.compile(r"^(?:prompts\[\d+\]: )?([a-z_]+)\b")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|[A-Z]\w*)$")  # "list[int]", "TextPart", ...
 _ENGINE_FIELDS = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "stop_token_ids",
                   "ignore_eos", "priority"}
 
@@ -73,12 +74,13 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, message, param=param)
     param = loc[0]
     same_field = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == [param]]
-    hint = next((FIELD_HINTS[p] for p in reversed(loc) if p in FIELD_HINTS), None)
-    if hint is not None and len(same_field) > 1:  # a value that matches none of a union's types
-        message = f"{param}: must be {hint}"
+    # The path as the client wrote it: pydantic adds the union member it tried ("str", "list[int]", ...).
+    path = [p for p in loc if not _UNION_TAG.match(p)]
+    hinted = next((i for i in range(len(path) - 1, -1, -1) if path[i] in FIELD_HINTS), None)
+    if hinted is not None and len(same_field) > 1:  # a value that matches none of a union's types
+        message = f"{'.'.join(path[:hinted + 1])}: must be {FIELD_HINTS[path[hinted]]}"
     else:
-        where = ".".join(p for p in loc if not p.startswith(("list[", "str", "int")) or p.isdigit())
-        message = f"{where}: {first.get('msg')}"
+        message = f"{'.'.join(path)}: {first.get('msg')}"
     return OpenAIError(400, message, param=param)
 
 

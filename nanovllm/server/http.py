@@ -25,15 +25,23 @@ class HTTPServer(uvicorn.Server):
     """A ``uvicorn.Server`` for one ``ServerState``; it stops when ``stop`` is set or ``should_exit`` is, or when
     the engine loop has failed (the server would refuse everything from then on)."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, stop: threading.Event | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, stop: threading.Event | None = None,
+                 announce: bool = False) -> None:
         super().__init__(config)
         self.state = state
         self.stop_event = stop or threading.Event()
+        self.announce = announce  # print the URL once listening (the command line; port 0 shows the real one)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # The process's own handlers (STOP) stay in charge: they set stop_event, which on_tick watches.
         yield
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+        await super().startup(sockets)
+        if self.started and self.announce:
+            print(f"nano-vllm: serving {self.state.model_name!r} at http://{self.config.host}:{self.port}/v1 "
+                  "(Ctrl-C or SIGTERM to stop)", flush=True)
 
     async def on_tick(self, counter: int) -> bool:
         loop = self.state.engine_loop

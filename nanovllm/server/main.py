@@ -81,7 +81,7 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
     state = ServerState(engine, server, model_name,
                         ServerMetrics(model_name, checked.scheduler["name"], checked.allocator["name"]),
                         loggers=loggers, monitor=monitor, slo=checked.slo)
-    http = HTTPServer(uvicorn_config(state, server.host, server.port), state, STOP.event)
+    http = HTTPServer(uvicorn_config(state, server.host, server.port), state, STOP.event, announce=True)
     STOP.serving("serving HTTP")  # from here a signal stops the server: requests ended, files written
     summary: dict[str, Any] | None = None
     try:
