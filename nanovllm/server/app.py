@@ -136,9 +136,7 @@ def create_app(state: ServerState) -> FastAPI:
             prompt = chat_token_ids(state.engine.tokenizer, [m.as_template_message() for m in body.messages])
         except Exception as exc:  # the model's template refuses the conversation (e.g. roles out of order)
             raise OpenAIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        # OpenAI's default for chat: as many tokens as the context has left (at least one, so that a prompt
-        # that fills the context is refused for its length, naming it).
-        max_tokens = body.requested_max_tokens() or max(1, state.engine.max_model_len - len(prompt))
+        max_tokens = body.requested_max_tokens() or _room_left(state.engine, len(prompt))
         params = _sampling(body, max_tokens, body.engine_logprobs(), rename={"logprobs": "top_logprobs"})
         response_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
         engine_requests = _make_requests(state, [prompt], params, response_id, body.priority,
@@ -174,6 +172,13 @@ def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in (state.model_name, state.model_root):
         raise OpenAIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
                           param="model", code="model_not_found")
+
+
+def _room_left(engine: LLMEngine, num_prompt_tokens: int) -> int:
+    """OpenAI's default ``max_tokens`` for chat: what the context has left after the prompt, here also what the
+    whole KV cache can hold (at least one, so that a prompt that fills either is refused for its length)."""
+    capacity = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
+    return max(1, capacity - num_prompt_tokens)
 
 
 def _sampling(body: GenerationRequest, max_tokens: int, logprobs: int | None,

@@ -149,4 +149,4 @@ def main() -> None:
     except ValueError as exc:
         _fail(str(exc))
     with one_line_composition_errors():
-        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(_task)()
+        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="serve")(_task)()
