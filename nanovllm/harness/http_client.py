@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.progress import RequestProgress
 
 ENDPOINTS = ("completions", "chat")
+# httpx logs every request at INFO: at hundreds of requests that would flood the run's log.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 INTERRUPTED_REASON = "interrupted"
 
 
