@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from nanovllm import SamplingParams
+from nanovllm import Policy, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.harness.loggers import JsonlLogger
@@ -469,3 +469,39 @@ def test_runner_http_against_this_server_writes_the_records_of_an_in_process_run
         assert record["num_prompt_tokens"] == mirror["num_prompt_tokens"]
         assert record["priority"] == mirror["priority"]
         assert record["first_token_time"] <= record["finish_time"]
+
+
+class _FailsOnItsFifthStep(Policy):
+    """A policy that raises in its fifth step: the engine is broken from then on."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step(self, scheduled, now) -> None:
+        self.steps += 1
+        if self.steps == 5:
+            raise RuntimeError("policy bug")
+
+
+def test_an_engine_fault_ends_every_request_with_its_reason_and_the_server_refuses_more(llm, tmp_path):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=512, warmup=False),
+                       scheduler=_FailsOnItsFifthStep())
+    files = JsonlLogger()
+    files.start(tmp_path, {})
+    state = ServerState(engine, ServerConfig(port=0), MODEL, ServerMetrics(MODEL, "fails", "paged"), loggers=[files])
+    served = Served(start_in_thread(state), state, tmp_path)
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 40, "ignore_eos": True}
+        with httpx.Client(base_url=served.url, timeout=120) as client:
+            streamed = client.post("/v1/completions", json={**body, "stream": True}, headers={"x-request-id": "s"})
+            events = sse_events(streamed.text)
+            assert "policy bug" in events[-1]["error"]["message"]  # the stream ends with the error object
+            wait_for(lambda: client.get("/health").status_code == 503, "/health says the engine failed")
+            refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 503 and "policy bug" in refused.json()["error"]["message"]
+    finally:
+        served.running.stop()
+        files.finish()
+    (record,) = read_jsonl(tmp_path / "requests.jsonl")
+    assert record["request_id"] == "s" and record["finish_reason"] == "abort"
+    assert record["error"].startswith("engine fault: PolicyError")

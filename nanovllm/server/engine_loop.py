@@ -209,7 +209,7 @@ class EngineLoop:
         except Exception as exc:  # the engine is broken: every request still in it ends failed, with the cause
             self.fault = f"{type(exc).__name__}: {exc}"
             logger.error("engine loop stopped: %s", self.fault)
-            self._fail_all(f"engine fault: {type(exc).__name__}")
+            self._fail_all(f"engine fault: {self.fault}")
 
     def _take_inbox(self) -> bool:
         """Wait for work, then admit submitted requests and apply aborts and calls. False: stopped and drained."""

@@ -22,14 +22,16 @@ GRACEFUL_CLOSE_S = 5
 
 
 class HTTPServer(uvicorn.Server):
-    """A ``uvicorn.Server`` for one ``ServerState``; it stops when ``stop`` is set or ``should_exit`` is, or when
-    the engine loop has failed (the server would refuse everything from then on)."""
+    """A ``uvicorn.Server`` for one ``ServerState``; it stops when ``stop`` is set or ``should_exit`` is, and with
+    ``stop_on_fault`` when the engine loop has failed (it would refuse everything from then on: the command line
+    exits with an error; a server in a thread stays up, answering 503, until its owner stops it)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, stop: threading.Event | None = None,
-                 announce: bool = False) -> None:
+                 announce: bool = False, stop_on_fault: bool = True) -> None:
         super().__init__(config)
         self.state = state
         self.stop_event = stop or threading.Event()
+        self.stop_on_fault = stop_on_fault
         self.announce = announce  # print the URL once listening (the command line; port 0 shows the real one)
 
     @contextlib.contextmanager
@@ -45,7 +47,7 @@ class HTTPServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         loop = self.state.engine_loop
-        if self.stop_event.is_set() or (loop is not None and loop.fault is not None):
+        if self.stop_event.is_set() or (self.stop_on_fault and loop is not None and loop.fault is not None):
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -92,7 +94,7 @@ class RunningServer:
 def start_in_thread(state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                     timeout: float = 60.0) -> RunningServer:
     """Serve ``state`` from a thread of this process (port 0: a free one); returns once it accepts connections."""
-    server = HTTPServer(uvicorn_config(state, host, port, log_level), state)
+    server = HTTPServer(uvicorn_config(state, host, port, log_level), state, stop_on_fault=False)
     thread = threading.Thread(target=server.run, name="nanovllm-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
