@@ -32,7 +32,8 @@ import httpx
 from nanovllm import machine
 
 REPO = Path(__file__).resolve().parent.parent
-ROWS = [("output_throughput", "output tok/s"), ("request_throughput", "requests/s"),
+ROWS = [("output_throughput", "output tok/s"), ("mean_step_ms", "mean step ms"),
+        ("median_step_gap_ms", "median gap between steps ms"), ("request_throughput", "requests/s"),
         ("mean_ttft_ms", "mean TTFT ms"), ("median_ttft_ms", "median TTFT ms"), ("p99_ttft_ms", "p99 TTFT ms"),
         ("mean_itl_ms", "mean ITL ms"), ("median_itl_ms", "median ITL ms"), ("mean_tpot_ms", "mean TPOT ms"),
         ("mean_e2el_ms", "mean E2EL ms"), ("duration", "duration s"), ("completed", "completed")]
@@ -151,7 +152,18 @@ def _pair(tmp_dir: Path, engine: list[str], workload: list[str], args: argparse.
     finally:
         server.send_signal(signal.SIGINT)
         server.communicate(timeout=120)
-    return _metrics(tmp_dir / "in_process"), _metrics(tmp_dir / "client"), _metrics(tmp_dir / "server")
+    in_process, client, server_side = (_metrics(tmp_dir / name) for name in ("in_process", "client", "server"))
+    # Time the engine spends between two steps (admitting, turning tokens into records, text, chunks): the part
+    # of the overhead that the machine's speed, which drifts on a shared machine, affects least.
+    in_process["median_step_gap_ms"] = _median_step_gap_ms(tmp_dir / "in_process")
+    server_side["median_step_gap_ms"] = _median_step_gap_ms(tmp_dir / "server")
+    return in_process, client, server_side
+
+
+def _median_step_gap_ms(run_dir: Path) -> float | None:
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
+    gaps = [b["start_time"] - a["start_time"] - a["duration"] for a, b in zip(steps, steps[1:])]
+    return statistics.median(gaps) * 1000.0 if gaps else None
 
 
 def _fmt(value: object) -> str:

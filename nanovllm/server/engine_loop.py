@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import threading
 from collections import deque
@@ -113,6 +114,9 @@ class EngineLoop:
         self.steps: list[dict[str, Any]] = []
         self.fault: str | None = None          # set when a step raised: the engine is not to be trusted
         self.t0 = engine.clock()
+        # The engine thread detokenizes with a tokenizer of its own: the event loop tokenizes prompts with the
+        # engine's at the same time, and a Rust tokenizer must not be borrowed by two threads at once.
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._in_flight: set[str] = set()      # request ids submitted and not yet ended (under the lock)
@@ -130,7 +134,7 @@ class EngineLoop:
         """Queue ``request`` (made and validated by ``engine.make_request``) for the next step; its ``Delta``s
         arrive on ``queue`` as ``(index, delta)``. Raises ``QueueFull`` past ``max_waiting``, ``ShuttingDown``
         once stopping, ``DuplicateRequestId`` for an id in flight; nothing is queued then."""
-        tracked = _Tracked(request, queue, index, IncrementalDetokenizer(self.engine.tokenizer, stop))
+        tracked = _Tracked(request, queue, index, IncrementalDetokenizer(self._tokenizer, stop))
         with self._cond:
             if self._stopping or self.fault is not None:
                 raise ShuttingDown(self.fault or "the server is shutting down")
