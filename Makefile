@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench study mutate clean
+.PHONY: setup run serve test test-fast bench study mutate clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 
 run: setup
 	$(BIN)/python -m nanovllm.run $(ARGS)
+
+# The OpenAI-compatible server on the default model, http://127.0.0.1:8000/v1 (docs/server.md); ARGS as for run.
+serve: setup
+	$(BIN)/python -m nanovllm.serve $(ARGS)
 
 # lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) before the suite runs.
 test: setup

@@ -31,6 +31,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks (worker processes) the model is split over
     warmup: bool = True                         # run each representative batch shape once before serving
                                                 # (engine/warmup.py); False: cold-start numbers
+    max_logprobs: int = 20                      # the most top logprobs a request may ask for (vLLM's cap)
 
     @property
     def fast_path(self) -> bool:
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device == "cpu" and self.dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported on cpu; allowed: {', '.join(CPU_DTYPES)}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

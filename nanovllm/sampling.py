@@ -42,8 +42,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and what is allowed (bools are not numbers here)."""
+    def validate(self, max_logprobs: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field and what is allowed (bools are not numbers here).
+        ``max_logprobs``: the engine's cap on ``logprobs`` (``LLMEngine.make_request`` passes it)."""
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
@@ -62,6 +63,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0 (top-k per token), got {self.logprobs!r}")
+        if max_logprobs is not None and self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({max_logprobs}; raise the engine option max_logprobs), "
+                             f"got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -76,6 +76,7 @@ SLOW = {
     "test_sim.py::test_cli_no_shipped_profile_for_the_model_is_one_error_line": "the CLI",
     "test_sim.py::test_cli_simulates_many_requests_and_writes_the_run_files": "the CLI",
     "test_sim.py::test_cli_simulation_on_another_machines_profile_prints_and_logs_one_line": "the CLI",
+    "test_server_process.py": "python -m nanovllm.serve subprocesses",
     # a browser
     "test_live.py::test_watch_a_real_run_in_headless_chromium": "headless Chromium",
 }

@@ -125,6 +125,8 @@ class LLMEngine:
         eos = self.hf_config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.vocab_size = self.hf_config.vocab_size
+        # Checked at submission, never inside a step (where top-k beyond the vocabulary would fail the batch).
+        self.max_logprobs = min(config.max_logprobs, self.vocab_size)
         self._ids = itertools.count()
         self._num_steps = 0
         self._evictions_seen = 0
@@ -146,7 +148,7 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params.validate(max_logprobs=self.max_logprobs)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if not isinstance(prompt, (str, list, tuple)):
@@ -192,6 +194,7 @@ class LLMEngine:
         if error is not None:
             self.scheduler.reject(request, error, self.clock())
         else:
+            request.sampling_params.validate(max_logprobs=self.max_logprobs)  # a Request built by hand, too
             self.scheduler.add(request, self.clock())
 
     def rejected_request(self, prompt: str | list, sampling_params: SamplingParams, **fields: Any) -> Request:

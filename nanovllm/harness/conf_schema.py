@@ -23,6 +23,7 @@ from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.metrics import SLO
 from nanovllm.harness.monitor import MonitorConfig
 from nanovllm.harness.objective import ObjectiveConfig
+from nanovllm.server.config import ServerConfig  # the server's options: a plain dataclass, nothing heavy
 from nanovllm.harness.workload import (
     ChatWorkloadConfig,
     SyntheticWorkloadConfig,
@@ -74,6 +75,7 @@ class RunConfig:
     progress: bool = True
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # what run.py returns to sweepers
     live: LiveConfig = field(default_factory=LiveConfig)  # watch the run: off | web | tui (conf/live/)
+    server: ServerConfig = field(default_factory=ServerConfig)  # python -m nanovllm.serve (conf/server/)
 
 
 def register_configs() -> None:

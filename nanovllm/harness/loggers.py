@@ -48,6 +48,13 @@ def register_logger(name: str):
     return LOGGERS.register(name)
 
 
+def configured_loggers(spec: Mapping[str, Any]) -> list[RunLogger]:
+    """The configured logger (a checked ``{name, **options}``), plus the jsonl one whatever it is: a run's files
+    are always written (``python -m nanovllm.serve`` and ``runner=http`` build theirs with this)."""
+    loggers = [LOGGERS.build(dict(spec))]
+    return loggers if isinstance(loggers[0], JsonlLogger) else [*loggers, JsonlLogger()]
+
+
 # -- files ------------------------------------------------------------------------------------------------------
 
 

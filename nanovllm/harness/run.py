@@ -195,6 +195,13 @@ def check_config(cfg: DictConfig) -> _Checked:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Serve the configured workload once; return the summary. Writes into Hydra's run directory."""
+    from nanovllm.harness.runners import HTTP, check_runner
+
+    if cfg.runner.get("name") == HTTP:  # an OpenAI-compatible server serves it: nanovllm/harness/http_client.py
+        from nanovllm.harness.http_client import run_over_http
+
+        check_runner(OmegaConf.to_container(cfg.runner, resolve=True), None)
+        return run_over_http(cfg, HydraConfig.get())
     checked = check_config(cfg)
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

@@ -2,7 +2,8 @@
 (``check_runner``), then turned into the ``ServedEngine`` the run serves through (``served_engine``).
 
 Which runners exist is the engine's registry (``nanovllm.engine.runner.RUNNERS``: ``real``, ``tp``, ``sim``, and
-any a plugin registers). A runner's options are its constructor's; the simulator's are the keys of
+any a plugin registers), plus the client runners (``CLIENT_RUNNERS``: ``http``), which build no engine at all
+and send the workload to a server instead (``nanovllm.harness.http_client``). A runner's options are its constructor's; the simulator's are the keys of
 ``conf/runner/sim.yaml`` (the step-time model and its inputs), from which the harness builds what the simulated
 runner is given (a step-time model, output lengths).
 """
@@ -22,13 +23,31 @@ from nanovllm.harness.sim.simulate import SIM_RUNNER_KEYS, Simulation
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS
 
 SIM = "sim"
+# Runners that drive a server, not an engine: the workload goes over the network and the figures are the
+# client's (runner=http: any OpenAI-compatible server, ours or another engine's).
+HTTP = "http"
+CLIENT_RUNNERS = (HTTP,)
+
+
+def runner_names() -> list[str]:
+    """Every name ``runner.name`` accepts: the engine's registered runners and the client runners."""
+    return sorted({*RUNNERS.names(), *CLIENT_RUNNERS})
 
 
 def check_runner(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None) -> None:
     """Validate the ``runner`` (and ``hardware``) config nodes before anything loads; errors name the field."""
     name = runner.get("name")
-    if not isinstance(name, str) or name not in RUNNERS:
-        raise ValueError(f"runner.name must be one of {', '.join(RUNNERS.names())}, got {name!r}")
+    if not isinstance(name, str) or name not in runner_names():
+        raise ValueError(f"runner.name must be one of {', '.join(runner_names())}, got {name!r}")
+    if name == HTTP:
+        from nanovllm.harness.http_client import HttpRunnerConfig  # httpx only where it is used
+
+        try:
+            HttpRunnerConfig(**runner)
+        except TypeError as exc:  # an unknown key: the dataclass's own message names it
+            raise ValueError(f"runner: {exc} (runner=http; allowed: "
+                             f"{', '.join(HttpRunnerConfig.__dataclass_fields__)})") from None
+        return
     allowed = SIM_RUNNER_KEYS if name == SIM else ("name", *_constructor_options(RUNNERS.get(name)))
     unknown = sorted(set(runner) - set(allowed))
     if unknown:

@@ -35,7 +35,7 @@ def test_the_built_in_runners_are_registered_and_real_means_tp_when_split():
 def test_an_unknown_runner_lists_the_registered_ones():
     with pytest.raises(KeyError, match=r"unknown runner 'nope'\. Registered runner names: real, sim, tp"):
         runner_class("nope")
-    with pytest.raises(ValueError, match=r"runner.name must be one of real, sim, tp, got 'nope'"):
+    with pytest.raises(ValueError, match=r"runner.name must be one of http, real, sim, tp, got 'nope'"):
         check_runner({"name": "nope"}, None)
     with pytest.raises(ValueError, match=r"runner: unknown key\(s\) url for runner=real; allowed: name"):
         check_runner({"name": "real", "url": "http://localhost:8000"}, None)

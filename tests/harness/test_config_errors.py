@@ -156,6 +156,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["live=web", "live.port=70000"], ["live.port", "65535"]),
     (["live.update_ms=abc"], ["live.update_ms", "Integer"]),
     (["live=cinema"], ["live/cinema", "web"]),
+    (["server.port=abc"], ["server.port", "Integer"]),   # the values themselves: python -m nanovllm.serve
     (["logger=wandb", "logger.mode=weird"], ["logger.mode", "offline"]),
     (["logger=wandb", "logger.tags=5"], ["logger.tags", "list[str]"]),
     (["logger.name=nope"], ["unknown logger 'nope'", "jsonl"]),

@@ -275,7 +275,7 @@ def test_check_runner_names_the_bad_field() -> None:
         check_runner({"name": "sim", "step_time": "calibrate"}, None)
     with pytest.raises(ValueError, match="hardware is not set"):
         check_runner({"name": "sim", "step_time": "analytical"}, None)
-    with pytest.raises(ValueError, match="runner.name must be one of real, sim"):
+    with pytest.raises(ValueError, match="runner.name must be one of http, real, sim, tp"):
         check_runner({"name": "simulated"}, None)
 
 

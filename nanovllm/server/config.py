@@ -1,0 +1,42 @@
+"""The ``server.*`` options of ``python -m nanovllm.serve`` (``conf/server/default.yaml``), also the schema Hydra
+checks them against at composition. Kept free of heavy imports: the harness's config schema reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    """Where the server listens and what it admits. Validated on construction (``ServerConfig(**cfg.server)``).
+
+    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+    ``max_waiting``: requests that may wait for their first step at once; one more gets 503 with
+    ``Retry-After`` (null: no limit). ``served_model_name``: the ``model`` clients name (null: the model
+    directory's name). ``retry_after_s``: the ``Retry-After`` a 503 suggests."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int | None = 1024
+    served_model_name: str | None = None
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"server.host must be a host name or address, got {self.host!r}")
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be an integer in [0, 65535] (0: any free port), got {self.port!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("server.api_key must be a non-empty string or null")
+        if self.max_waiting is not None and (not _is_int(self.max_waiting) or self.max_waiting < 0):
+            raise ValueError(f"server.max_waiting must be an integer >= 0 or null, got {self.max_waiting!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name):
+            raise ValueError("server.served_model_name must be a non-empty string or null")
+        if not _is_int(self.retry_after_s) or self.retry_after_s < 1:
+            raise ValueError(f"server.retry_after_s must be an integer >= 1, got {self.retry_after_s!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

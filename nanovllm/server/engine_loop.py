@@ -1,0 +1,344 @@
+"""The engine behind the HTTP routes: one thread steps one ``LLMEngine`` for as long as any request is
+unfinished, admitting each HTTP request between steps as it comes (continuous batching across connections,
+the same ``LLMEngine.step`` as ``python -m nanovllm.run``). The asyncio side never touches the engine while it
+steps: it hands requests and aborts over under a lock, and gets each request's new text back through its own
+``asyncio.Queue``, filled with one ``loop.call_soon_threadsafe`` per step.
+
+After every step the thread turns the requests' new tokens into text deltas (``detokenizer``), ends a request
+whose stop string appeared (before the next step, so no token is sampled past it), writes the step and every
+ended request through the run's loggers (``records``: ``steps.jsonl``, ``requests.jsonl``, W&B, live views)
+and updates the Prometheus figures. Every request ends exactly once: finished, aborted (a client that went
+away, the server stopping) or failed, with its reason, and its stream always receives a final ``Delta``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from nanovllm.engine.engine import LLMEngine, StepError
+from nanovllm.harness.loggers import RunLogger
+from nanovllm.harness.metrics import SLO, breakdown, summarize
+from nanovllm.harness.monitor import Monitor
+from nanovllm.harness.records import RequestRecord, request_record, step_record
+from nanovllm.outputs import Logprob
+from nanovllm.request import Request, RequestStatus
+from nanovllm.server.detokenizer import IncrementalDetokenizer
+from nanovllm.server.prometheus import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+STOP_STRING_REASON = "stop string"   # how the engine's abort is told apart from a real one
+INTERRUPTED_REASON = "interrupted"   # the server was stopped (SIGINT / SIGTERM) with the request in flight
+
+
+class QueueFull(Exception):
+    """``server.max_waiting`` requests are already waiting for their first step (HTTP 503)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new request (HTTP 503)."""
+
+
+class DuplicateRequestId(ValueError):
+    """A request id (``x-request-id``) that is already in flight (HTTP 400)."""
+
+
+@dataclass
+class Delta:
+    """What one step added to one request: its new token ids and text, their logprobs when asked for, and
+    the usage so far. The last ``Delta`` of a request has ``finish_reason`` ("stop", "length", "abort") or
+    ``error`` (it failed: the reason)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Logprob]] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class _Tracked:
+    """A request the loop serves, seen only by the engine thread (the asyncio side reads its queue)."""
+
+    request: Request
+    queue: asyncio.Queue                   # receives (index, Delta)
+    index: int                             # the request's choice index in its HTTP response
+    detokenizer: IncrementalDetokenizer
+    num_sent: int = 0                      # output tokens already handed out
+    stop_string_hit: bool = False
+
+
+@dataclass
+class _Inbox:
+    """What the asyncio side has handed over since the engine thread last looked (guarded by the lock)."""
+
+    submitted: deque = field(default_factory=deque)     # _Tracked, in arrival order
+    aborts: list[tuple[str, str]] = field(default_factory=list)      # (request_id, reason)
+    calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = field(default_factory=list)
+
+
+class EngineLoop:
+    """Runs ``engine`` in a thread of its own for an asyncio server on ``loop``.
+
+    ``submit`` / ``abort`` / ``call`` are called from the event loop; ``start`` once when the server starts and
+    ``stop`` once when it shuts down (it ends every request in flight, aborted with reason ``interrupted``).
+    ``loggers`` get every step and ended request as it happens (their ``start`` / ``finish`` are the caller's).
+    """
+
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, loggers: Sequence[RunLogger] = (),
+                 metrics: ServerMetrics | None = None, monitor: Monitor | None = None,
+                 max_waiting: int | None = None, slo: SLO | None = None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.loggers = list(loggers)
+        self.metrics = metrics
+        self.monitor = monitor
+        self.max_waiting = max_waiting
+        self.slo = slo
+        self.records: list[RequestRecord] = []
+        self.steps: list[dict[str, Any]] = []
+        self.fault: str | None = None          # set when a step raised: the engine is not to be trusted
+        self.t0 = engine.clock()
+        # The engine thread detokenizes with a tokenizer of its own: the event loop tokenizes prompts with the
+        # engine's at the same time, and a Rust tokenizer must not be borrowed by two threads at once.
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._cond = threading.Condition()
+        self._inbox = _Inbox()
+        self._in_flight: set[str] = set()      # request ids submitted and not yet ended (under the lock)
+        self._stopping = False
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+
+    # -- the asyncio side ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start stepping (called once, from the server's start-up)."""
+        self.t0 = self.engine.clock()
+        self._thread.start()
+
+    def submit(self, request: Request, queue: asyncio.Queue, index: int = 0, stop: Sequence[str] = ()) -> None:
+        """Queue ``request`` (made and validated by ``engine.make_request``) for the next step; its ``Delta``s
+        arrive on ``queue`` as ``(index, delta)``. Raises ``QueueFull`` past ``max_waiting``, ``ShuttingDown``
+        once stopping, ``DuplicateRequestId`` for an id in flight; nothing is queued then."""
+        tracked = _Tracked(request, queue, index, IncrementalDetokenizer(self._tokenizer, stop))
+        with self._cond:
+            if self._stopping or self.fault is not None:
+                raise ShuttingDown(self.fault or "the server is shutting down")
+            if request.request_id in self._in_flight:
+                raise DuplicateRequestId(f"request id {request.request_id!r} is already in flight")
+            if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+                raise QueueFull(f"{self.num_waiting()} requests are waiting (server.max_waiting="
+                                f"{self.max_waiting}); retry later")
+            self._in_flight.add(request.request_id)
+            self._inbox.submitted.append(tracked)
+            self._cond.notify()
+
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: handed over and not admitted, plus the engine's waiting queue (preempted
+        ones included). Exact while the lock is held: the engine thread moves requests across under it."""
+        return len(self._inbox.submitted) + len(self.engine.scheduler.waiting)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """End ``request_id`` before the next step (a no-op once it has ended)."""
+        with self._cond:
+            self._inbox.aborts.append((request_id, reason))
+            self._cond.notify()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between two steps and return its result (e.g. the summary now)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if not self._thread.is_alive():
+                future.set_result(fn())  # no engine thread (stopped): nothing runs beside us
+            else:
+                self._inbox.calls.append((fn, future))
+                self._cond.notify()
+        return await asyncio.wrap_future(future)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Take no new request, abort every one in flight (reason ``interrupted``), deliver their final deltas
+        and let the thread end. Blocks until it has; safe to call more than once."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def write_summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Compute the summary (plus ``extra``) and hand it to every logger (``metrics.json`` through the jsonl
+        logger); on the engine thread (``call``) while it runs, or after ``stop``."""
+        summary = {**self.summary(), **(extra or {})}
+        breakdowns = {by: breakdown(self.records, by, slo=self.slo) for by in ("priority", "client_id")}
+        for run_logger in self.loggers:
+            run_logger.log_summary(summary, breakdowns)
+        return summary
+
+    def summary(self) -> dict[str, Any]:
+        """The run's serving summary so far (``metrics.summarize``), as ``metrics.json`` holds it. Call it on
+        the engine thread (``call``) while it runs, or after ``stop``."""
+        summary = summarize(self.records, self.steps, slo=self.slo)
+        if self.monitor is not None and self.steps:
+            overall = self.monitor.overall(self.steps)
+            summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
+        summary.update(warmup_time_s=round(self.engine.warmup_time, 3), warmup_steps=self.engine.warmup_steps,
+                       server=True)
+        if self.fault is not None:
+            summary.update(fault=self.fault)
+        return summary
+
+    # -- the engine thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._take_inbox():
+                if self.engine.has_unfinished():
+                    self._step()
+        except Exception as exc:  # the engine is broken: every request still in it ends failed, with the cause
+            self.fault = f"{type(exc).__name__}: {exc}"
+            logger.error("engine loop stopped: %s", self.fault)
+            self._fail_all(f"engine fault: {self.fault}")
+
+    def _take_inbox(self) -> bool:
+        """Wait for work, then admit submitted requests and apply aborts and calls. False: stopped and drained."""
+        with self._cond:
+            while not (self._inbox.submitted or self._inbox.aborts or self._inbox.calls or self._stopping
+                       or self.engine.has_unfinished()):
+                self._cond.wait()
+            inbox, self._inbox = self._inbox, _Inbox()
+            for tracked in inbox.submitted:  # under the lock, so that num_waiting() never misses one
+                self._tracked[tracked.request.request_id] = tracked
+                self.engine.add_request(tracked.request)
+        for request_id, reason in inbox.aborts:
+            self.engine.abort_request(request_id, reason)
+        for fn, future in inbox.calls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+        if self._stopping:
+            self.engine.abort_all(INTERRUPTED_REASON)
+            if not self.engine.has_unfinished():
+                return False
+        return True
+
+    def _step(self) -> None:
+        result = self.engine.step()
+        step = step_record(result.record, self.t0, len(self.steps))
+        step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
+        self.steps.append(step)
+        for run_logger in self.loggers:
+            run_logger.log_step(step)
+        ended = {request.request_id for request in result.finished}
+        deliveries = [self._progress(t) for request_id, t in self._tracked.items() if request_id not in ended]
+        for request in result.finished:
+            deliveries.append(self._ended(request))
+        if self.metrics is not None:
+            self.metrics.observe_step(step, self.engine)
+        self._deliver([d for d in deliveries if d is not None])
+
+    def _progress(self, tracked: _Tracked) -> tuple[_Tracked, Delta] | None:
+        """The new tokens of a running request, as a delta; a stop string ends it before the next step."""
+        request = tracked.request
+        new = request.output_token_ids[tracked.num_sent:]
+        if not new:
+            return None
+        text = tracked.detokenizer.add(new)
+        if text.stopped:
+            new = new[:max(0, text.num_tokens - tracked.num_sent)]
+            tracked.stop_string_hit = True
+            self.engine.abort_request(request.request_id, STOP_STRING_REASON)  # reported by the next step
+        logprobs = request.logprobs[tracked.num_sent:tracked.num_sent + len(new)] if request.logprobs else None
+        tracked.num_sent += len(new)
+        if not new and not text.text:
+            return None
+        return tracked, Delta(list(new), text.text, logprobs, request.num_prompt_tokens, tracked.num_sent,
+                                    request.num_cached_tokens)
+
+    def _ended(self, request: Request) -> tuple[_Tracked, Delta] | None:
+        """Record an ended request and build its final delta (the tokens of its last step included)."""
+        tracked = self._tracked.pop(request.request_id, None)
+        record = request_record(request, self.t0)
+        delta = None
+        if tracked is not None:
+            new = request.output_token_ids[tracked.num_sent:]
+            text = tracked.detokenizer.add(new)
+            if text.stopped and not tracked.stop_string_hit:  # its very last token completed a stop string
+                new, tracked.stop_string_hit = new[:max(0, text.num_tokens - tracked.num_sent)], True
+            logprobs = request.logprobs[tracked.num_sent:tracked.num_sent + len(new)] \
+                if request.logprobs and new else None
+            tracked.num_sent += len(new)
+            if tracked.stop_string_hit:
+                # Ended by a stop string: finished with "stop" for the client and in the records (an engine
+                # abort only because the engine does not read text); tokens sampled past the match do not count.
+                kept = tracked.num_sent
+                record.update(finish_reason="stop", error=None, num_output_tokens=kept,
+                              token_times=record["token_times"][:kept],
+                              finish_time=record["token_times"][kept - 1] if kept else record["finish_time"])
+            failed = request.status is RequestStatus.FAILED
+            delta = Delta(list(new), text.text + tracked.detokenizer.finish(), logprobs, request.num_prompt_tokens,
+                          tracked.num_sent, request.num_cached_tokens,
+                          finish_reason=None if failed else record["finish_reason"],
+                          error=request.error if failed else None)
+        with self._cond:
+            self._in_flight.discard(request.request_id)
+        self.records.append(record)
+        for run_logger in self.loggers:
+            run_logger.log_request(record)
+        if self.metrics is not None:
+            self.metrics.observe_request(record)
+        return (tracked, delta) if tracked is not None and delta is not None else None
+
+    def _fail_all(self, reason: str) -> None:
+        """After a fault: every tracked request ends (aborted, with ``reason``) and is recorded and told."""
+        with contextlib.suppress(Exception):
+            self.engine.abort_all(reason)
+        deliveries = []
+        for tracked in list(self._tracked.values()):
+            request = tracked.request
+            record = request_record(request, self.t0)
+            if not request.is_finished:
+                record.update(finish_reason="abort", error=reason)
+            self._tracked.pop(request.request_id, None)
+            self.records.append(record)
+            for run_logger in self.loggers:
+                with contextlib.suppress(Exception):
+                    run_logger.log_request(record)
+            deliveries.append((tracked, Delta([], "", None, request.num_prompt_tokens, tracked.num_sent,
+                                                    request.num_cached_tokens, error=reason)))
+        with self._cond:
+            self._in_flight.clear()
+            self._stopping = True
+        self._deliver(deliveries)
+
+    def _deliver(self, deliveries: list[tuple[_Tracked, Delta]]) -> None:
+        """Hand one step's deltas to the event loop in one callback (a closed loop: nobody is listening)."""
+        if not deliveries:
+            return
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _put_all(deliveries: list[tuple[_Tracked, Delta]]) -> None:
+    for tracked, delta in deliveries:
+        tracked.queue.put_nowait((tracked.index, delta))
+
+
+__all__ = ["EngineLoop", "Delta", "QueueFull", "ShuttingDown", "DuplicateRequestId", "StepError",
+           "STOP_STRING_REASON", "INTERRUPTED_REASON"]

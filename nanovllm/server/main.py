@@ -1,0 +1,152 @@
+"""``python -m nanovllm.serve``: the same Hydra configuration as ``python -m nanovllm.run`` (model, scheduler,
+allocator, attention, engine, logger, live, plugins, monitor, slo) plus ``server.*``, and instead of a workload
+an OpenAI-compatible HTTP server on ``server.host:server.port``::
+
+    python -m nanovllm.serve                                        # the default model on 127.0.0.1:8000
+    python -m nanovllm.serve scheduler=priority allocator=prefix server.port=8001 server.api_key=secret
+    python -m nanovllm.serve engine.max_num_seqs=64 engine.num_kv_blocks=2048 live=web
+
+A server run is a run: its Hydra run directory gets ``requests.jsonl`` and ``steps.jsonl`` as requests end and
+steps run, and ``metrics.json`` at shutdown (and on ``POST /run/summary``), so ``python -m nanovllm.viz``,
+``live=web`` and ``logger=wandb`` work as for ``python -m nanovllm.run``. Everything that can be checked before
+the model loads is (the config, the port being free). SIGINT / SIGTERM before serving end the process at once
+(130 / 143, one line); while serving, the server stops accepting, ends every request in flight (aborted,
+reason ``interrupted``, its stream closed with that finish reason), writes its files and exits 130 / 143.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.config_errors import one_line_composition_errors
+from nanovllm.harness.group_options import check_group_choices
+from nanovllm.harness.interrupt import STOP
+from nanovllm.harness.live.launch import free_port
+from nanovllm.harness.loggers import configured_loggers
+from nanovllm.harness.metrics import format_summary
+from nanovllm.harness.run import check_config, config_dir
+from nanovllm.server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def serve_config(cfg: DictConfig, run_dir: Path) -> int:
+    """Check ``cfg``, build the engine, serve HTTP until stopped, write the run's files; the exit status."""
+    checked = check_config(cfg)
+    server = ServerConfig(**cfg.server)
+    if checked.runner["name"] != "real":
+        raise ValueError(f"runner={checked.runner['name']}: python -m nanovllm.serve serves the real model "
+                         "(runner=real); runner=http is the client side: python -m nanovllm.run runner=http")
+    if free_port(server.host, server.port) is None:
+        raise ValueError(f"server.port={server.port} on {server.host} is in use; choose another (server.port=0: "
+                         "any free port)")
+
+    STOP.starting("importing the engine")
+    import uvicorn  # noqa: F401  (imported here, so a missing install fails before the model loads)
+
+    from nanovllm.engine.engine import LLMEngine
+    from nanovllm.harness.live.launch import start_live
+    from nanovllm.harness.monitor import ModelCost, Monitor
+    from nanovllm.harness.sim.this_machine import this_machine
+    from nanovllm.server.app import ServerState
+    from nanovllm.server.http import HTTPServer, uvicorn_config
+    from nanovllm.server.prometheus import ServerMetrics
+
+    live = start_live(checked.live, run_dir)
+    try:
+        STOP.starting("starting the engine")
+        engine = LLMEngine(checked.engine, scheduler=checked.scheduler, allocator=checked.allocator,
+                           attention=checked.attention)
+        STOP.starting("calibrating the monitor")
+        monitor = Monitor.from_config(ModelCost.from_model(engine.runner.model), checked.monitor,
+                                      engine.runner.dtype, checked.engine.device)
+        STOP.starting("starting the loggers")
+        loggers = configured_loggers(checked.logger) + live.attach(engine, 0)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        for run_logger in loggers:
+            run_logger.start(run_dir, resolved, name=run_dir.name)
+    except BaseException:
+        live.close()
+        raise
+    model_name = served_model_name(server, cfg.model.path)
+    state = ServerState(engine, server, model_name,
+                        ServerMetrics(model_name, checked.scheduler["name"], checked.allocator["name"]),
+                        loggers=loggers, monitor=monitor, slo=checked.slo)
+    http = HTTPServer(uvicorn_config(state, server.host, server.port), state, STOP.event, announce=True)
+    STOP.serving("serving HTTP")  # from here a signal stops the server: requests ended, files written
+    summary: dict[str, Any] | None = None
+    try:
+        http.run()
+    finally:
+        try:
+            if state.engine_loop is not None:
+                state.engine_loop.stop()
+                summary = state.engine_loop.write_summary(
+                    {"machine": this_machine(), **({"interrupted": True} if STOP.requested else {})})
+        finally:
+            for run_logger in loggers:
+                run_logger.finish()
+            live.close()
+    if summary is not None:
+        print(format_summary(summary, title="Serving Result (server side)"))
+    print(f"run files: {run_dir}")
+    fault = state.engine_loop.fault if state.engine_loop is not None else None
+    if fault is not None:
+        print(f"error: the engine failed while serving: {fault}", file=sys.stderr)
+        return 1
+    if not http.started:
+        print(f"error: the HTTP server did not start on {server.host}:{server.port} (see the log above)",
+              file=sys.stderr)
+        return 1
+    return STOP.exit_status if STOP.requested else 0
+
+
+def served_model_name(server: ServerConfig, model_path: str | None) -> str:
+    """The name clients send as ``model``: ``server.served_model_name``, else ``model.path`` as given (as vLLM
+    names a model by its ``--model``), else the default model's name (its GGUF file without the quantization)."""
+    from nanovllm.models.loader import DEFAULT_GGUF_FILE
+
+    return server.served_model_name or model_path or DEFAULT_GGUF_FILE.split(".")[0]
+
+
+def _task(cfg: DictConfig) -> None:
+    """Hydra's task function: one server (a multirun makes no sense for it)."""
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        _fail("python -m nanovllm.serve runs one server; sweep with python -m nanovllm.run -m (runner=http can "
+              "drive a server)")
+    STOP.starting("checking the config")
+    from nanovllm.harness.run import _user_errors
+
+    try:
+        status = serve_config(cfg, Path(hc.runtime.output_dir))
+    except _user_errors() as exc:
+        if STOP.requested:
+            raise
+        _fail(str(exc))
+    sys.exit(status)
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main() -> None:
+    """Entry point of ``python -m nanovllm.serve`` (after ``nanovllm/serve.py`` installed the signal handling)."""
+    register_configs()
+    try:
+        check_group_choices(sys.argv[1:], config_dir())
+    except ValueError as exc:
+        _fail(str(exc))
+    with one_line_composition_errors():
+        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="serve")(_task)()
