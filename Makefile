@@ -29,10 +29,11 @@ test: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# The fast tier: no model load, no Python subprocess, no browser (tests/tiers.py), in a few minutes.
+# The fast tier: no model load, no Python subprocess, no browser (tests/tiers.py), in about two minutes on 2 cores.
+# One OpenMP thread: its tensors are tiny, and on a small shared machine competing threads spin (twice the time).
 test-fast: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 bench: setup
 	$(BIN)/python experiments/bench_vs_hf.py $(ARGS)
