@@ -25,15 +25,19 @@ serve: setup
 	$(BIN)/python -m nanovllm.serve $(ARGS)
 
 # lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) before the suite runs.
+# The suite runs on every core (pytest-xdist, one worker per core, work-stealing), each worker with one torch
+# thread: two workers' OpenMP threads on the same cores would spin against each other and slow every step
+# tenfold. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # The fast tier: no model load, no Python subprocess, no browser (tests/tiers.py), in about two minutes on 2 cores.
 # One OpenMP thread: its tensors are tiny, and on a small shared machine competing threads spin (twice the time).
 test-fast: setup
 	$(BIN)/lint-imports
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" $(ARGS)
 
 bench: setup
 	$(BIN)/python experiments/bench_vs_hf.py $(ARGS)

@@ -276,6 +276,8 @@ class _StreamState:
             num_output_tokens=usage.get("completion_tokens", len(self.token_times)),
             num_preemptions=0, num_recomputed_tokens=0,
             finish_reason=self.finish_reason, error=self.error,
+            slo_ttft=None if self.w.ttft_slo_ms is None else self.w.ttft_slo_ms / 1000.0,
+            slo_e2el=None if self.w.e2el_slo_ms is None else self.w.e2el_slo_ms / 1000.0,
         )
 
 

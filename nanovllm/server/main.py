@@ -27,8 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.harness.conf_schema import register_configs
-from nanovllm.harness.config_errors import one_line_composition_errors
-from nanovllm.harness.group_options import check_group_choices
+from nanovllm.harness.errors import check_group_choices, exit_with_error, one_line_errors, user_errors
 from nanovllm.harness.interrupt import STOP
 from nanovllm.harness.live.launch import free_port
 from nanovllm.harness.loggers import configured_loggers
@@ -125,11 +124,9 @@ def _task(cfg: DictConfig) -> None:
         _fail("python -m nanovllm.serve runs one server; sweep with python -m nanovllm.run -m (runner=http can "
               "drive a server)")
     STOP.starting("checking the config")
-    from nanovllm.harness.run import _user_errors
-
     try:
         status = serve_config(cfg, Path(hc.runtime.output_dir))
-    except _user_errors() as exc:
+    except user_errors() as exc:
         if STOP.requested:
             raise
         _fail(str(exc))
@@ -137,16 +134,12 @@ def _task(cfg: DictConfig) -> None:
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(1)
+    exit_with_error(message)
 
 
 def main() -> None:
     """Entry point of ``python -m nanovllm.serve`` (after ``nanovllm/serve.py`` installed the signal handling)."""
     register_configs()
-    try:
+    with one_line_errors():
         check_group_choices(sys.argv[1:], config_dir())
-    except ValueError as exc:
-        _fail(str(exc))
-    with one_line_composition_errors():
         hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="serve")(_task)()
