@@ -16,6 +16,7 @@ with ``ignore_eos``, so both runs generate exactly the same number of tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -70,11 +71,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> N
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"error: the server exited ({proc.returncode}):\n{proc.communicate()[1][-3000:]}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):  # not listening yet: ask again
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(0.5)
     proc.kill()
     raise SystemExit("error: the server never answered /health")

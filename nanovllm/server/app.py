@@ -236,8 +236,9 @@ class _Exchange:
     async def _watch_disconnect(self) -> None:
         # The body has been read: the next message is http.disconnect, when the client goes (or the response
         # is complete, by which time this task is cancelled).
-        while (await self.http.receive())["type"] != "http.disconnect":
-            pass
+        message = await self.http.receive()
+        while message["type"] != "http.disconnect":
+            message = await self.http.receive()
         self.close(DISCONNECTED_REASON)
 
     async def next(self) -> tuple[int, Delta]:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ def total_usage(choices: list[Choice]) -> dict[str, Any]:
                  sum(d.cached_tokens for d in seen))
 
 
-class ResponseFormat:
+class ResponseFormat(abc.ABC):
     """What both endpoints share: the envelope of a chunk or response."""
 
     object_name = ""
@@ -75,11 +76,13 @@ class ResponseFormat:
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return []
 
+    @abc.abstractmethod
     def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """One streamed chunk for ``delta`` of choice ``index`` (None: nothing to send for it)."""
 
+    @abc.abstractmethod
     def response(self, choices: list[Choice]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The whole non-streaming response body."""
 
 
 class CompletionFormat(ResponseFormat):
