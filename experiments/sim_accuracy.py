@@ -53,6 +53,7 @@ RESULTS = ROOT / "experiments" / "results"
 DTYPES = ("bfloat16", "float32")
 DEFAULT_REPEATS = 5  # = this_machine.FULL_ROUNDS, the protocol of `calibrate --this-machine --full`
 WITHIN = 0.15
+REAL_RUN_THREADS = 1  # every real run's torch threads (see the module docstring)
 
 # Calibration workloads (shared with `calibrate --this-machine`); their workload seed is the round's number
 # (1..R), never the compared runs' 0.
@@ -116,7 +117,7 @@ class Setup:
         return self.runs / f"{workload}_{policy}_real_r{round_}"
 
     def run(self, overrides: list[str], run_dir: Path) -> None:
-        run_engine(overrides, run_dir, self.dtype, threads=1, cwd=ROOT)
+        run_engine(overrides, run_dir, self.dtype, threads=REAL_RUN_THREADS, cwd=ROOT)
 
 
 def measure(setup: Setup, rounds: list[int]) -> None:
@@ -127,7 +128,7 @@ def measure(setup: Setup, rounds: list[int]) -> None:
     from nanovllm import machine
     from nanovllm.harness.records import read_metrics
 
-    info = machine.describe(int(ONE_THREAD["OMP_NUM_THREADS"]))  # the real runs' one thread
+    info = machine.describe(REAL_RUN_THREADS)
     print(machine.header(info=info), flush=True)
     for round_ in rounds:
         todo = [(overrides + [f"workload.seed={round_}"], setup.calibration_dir(name, round_))

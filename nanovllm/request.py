@@ -37,6 +37,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     slo_ttft: float | None = None     # seconds from arrival to the first token this request should meet (edf)
     slo_e2el: float | None = None     # seconds from arrival to the last token this request should meet (edf)
+    session_id: str | None = None     # the conversation it belongs to (a router may keep a session on one replica)
 
     token_ids: list[int] = field(init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)

@@ -143,6 +143,7 @@ class LLMEngine:
         request_id: str | None = None,
         slo_ttft: float | None = None,
         slo_e2el: float | None = None,
+        session_id: str | None = None,
     ) -> Request:
         """Tokenize and validate a request without adding it (raises ``ValueError`` naming the bad field)."""
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -161,7 +162,7 @@ class LLMEngine:
             prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority, client_id=client_id, prompt=text, eos_token_ids=self.eos_token_ids,
-            slo_ttft=slo_ttft, slo_e2el=slo_e2el,
+            slo_ttft=slo_ttft, slo_e2el=slo_e2el, session_id=session_id,
         )
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)

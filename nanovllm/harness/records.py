@@ -46,6 +46,7 @@ class RequestRecord(TypedDict):
     error: str | None                   # why it was rejected or aborted ("interrupted", ...); None when it ran
     slo_ttft: float | None              # its own TTFT target in seconds (workload.ttft_slo_ms), None: none
     slo_e2el: float | None              # its own end-to-end target in seconds (workload.e2el_slo_ms)
+    session_id: str | None              # its conversation (multi-turn workloads), None: none
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -72,6 +73,7 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         error=request.error,
         slo_ttft=request.slo_ttft,
         slo_e2el=request.slo_e2el,
+        session_id=request.session_id,
     )
 
 

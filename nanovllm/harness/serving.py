@@ -247,7 +247,8 @@ class _Run:
         fields = dict(arrival_time=self.t0 + w.arrival_time, priority=w.priority, client_id=w.client_id,
                       request_id=request_id,
                       slo_ttft=None if w.ttft_slo_ms is None else w.ttft_slo_ms / 1000.0,
-                      slo_e2el=None if w.e2el_slo_ms is None else w.e2el_slo_ms / 1000.0)
+                      slo_e2el=None if w.e2el_slo_ms is None else w.e2el_slo_ms / 1000.0,
+                      session_id=w.session_id)
         try:
             request, error = self.engine.make_request(w.prompt, params, **fields), None
         except ValueError as exc:

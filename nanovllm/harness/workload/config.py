@@ -22,6 +22,7 @@ class WorkloadRequest:
     messages: list[dict] | None = None  # the chat it came from; `prompt` then holds the templated ids
     ttft_slo_ms: float | None = None    # this request's own TTFT target (scheduler=edf orders by it)
     e2el_slo_ms: float | None = None    # this request's own end-to-end latency target
+    session_id: str | None = None       # the conversation it belongs to (multi-turn workloads; routers may pin it)
 
 
 @dataclass
