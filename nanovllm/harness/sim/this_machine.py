@@ -143,7 +143,8 @@ def profile_machine(recorded: Sequence[Mapping[str, Any] | None],
     """What a profile fitted on runs that recorded ``recorded`` (each run's ``metrics.json`` ``machine``, None
     where a run has none) says under ``machine``: the runs' CPU, ISA level and threads; when no run records any,
     ``previous`` (what an earlier profile of the very same runs said: a refit keeps it), else the calibrating
-    process's. The copy bandwidth is measured here when the machine is this CPU and ISA level. ``source`` says
+    process's. The copy bandwidth is ``previous``'s when it describes the same machine (a refit of the same runs
+    gives the same profile), else measured here when the machine is this CPU and ISA level. ``source`` says
     which. Runs of different machines are a ``ValueError``."""
     known = [dict(info) for info in recorded if isinstance(info, Mapping)]
     if not known and previous is not None:
@@ -160,6 +161,10 @@ def profile_machine(recorded: Sequence[Mapping[str, Any] | None],
         info = this_machine()
         info["source"] = "the calibrating process (the runs record no machine)"
     here = this_machine(threads=info.get("threads"))
+    same_as_before = previous is not None and all(str(info.get(key)) == str(previous.get(key))
+                                                  for key in MATCH_KEYS)
+    if "copy_bandwidth_gbs" not in info and same_as_before and previous.get("copy_bandwidth_gbs") is not None:
+        info["copy_bandwidth_gbs"] = previous["copy_bandwidth_gbs"]  # a refit of the same runs reproduces it
     if "copy_bandwidth_gbs" not in info:
         same = all(str(info.get(key)) == str(here.get(key)) for key in ("cpu", "isa"))
         info["copy_bandwidth_gbs"] = copy_bandwidth_gbs() if same else None
