@@ -130,6 +130,13 @@ def _sample_priorities(cfg: Any, n: int, rng: np.random.Generator) -> list[int]:
     return [int(c) for c in _sample_choice(list(cfg.priority_classes), list(cfg.priority_weights), n, rng)]
 
 
+def _slo_targets(cfg: Any, priority: int) -> dict[str, float | None]:
+    """A request's own SLO targets: the entry of ``ttft_slo_ms`` / ``e2el_slo_ms`` for its priority class."""
+    index = list(cfg.priority_classes).index(priority)
+    return {key: (None if getattr(cfg, key, None) is None else float(getattr(cfg, key)[index]))
+            for key in ("ttft_slo_ms", "e2el_slo_ms")}
+
+
 def _sample_clients(cfg: Any, n: int, rng: np.random.Generator) -> list[str]:
     """Each request's client, drawn with the configured shares; the overall arrival process is unchanged."""
     names = [f"client{i}" for i in range(cfg.num_clients)]

@@ -1,4 +1,4 @@
-"""Build a workload's requests from its config: the ``synthetic``, ``chat`` and ``trace`` sources."""
+"""Build a workload's requests from its config: the ``synthetic``, ``chat``, ``trace`` and ``multi_turn`` sources."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import numpy as np
 
 from nanovllm.chat_template import chat_token_ids
 from nanovllm.harness.workload.config import WorkloadRequest
+from nanovllm.harness.workload.conversations import multi_turn_requests
 from nanovllm.harness.workload.distributions import (
     _rng,
     _sample_clients,
     _sample_priorities,
+    _slo_targets,
     sample_arrival_times,
     sample_lengths,
 )
@@ -54,13 +56,6 @@ def _chat_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     ]
 
 
-def _slo_targets(cfg: Any, priority: int) -> dict[str, float | None]:
-    """A request's own SLO targets: the entry of ``ttft_slo_ms`` / ``e2el_slo_ms`` for its priority class."""
-    index = list(cfg.priority_classes).index(priority)
-    return {key: (None if getattr(cfg, key, None) is None else float(getattr(cfg, key)[index]))
-            for key in ("ttft_slo_ms", "e2el_slo_ms")}
-
-
 def _trace_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     read = read_jsonl_trace if Path(cfg.path).suffix == ".jsonl" else read_sharegpt
     requests = read(cfg, tokenizer)
@@ -71,6 +66,7 @@ def _trace_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
 
 _GENERATORS: dict[str, Callable[[Any, Any], list[WorkloadRequest]]] = {
     "synthetic": _synthetic_workload, "chat": _chat_workload, "trace": _trace_workload,
+    "multi_turn": multi_turn_requests,
 }
 
 

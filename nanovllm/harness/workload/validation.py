@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 from nanovllm.harness.workload.distributions import LENGTH_KINDS, _zipf_scale
 
 PROMPT_KINDS = ("random", "text")
-WORKLOAD_NAMES = ("synthetic", "chat", "trace")
+WORKLOAD_NAMES = ("synthetic", "chat", "trace", "multi_turn")
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -98,6 +98,23 @@ def _check_seed(cfg: Any) -> None:
     _check_int(cfg, "seed", 0)  # numpy's SeedSequence rejects negative seeds
 
 
+def _check_seconds(cfg: Any, name: str) -> None:
+    value = getattr(cfg, name)
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise _bad(name, value, "must be a finite number of seconds >= 0")
+
+
+def _check_prefix_pair(cfg: Any, count_field: str, len_field: str) -> None:
+    """Shared prefixes: a count and a length, both 0 or both >= 1."""
+    _check_int(cfg, count_field, 0)
+    _check_int(cfg, len_field, 0)
+    # A prefix length without groups (or groups without a prefix) is almost surely a typo: say so.
+    if getattr(cfg, count_field) > 0 and getattr(cfg, len_field) == 0:
+        raise _bad(len_field, 0, f"must be >= 1 when {count_field} > 0")
+    if getattr(cfg, len_field) > 0 and getattr(cfg, count_field) == 0:
+        raise _bad(count_field, 0, f"must be >= 1 when {len_field} > 0")
+
+
 def _validate_synthetic(cfg: Any, check_files: bool) -> None:
     _check_int(cfg, "num_requests", 1)
     _check_arrivals(cfg)
@@ -105,13 +122,22 @@ def _validate_synthetic(cfg: Any, check_files: bool) -> None:
     _check_length(cfg.output_len, "output_len")
     if cfg.prompt_kind not in PROMPT_KINDS:
         raise _bad("prompt_kind", cfg.prompt_kind, f"must be one of {', '.join(PROMPT_KINDS)}")
-    _check_int(cfg, "num_prefix_groups", 0)
-    _check_int(cfg, "prefix_len", 0)
-    # A prefix length without groups (or groups without a prefix) is almost surely a typo: say so.
-    if cfg.num_prefix_groups > 0 and cfg.prefix_len == 0:
-        raise _bad("prefix_len", 0, "must be >= 1 when num_prefix_groups > 0")
-    if cfg.prefix_len > 0 and cfg.num_prefix_groups == 0:
-        raise _bad("num_prefix_groups", 0, "must be >= 1 when prefix_len > 0")
+    _check_prefix_pair(cfg, "num_prefix_groups", "prefix_len")
+    _check_classes(cfg)
+    _check_seed(cfg)
+
+
+def _validate_multi_turn(cfg: Any, check_files: bool) -> None:
+    _check_int(cfg, "num_sessions", 1)
+    _check_arrivals(cfg)
+    _check_length(cfg.turns, "turns")
+    _check_length(cfg.user_len, "user_len")
+    _check_length(cfg.reply_len, "reply_len")
+    _check_seconds(cfg, "think_time_s")
+    _check_seconds(cfg, "reply_time_per_token_s")
+    if cfg.prompt_kind not in PROMPT_KINDS:
+        raise _bad("prompt_kind", cfg.prompt_kind, f"must be one of {', '.join(PROMPT_KINDS)}")
+    _check_prefix_pair(cfg, "num_system_prompts", "system_len")
     _check_classes(cfg)
     _check_seed(cfg)
 
@@ -148,6 +174,7 @@ def _check_trace_path(path: str) -> None:
 
 _VALIDATORS: dict[str, Callable[[Any, bool], None]] = {
     "synthetic": _validate_synthetic, "chat": _validate_chat, "trace": _validate_trace,
+    "multi_turn": _validate_multi_turn,
 }
 
 
