@@ -132,18 +132,24 @@ class MultiTurnWorkloadConfig:
 
 @dataclass
 class TraceWorkloadConfig:
-    """Replay a ``.jsonl`` trace (own arrival times) or a ShareGPT ``.json`` file (arrivals from ``request_rate``).
+    """Replay a ``.jsonl`` trace (own arrival times), a Mooncake trace (``.jsonl``, arrivals in ms, prompts
+    synthesised from block hash ids) or a ShareGPT ``.json`` file (arrivals from ``request_rate``).
 
-    ``time_scale`` multiplies arrival times (0.5 replays twice as fast; 0 sends everything at t=0).
-    ``max_requests`` keeps the first N requests of the file. ``seed`` drives ShareGPT arrivals and the random
-    tokens of ``prompt_len`` lines.
+    ``format``: ``auto`` (``.json`` is ShareGPT; a ``.jsonl`` whose first line has Mooncake's ``timestamp``,
+    ``input_length`` or ``hash_ids`` is Mooncake, else nano-vllm's JSONL), or ``jsonl`` / ``mooncake`` /
+    ``sharegpt`` whatever the file is called. ``time_scale`` multiplies arrival times (0.5 replays twice as fast;
+    0 sends everything at t=0). ``max_requests`` keeps the first N requests of the file. ``block_size``: tokens
+    per Mooncake hash id (512 in Mooncake's traces). ``seed`` drives ShareGPT arrivals, the random tokens of
+    ``prompt_len`` lines and the tokens of each Mooncake block.
     """
 
     name: str = "trace"
     path: str = ""
+    format: str = "auto"                # auto | jsonl | mooncake | sharegpt
     time_scale: float = 1.0
     max_requests: int | None = None
-    default_output_len: int = 128       # for JSONL lines without output_len
+    default_output_len: int = 128       # for JSONL lines without output_len (Mooncake: output_length)
+    block_size: int = 512               # Mooncake only: tokens per hash id
     request_rate: float = float("inf")  # ShareGPT only: it has no timestamps
     burstiness: float = 1.0
     ignore_eos: bool = True             # replay the trace's output lengths exactly

@@ -19,7 +19,8 @@ from nanovllm.harness.workload.distributions import (
     sample_lengths,
 )
 from nanovllm.harness.workload.prompts import _synthetic_prompts, load_chat_prompts
-from nanovllm.harness.workload.traces import read_jsonl_trace, read_sharegpt
+from nanovllm.harness.workload.mooncake import looks_like_mooncake, read_mooncake_trace
+from nanovllm.harness.workload.traces import jsonl_objects, read_jsonl_trace, read_sharegpt
 from nanovllm.harness.workload.validation import validate_workload_config
 
 
@@ -56,9 +57,25 @@ def _chat_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     ]
 
 
+_TRACE_READERS: dict[str, Callable[[Any, Any], list[WorkloadRequest]]] = {
+    "jsonl": read_jsonl_trace, "mooncake": read_mooncake_trace, "sharegpt": read_sharegpt,
+}
+
+
+def _trace_format(cfg: Any) -> str:
+    """The trace's format: the configured one, else by the file's name (``.json``: ShareGPT) and, for a
+    ``.jsonl``, by its first line's fields (Mooncake's or nano-vllm's)."""
+    if cfg.format != "auto":
+        return cfg.format
+    path = Path(cfg.path).expanduser()
+    if path.suffix == ".json":
+        return "sharegpt"
+    first = next(jsonl_objects(path), None)
+    return "mooncake" if first is not None and looks_like_mooncake(first[1]) else "jsonl"
+
+
 def _trace_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
-    read = read_jsonl_trace if Path(cfg.path).suffix == ".jsonl" else read_sharegpt
-    requests = read(cfg, tokenizer)
+    requests = _TRACE_READERS[_trace_format(cfg)](cfg, tokenizer)
     if not requests:  # an empty run would "succeed" with no numbers: almost surely the wrong file
         raise ValueError(f"{cfg.path}: the trace holds no usable requests")
     return requests

@@ -12,6 +12,7 @@ from nanovllm.harness.workload.distributions import LENGTH_KINDS, _zipf_scale
 
 PROMPT_KINDS = ("random", "text")
 WORKLOAD_NAMES = ("synthetic", "chat", "trace", "multi_turn")
+TRACE_FORMATS = ("auto", "jsonl", "mooncake", "sharegpt")
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -151,23 +152,29 @@ def _validate_chat(cfg: Any, check_files: bool) -> None:
 
 
 def _validate_trace(cfg: Any, check_files: bool) -> None:
+    if cfg.format not in TRACE_FORMATS:
+        raise _bad("format", cfg.format, f"must be one of {', '.join(TRACE_FORMATS)}")
     if not _is_number(cfg.time_scale) or not math.isfinite(cfg.time_scale) or cfg.time_scale < 0:
         raise _bad("time_scale", cfg.time_scale, "must be a finite number >= 0")
     if cfg.max_requests is not None:
         _check_int(cfg, "max_requests", 1)
     _check_int(cfg, "default_output_len", 1)
+    _check_int(cfg, "block_size", 1)
     _check_arrivals(cfg)
     _check_seed(cfg)
     if check_files:
-        _check_trace_path(cfg.path)
+        _check_trace_path(cfg.path, cfg.format)
 
 
-def _check_trace_path(path: str) -> None:
+def _check_trace_path(path: str, trace_format: str) -> None:
     if not path:
-        raise _bad("path", path, "a trace workload needs the path of a .jsonl trace or a ShareGPT .json file")
+        raise _bad("path", path, "a trace workload needs the path of a .jsonl trace (nano-vllm's or Mooncake's) "
+                                 "or a ShareGPT .json file")
     p = Path(path).expanduser()
-    if p.suffix not in (".jsonl", ".json"):
-        raise _bad("path", path, "must end in .jsonl (trace with arrival times) or .json (ShareGPT)")
+    # Only format=auto goes by the name; a named format reads whatever the file is called.
+    if trace_format == "auto" and p.suffix not in (".jsonl", ".json"):
+        raise _bad("path", path, "must end in .jsonl (trace with arrival times, or Mooncake's) or .json "
+                                 "(ShareGPT), or set workload.format")
     if not p.is_file():
         raise _bad("path", path, "no such file")
 
