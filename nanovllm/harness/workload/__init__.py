@@ -21,8 +21,8 @@ themselves when constructed; :func:`validate_workload_config` runs the same chec
 ``DictConfig`` with the same fields, and :func:`generate_workload` always calls it first.
 
 One job per module: ``config`` (the dataclasses), ``validation``, ``distributions`` (arrivals, lengths),
-``prompts``, ``traces`` (JSONL / ShareGPT parsing), ``mooncake`` (Mooncake traces), ``conversations`` (multi-turn sessions), ``generate`` (the
-sources).
+``prompts``, ``traces`` (JSONL / ShareGPT parsing), ``mooncake`` (Mooncake traces), ``conversations``
+(multi-turn sessions), ``generate`` (the sources).
 """
 
 from nanovllm.harness.workload.config import (
