@@ -27,6 +27,7 @@ from nanovllm.harness.objective import ObjectiveConfig
 from nanovllm.server.config import ServerConfig  # the server's options: a plain dataclass, nothing heavy
 from nanovllm.harness.workload import (
     ChatWorkloadConfig,
+    MultiTurnWorkloadConfig,
     SyntheticWorkloadConfig,
     TraceWorkloadConfig,
 )
@@ -63,7 +64,7 @@ class RunConfig:
     scheduler: Any = MISSING    # {name: <registered policy>, **its options}
     allocator: Any = MISSING    # {name: <registered allocator>, **its options}
     attention: Any = MISSING    # {name: <registered attention backend>, **its options}
-    workload: Any = MISSING     # one of schema/workload/{synthetic,chat,trace}
+    workload: Any = MISSING     # one of schema/workload/{synthetic,chat,trace,multi_turn}
     logger: Any = MISSING       # {name: <registered logger>, **its options}
     runner: Any = MISSING       # {name: real} or {name: sim, step_time, profile, replay_run, output_lengths_from}
     hardware: Any = None        # a hardware description (conf/hardware/) for runner=sim step_time=analytical
@@ -88,7 +89,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for name, schema in (("synthetic", SyntheticWorkloadConfig), ("chat", ChatWorkloadConfig),
-                         ("trace", TraceWorkloadConfig)):
+                         ("trace", TraceWorkloadConfig), ("multi_turn", MultiTurnWorkloadConfig)):
         cs.store(group="schema/workload", name=name, node=schema)
     _store_optuna_base(cs)
 
