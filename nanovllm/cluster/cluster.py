@@ -8,6 +8,10 @@ the cluster will run: the earliest clock among replicas with work; ``step`` runs
 routed at its arrival time, before any step that starts after it, and an idle replica's clock jumps to the
 arrival of the request it is given. So every replica's steps, and every routing decision, happen in time
 order on one timeline, as a discrete-event simulation, whatever the number of replicas.
+
+A step is computed when it starts (as the one-engine simulator does), so a request routed while a replica's step
+is in progress sees that replica as it will be at the step's end; a real router sees the last state a replica
+reported, which is older. Both are one step from the truth, in opposite directions.
 """
 
 from __future__ import annotations
@@ -39,10 +43,6 @@ class ClusterClock:
 
     def wait_until(self, t: float, stop: threading.Event | None = None) -> None:
         """Idle until ``t`` (only called while no replica has work: the loop waits for the next arrival)."""
-        self._idle_time = max(self._idle_time, t)
-
-    def settle(self, t: float) -> None:
-        """Time has reached ``t`` (a replica finished a step then): idling restarts from there."""
         self._idle_time = max(self._idle_time, t)
 
 
@@ -156,7 +156,6 @@ class Cluster:
         now = replica.engine.clock()
         for request in output.finished:
             self._ask("on_finish", request, index, now)
-        self.clock.settle(now)
         self._mark_ready(index)
         return output
 
