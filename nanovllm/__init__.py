@@ -39,6 +39,12 @@ _EXPORTS = {
     "RunnerContext": "nanovllm.engine.runner",
     "register_runner": "nanovllm.engine.runner",
     "RUNNERS": "nanovllm.engine.runner",
+    "Router": "nanovllm.router",
+    "ReplicaView": "nanovllm.router",
+    "RouterError": "nanovllm.router",
+    "register_router": "nanovllm.router",
+    "live_replicas": "nanovllm.router",
+    "ROUTERS": "nanovllm.router",
     "Registry": "nanovllm.registry",
     "load_plugins": "nanovllm.plugins",
     "PluginImportError": "nanovllm.plugins",
@@ -76,4 +82,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
     from nanovllm.registry import Registry, UnknownPluginError
     from nanovllm.request import Request, RequestStatus
+    from nanovllm.router import ROUTERS, ReplicaView, Router, RouterError, live_replicas, register_router
     from nanovllm.sampling import SamplingParams

@@ -53,6 +53,7 @@ class Request:
     token_times: list[float] = field(default_factory=list, init=False)
     finish_reason: str | None = field(default=None, init=False)
     error: str | None = field(default=None, init=False)
+    replica: int | None = field(default=None, init=False)   # the cluster replica a router sent it to
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
     logprobs: list[dict] | None = field(default=None, init=False, repr=False)  # one per output token if asked
 

@@ -45,6 +45,7 @@ class StepOutput:
 
     finished: list[Request]
     record: StepRecord
+    plan: SchedulerOutput | None = None   # what the scheduler planned: the batch and the step's preemptions
 
 
 class LLMEngine:
@@ -62,12 +63,13 @@ class LLMEngine:
         attention: PluginSpec = "auto",
         runner: PluginSpec = "real",
         tokenizer: Any = None,
+        hf_config: Any = None,
     ) -> None:
         """``runner``: a registered runner (``RUNNERS``: ``real``, the model in this process, the default;
         ``tp``, split over ``tensor_parallel_size`` processes, which ``real`` means when that is > 1; ``sim``, a
         step-time model on a virtual clock), as a name, ``{"name": ..., **options}`` or a ``Runner`` instance.
-        The engine's clock is the runner's (``Runner.clock``). ``tokenizer``: None loads the model
-        directory's own."""
+        The engine's clock is the runner's (``Runner.clock``). ``tokenizer``, ``hf_config``: None loads
+        the model directory's own (a simulated cluster's replicas share one of each)."""
         self.config = config
         runner = resolve_runner(runner, config)
         loads_model = runner_class(runner).loads_model  # an unknown runner name fails here, before any load
@@ -75,7 +77,8 @@ class LLMEngine:
         if device.type == "cuda" and not torch.cuda.is_available() and loads_model:
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.model_dir = resolve_model(config.model)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=False)
+        self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(
+            self.model_dir, trust_remote_code=False)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
             self.model_dir, trust_remote_code=False)
         model_max = max_positions_of(self.hf_config)
@@ -275,7 +278,7 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(out, next_tokens, self.clock(), self.max_model_len,
                                                      next_logprobs)
         num_sampled = sum(token is not None for token in next_tokens)
-        return StepOutput(finished, self._step_record(start, out, layout, num_sampled))
+        return StepOutput(finished, self._step_record(start, out, layout, num_sampled), out)
 
     def _step_record(self, start: float, out: SchedulerOutput, layout: "_BatchLayout",
                      num_sampled: int) -> StepRecord:

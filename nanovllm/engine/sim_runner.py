@@ -101,20 +101,24 @@ class SimulatedRunner(Runner):
 
 def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: PluginSpec = "fcfs",
                      allocator: PluginSpec = "paged", attention: PluginSpec = "torch",
-                     target_len: Callable[[Request], int] | None = None) -> LLMEngine:
+                     target_len: Callable[[Request], int] | None = None, tokenizer: Any = None,
+                     hf_config: Any = None) -> LLMEngine:
     """An ``LLMEngine`` with the real scheduler, policy and allocator on a ``SimulatedRunner`` (its virtual
     clock is ``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
     ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
     directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
-    default model's tokenizer."""
+    default model's tokenizer. ``tokenizer``, ``hf_config``: use these instead of loading them (replicas of a
+    simulated cluster share them)."""
     from transformers import AutoTokenizer
 
     from nanovllm.models.loader import resolve_model
 
-    model_dir = resolve_model(config.model)
-    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model"))
-    tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
+    if tokenizer is None:
+        model_dir = resolve_model(config.model)
+        has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                                     "tokenizer.model"))
+        # None: LLMEngine loads the model directory's own.
+        tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
     runner = {"name": "sim", "step_time": step_time, "target_len": target_len}
     return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
-                     tokenizer=tokenizer)
+                     tokenizer=tokenizer, hf_config=hf_config)

@@ -2,7 +2,7 @@
 
 ``conf/config.yaml`` starts from ``run_schema`` (the :class:`RunConfig` below), so a misspelt key or a value
 of the wrong type fails while Hydra composes the config, with Hydra's own message. The plugin nodes
-(``scheduler``, ``allocator``, ``attention``, ``logger``) are free-form mappings ``{name, **options}``
+(``scheduler``, ``allocator``, ``attention``, ``logger``, ``router``) are free-form mappings ``{name, **options}``
 because each plugin takes its own constructor options; the keys a group file sets are the only ones an
 override may change (add a new one with ``+scheduler.option=...``), and ``run.py`` checks the options
 against the plugin's constructor before the model loads. Each workload file extends its own schema
@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.metrics import SLO
@@ -26,6 +27,7 @@ from nanovllm.harness.objective import ObjectiveConfig
 from nanovllm.server.config import ServerConfig  # the server's options: a plain dataclass, nothing heavy
 from nanovllm.harness.workload import (
     ChatWorkloadConfig,
+    MultiTurnWorkloadConfig,
     SyntheticWorkloadConfig,
     TraceWorkloadConfig,
 )
@@ -62,10 +64,12 @@ class RunConfig:
     scheduler: Any = MISSING    # {name: <registered policy>, **its options}
     allocator: Any = MISSING    # {name: <registered allocator>, **its options}
     attention: Any = MISSING    # {name: <registered attention backend>, **its options}
-    workload: Any = MISSING     # one of schema/workload/{synthetic,chat,trace}
+    workload: Any = MISSING     # one of schema/workload/{synthetic,chat,trace,multi_turn}
     logger: Any = MISSING       # {name: <registered logger>, **its options}
     runner: Any = MISSING       # {name: real} or {name: sim, step_time, profile, replay_run, output_lengths_from}
     hardware: Any = None        # a hardware description (conf/hardware/) for runner=sim step_time=analytical
+    router: Any = MISSING       # {name: <registered router>, **its options}: which replica serves a request
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas, per-replica overrides, Ray address
     engine: EngineSchema = field(default_factory=EngineSchema)  # type: ignore[valid-type]
     seed: int = 0
     temperature: float = 0.0    # 0 = greedy
@@ -85,7 +89,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for name, schema in (("synthetic", SyntheticWorkloadConfig), ("chat", ChatWorkloadConfig),
-                         ("trace", TraceWorkloadConfig)):
+                         ("trace", TraceWorkloadConfig), ("multi_turn", MultiTurnWorkloadConfig)):
         cs.store(group="schema/workload", name=name, node=schema)
     _store_optuna_base(cs)
 

@@ -319,7 +319,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
         if section is not None and present:
             lines.append(_header(section, "-"))
         lines += [_line(label, summary[key]) for label, key in present]
-    extra = [key for key in summary if key not in _KNOWN_KEYS]
+    # Nested figures (a cluster's per-replica table, its replicas' settings) have tables of their own.
+    extra = [key for key in summary if key not in _KNOWN_KEYS and not isinstance(summary[key], (dict, list))]
     if extra:
         lines.append(_header("Other", "-"))
         lines += [_line(key, summary[key]) for key in extra]

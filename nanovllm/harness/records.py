@@ -47,6 +47,7 @@ class RequestRecord(TypedDict):
     slo_ttft: float | None              # its own TTFT target in seconds (workload.ttft_slo_ms), None: none
     slo_e2el: float | None              # its own end-to-end target in seconds (workload.e2el_slo_ms)
     session_id: str | None              # its conversation (multi-turn workloads), None: none
+    replica: int | None                 # the cluster replica that served it (cluster.replicas > 1), else None
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -74,6 +75,7 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         slo_ttft=request.slo_ttft,
         slo_e2el=request.slo_e2el,
         session_id=request.session_id,
+        replica=request.replica,
     )
 
 

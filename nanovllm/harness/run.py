@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
+from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
@@ -67,19 +68,22 @@ from nanovllm.harness.workload import validate_workload_config
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
 from nanovllm.registry import Registry
+from nanovllm.router import ROUTERS
 from nanovllm.sampling import SamplingParams
 
 
 # -- where the configs are -----------------------------------------------------------------------------------------
 
 def config_dir() -> Path:
-    """``conf/``: inside the installed package (``nanovllm.conf``), else at the top of a source checkout."""
+    """``conf/``: at the top of the source checkout this code runs from, else inside the installed package
+    (``nanovllm.conf``). The checkout first: an editable install maps ``nanovllm.conf`` to the checkout it was
+    installed from, which is another tree when the code runs from a second worktree of the repository."""
+    checkout = Path(__file__).resolve().parent.parent.parent / "conf"
+    if (checkout / "config.yaml").is_file():
+        return checkout
     spec = importlib.util.find_spec("nanovllm.conf")
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0]).resolve()
-    checkout = Path(__file__).resolve().parent.parent / "conf"
-    if (checkout / "config.yaml").is_file():
-        return checkout
     raise FileNotFoundError(f"cannot find nanovllm's configs: no package nanovllm.conf and no {checkout}")
 
 
@@ -89,7 +93,7 @@ def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
     """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
     spec = registry.check(dict(node), where)
     check_option_types(registry.get(spec["name"]), node, where)
-    if registry.kind in ("policy", "allocator", "logger"):
+    if registry.kind in ("policy", "allocator", "logger", "router"):
         # Their constructors validate option values (an eviction or predictor name, a W&B mode); a throwaway
         # instance (a one-block allocator; a logger not yet started) reports a bad value before the model loads.
         registry.build(spec, *([1] * len(registry.engine_args)))
@@ -146,10 +150,12 @@ class _Checked:
     live: LiveConfig = dataclasses.field(default_factory=LiveConfig)
     runner: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "real"})
     hardware: dict[str, Any] | None = None
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    router: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "round_robin"})
 
 
 # The free-form nodes of the schema (typed Any, so Hydra lets any value through): each must be a mapping.
-_MAPPING_NODES = ("scheduler", "allocator", "attention", "logger", "workload", "runner")
+_MAPPING_NODES = ("scheduler", "allocator", "attention", "logger", "workload", "runner", "router")
 
 
 def _check_mappings(cfg: DictConfig) -> None:
@@ -175,6 +181,7 @@ def check_config(cfg: DictConfig) -> _Checked:
     from nanovllm.harness.runners import check_runner
 
     check_runner(runner, hardware)
+    cluster = _check_cluster(cfg, engine, runner)
     attention = plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention")
     if RUNNERS.get(runner["name"]).loads_model:  # a simulated run runs no model and no attention: any device
         _check_device(engine.device)
@@ -190,7 +197,21 @@ def check_config(cfg: DictConfig) -> _Checked:
         runner=runner,
         hardware=hardware,
         live=LiveConfig(**cfg.live),
+        cluster=cluster,
+        router=plugin_spec(ROUTERS, cfg.router, "router"),
     )
+
+
+def _check_cluster(cfg: DictConfig, engine: EngineConfig, runner: dict[str, Any]) -> ClusterConfig:
+    """The ``cluster`` node: a replica count, overrides that make valid engine settings, and a runner that
+    can serve replicas (each replica's settings are checked now, before anything loads)."""
+    cluster = ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
+    for index in cluster.replica_overrides:
+        cluster.engine_config(engine, index)
+    if cluster.replicas > 1 and runner["name"] != "sim":
+        raise ValueError(f"cluster.replicas={cluster.replicas} needs runner=sim (simulated replicas on one virtual "
+                         f"clock); runner={runner['name']} serves one engine")
+    return cluster
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -220,7 +241,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         STOP.starting("starting the engine")  # the model, the kernels, the warm-up: see interrupt.startup_phase
         with _engine_field_errors():
-            served = served_engine(checked.runner, checked.hardware, checked.engine, **plugins)
+            served = served_engine(checked.runner, checked.hardware, checked.engine, cluster=checked.cluster,
+                                   router=checked.router, **plugins)
         engine = served.engine
         STOP.starting("generating the workload")
         workload = generate_workload(cfg.workload, engine.tokenizer)
@@ -260,6 +282,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(format_breakdown(result.by_priority, "priority"))
     if len(result.by_client) > 1:
         print(format_breakdown(result.by_client, "client_id"))
+    if "per_replica" in result.summary:
+        from nanovllm.harness.cluster import format_per_replica
+
+        print(format_per_replica(result.summary))
     print(f"run files: {run_dir}")
     live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary

@@ -14,6 +14,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Mapping
 
+from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import PluginSpec
 from nanovllm.engine.runner import RUNNERS
@@ -79,10 +80,16 @@ def _check_simulation(runner: Mapping[str, Any], hardware: Mapping[str, Any] | N
 
 
 def served_engine(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None, config: EngineConfig,
+                  cluster: ClusterConfig | None = None, router: PluginSpec = "round_robin",
                   **plugins: PluginSpec) -> ServedEngine:
     """The engine the (checked) ``runner`` node asks for, with its clock and cost model: the simulator gets its
     step-time model and virtual clock (``Simulation.from_config``); any other runner is the engine's own, on
-    the wall clock, its options passed through."""
+    the wall clock, its options passed through. With ``cluster.replicas`` > 1 (simulated), that many replicas
+    behind ``router`` (``nanovllm.harness.cluster.ServedCluster``)."""
+    if cluster is not None and cluster.replicas > 1:
+        from nanovllm.harness.cluster import ServedCluster
+
+        return ServedCluster.simulated(cluster, router, runner, hardware, config, **plugins)
     if runner["name"] == SIM:
         return Simulation.from_config(runner, hardware, config, **plugins)
     return ServedEngine.build(config, dict(runner), **plugins)

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
@@ -117,7 +117,16 @@ class ServedEngine:
 
     def serve(self, workload: Sequence[WorkloadRequest], **kwargs: Any) -> "RunResult":
         """``serve`` this engine on its clock, its ``annotations`` in the summary; ``kwargs`` as ``serve``'s."""
-        return serve(self.engine, workload, clock=self.clock, annotations=self.annotations, **kwargs)
+        return serve(self.engine, workload, clock=self.clock, annotations=self.annotations,
+                     summary_extras=self.summary_extras, breakdown_by=self.breakdown_by, **kwargs)
+
+    #: The request-record fields the run is broken down by (``RunResult.breakdowns``).
+    breakdown_by: ClassVar[tuple[str, ...]] = ("priority", "client_id")
+
+    def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """What the summary gains from the finished run's records beyond ``summarize`` (a cluster adds its
+        per-replica figures); called once, after the last request ended, before the loggers get the summary."""
+        return {}
 
 
 def serve(
@@ -132,6 +141,8 @@ def serve(
     clock: ServingClock | None = None,
     annotations: Mapping[str, Any] | None = None,
     stop: threading.Event | None = None,
+    summary_extras: Callable[[Sequence[RequestRecord], Sequence[dict[str, Any]]], Mapping[str, Any]] | None = None,
+    breakdown_by: Sequence[str] = ("priority", "client_id"),
 ) -> RunResult:
     """Serve ``workload`` on ``engine`` in real time and return the run's records and summary.
 
@@ -140,7 +151,9 @@ def serve(
     (their ``start``/``finish`` are the caller's: it knows the run directory). The run's steps are numbered
     from 0 and timed from ``serve``'s start, whatever the engine did before. ``clock``: the wall clock by
     default; the simulator passes its virtual one (the engine must read the same clock). ``annotations`` are
-    added to the summary (the simulator marks its runs ``simulated``). The engine's warm-up (done when it was
+    added to the summary (the simulator marks its runs ``simulated``), and so is what ``summary_extras(records,
+    steps)`` returns after the run; ``breakdown_by`` names the record fields of ``RunResult.breakdowns``.
+    ``engine`` may be a ``nanovllm.cluster.Cluster`` (replicas behind a router), driven the same way. The engine's warm-up (done when it was
     built, before ``serve``'s clock starts) is reported as ``warmup_time_s`` / ``warmup_steps``, never in a request.
 
     When ``stop`` is set (``python -m nanovllm.run`` sets it on SIGINT/SIGTERM) the loop ends after the current
@@ -167,7 +180,9 @@ def serve(
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
     summary.update(warmup_time_s=round(engine.warmup_time, 3), warmup_steps=engine.warmup_steps)
     summary.update(annotations or {})
-    breakdowns = {by: breakdown(run.records, by, slo=slo) for by in ("priority", "client_id")}
+    if summary_extras is not None:
+        summary.update(summary_extras(run.records, run.steps))
+    breakdowns = {by: breakdown(run.records, by, slo=slo) for by in breakdown_by}
     for logger in loggers:
         logger.log_summary(summary, breakdowns)
     return RunResult(
@@ -205,8 +220,9 @@ class _Run:
             if stop is not None and stop.is_set():
                 self._interrupt()
                 return
-            now = self.clock.now()
-            while pending and self.t0 + pending[0][1].arrival_time <= now:
+            # The clock is read again after each arrival: on a cluster, a request given to an idle replica
+            # starts that replica's clock at its arrival, which may be the next step to run.
+            while pending and self.t0 + pending[0][1].arrival_time <= self.clock.now():
                 self._submit(*pending.popleft())
             if engine.has_unfinished():
                 result = engine.step()
@@ -222,7 +238,7 @@ class _Run:
         """Abort and record everything still in the engine (one model-free step reports them)."""
         self.interrupted = True
         self.engine.abort_all("interrupted")
-        if self.engine.has_unfinished():
+        while self.engine.has_unfinished():  # one step for an engine; one per replica with work for a cluster
             for request in self.engine.step().finished:
                 self._ended(request_record(request, self.t0))
 

@@ -156,7 +156,14 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["live=web", "live.port=70000"], ["live.port", "65535"]),
     (["live.update_ms=abc"], ["live.update_ms", "Integer"]),
     (["live=cinema"], ["live/cinema", "web"]),
-    (["server.port=abc"], ["server.port", "Integer"]),   # the values themselves: python -m nanovllm.serve
+    (["server.port=abc"], ["server.port", "Integer"]),
+    (["router.name=nope"], ["unknown router 'nope'", "round_robin"]),
+    (["router=least_loaded", "router.metric=bytes"], ["router.metric", "requests, tokens"]),
+    (["router=consistent_hash", "router.virtual_nodes=0"], ["router.virtual_nodes", ">= 1"]),
+    (["cluster.replicas=abc"], ["cluster.replicas", "Integer"]),
+    (["cluster.replicas=0"], ["cluster.replicas", ">= 1"]),
+    (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={7: {max_num_seqs: 2}}"],
+     ["cluster.replica_overrides", "not a replica index"]),   # the values themselves: python -m nanovllm.serve
     (["logger=wandb", "logger.mode=weird"], ["logger.mode", "offline"]),
     (["logger=wandb", "logger.tags=5"], ["logger.tags", "list[str]"]),
     (["logger.name=nope"], ["unknown logger 'nope'", "jsonl"]),

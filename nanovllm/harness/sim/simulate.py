@@ -65,10 +65,7 @@ class Simulation(ServedEngine):
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
         cost = ModelCost.from_hf_config(hf_config, torch_dtype(config.dtype))
-        if hardware is not None:
-            kv_bytes = hardware.kv_cache_bytes(cost.total_params * cost.bytes_per_element)
-            if config.num_kv_blocks is None and config.kv_cache_memory is None:
-                config = dataclasses.replace(config, kv_cache_memory=kv_bytes)
+        config = _kv_sized(config, cost, hardware)
         options = dict(step_time) if isinstance(step_time, Mapping) else {"name": step_time}
         model = STEP_TIME_MODELS.build({"profile": profile, "run": replay_run, "cost": cost, "hardware": hardware,
                                         "dtype": config.dtype, "model": config.model, **options})
@@ -80,6 +77,15 @@ class Simulation(ServedEngine):
         engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
                                   attention=attention, target_len=_target_len(output_lengths))
         return cls(engine, engine.runner.clock, cost, model, hardware)
+
+    def replica(self, config: EngineConfig, **plugins: PluginSpec) -> "Simulation":
+        """Another simulated engine of the same model on the same step-time model (and output lengths), its
+        own scheduler, policy and allocator built from ``plugins`` with the engine settings ``config``: the
+        replicas of a simulated cluster, which share this one's tokenizer, HF config and model."""
+        engine = simulated_engine(_kv_sized(config, self.cost, self.hardware), self.model.predict,
+                                  target_len=self.engine.runner.target_len, tokenizer=self.engine.tokenizer,
+                                  hf_config=self.engine.hf_config, **plugins)
+        return type(self)(engine, engine.runner.clock, self.cost, self.model, self.hardware)
 
     @classmethod
     def from_config(cls, runner: Mapping[str, Any], hardware: Mapping[str, Any] | None, config: EngineConfig,
@@ -111,6 +117,17 @@ class Simulation(ServedEngine):
         """``serving.serve`` on the virtual clock: nothing sleeps; ``wall_time`` is simulated seconds."""
         kwargs.setdefault("progress", False)
         return super().serve(workload, **kwargs)
+
+
+def _kv_sized(config: EngineConfig, cost: ModelCost, hardware: Hardware | None) -> EngineConfig:
+    """With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``: the KV cache gets the memory the weights
+    leave on it (``Hardware.kv_cache_bytes`` says when they do not fit)."""
+    if hardware is None:
+        return config
+    kv_bytes = hardware.kv_cache_bytes(cost.total_params * cost.bytes_per_element)
+    if config.num_kv_blocks is None and config.kv_cache_memory is None:
+        return dataclasses.replace(config, kv_cache_memory=kv_bytes)
+    return config
 
 
 def _target_len(output_lengths: Mapping[str, int] | None):

@@ -1,13 +1,16 @@
 """Workloads: what requests arrive, when, and how long they are.
 
-Three sources, chosen by the config's ``name``:
+Four sources, chosen by the config's ``name``:
 
 * ``synthetic`` -- arrivals from a gamma process (``request_rate``, ``burstiness``, as in ``vllm bench serve``),
   prompt and output lengths from a :class:`LengthDist`, optional shared-prefix groups, priority classes and
   clients. Prompts are token ids, so a request's prompt length is exact.
 * ``chat`` -- real-looking chat prompts from the small dataset shipped in ``nanovllm/data/chat_prompts.json``,
   templated with the model's chat template; requests end at EOS.
-* ``trace`` -- replay a JSONL trace (with arrival times) or a ShareGPT JSON file (arrivals synthesised).
+* ``trace`` -- replay a JSONL trace (with arrival times), a Mooncake trace (arrivals in ms, prompts synthesised
+  so that equal block hash ids are equal token blocks) or a ShareGPT JSON file (arrivals synthesised).
+* ``multi_turn`` -- conversations: each turn's prompt is the whole conversation so far, so it starts with the
+  previous turn's prompt; turns carry their session's ``session_id`` (prefix caching, session-aware routing).
 
 Every random choice comes from ``numpy.random.default_rng`` seeded by the config's ``seed`` -- one independent
 stream per aspect (arrivals, lengths, prompts, ...), so changing e.g. the priority weights leaves the arrival
@@ -18,12 +21,14 @@ themselves when constructed; :func:`validate_workload_config` runs the same chec
 ``DictConfig`` with the same fields, and :func:`generate_workload` always calls it first.
 
 One job per module: ``config`` (the dataclasses), ``validation``, ``distributions`` (arrivals, lengths),
-``prompts``, ``traces`` (JSONL / ShareGPT parsing), ``generate`` (the three sources).
+``prompts``, ``traces`` (JSONL / ShareGPT parsing), ``mooncake`` (Mooncake traces), ``conversations``
+(multi-turn sessions), ``generate`` (the sources).
 """
 
 from nanovllm.harness.workload.config import (
     ChatWorkloadConfig,
     LengthDist,
+    MultiTurnWorkloadConfig,
     SyntheticWorkloadConfig,
     TraceWorkloadConfig,
     WorkloadRequest,
@@ -34,16 +39,19 @@ from nanovllm.harness.workload.distributions import (
     sample_lengths,
 )
 from nanovllm.harness.workload.generate import generate_workload
+from nanovllm.harness.workload.mooncake import read_mooncake_trace
 from nanovllm.harness.workload.prompts import load_chat_prompts
 from nanovllm.harness.workload.traces import read_jsonl_trace, read_sharegpt
 from nanovllm.harness.workload.validation import (
     PROMPT_KINDS,
+    TRACE_FORMATS,
     WORKLOAD_NAMES,
     validate_workload_config,
 )
 
 __all__ = [
-    "ChatWorkloadConfig", "LengthDist", "SyntheticWorkloadConfig", "TraceWorkloadConfig", "WorkloadRequest",
-    "sample_arrival_times", "sample_lengths", "generate_workload", "load_chat_prompts", "read_jsonl_trace",
-    "read_sharegpt", "LENGTH_KINDS", "PROMPT_KINDS", "WORKLOAD_NAMES", "validate_workload_config",
+    "ChatWorkloadConfig", "LengthDist", "MultiTurnWorkloadConfig", "SyntheticWorkloadConfig", "TraceWorkloadConfig",
+    "WorkloadRequest", "sample_arrival_times", "sample_lengths", "generate_workload", "load_chat_prompts",
+    "read_jsonl_trace", "read_mooncake_trace", "read_sharegpt", "LENGTH_KINDS", "PROMPT_KINDS", "TRACE_FORMATS",
+    "WORKLOAD_NAMES", "validate_workload_config",
 ]

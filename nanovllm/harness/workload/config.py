@@ -94,19 +94,62 @@ class ChatWorkloadConfig:
 
 
 @dataclass
-class TraceWorkloadConfig:
-    """Replay a ``.jsonl`` trace (own arrival times) or a ShareGPT ``.json`` file (arrivals from ``request_rate``).
+class MultiTurnWorkloadConfig:
+    """Multi-turn conversations (``nanovllm.harness.workload.conversations``): ``num_sessions`` sessions of
+    ``turns`` turns each; every turn's prompt is the conversation so far (an optional shared system prompt,
+    every earlier user message and reply, the new user message), so it starts with the previous turn's prompt.
 
-    ``time_scale`` multiplies arrival times (0.5 replays twice as fast; 0 sends everything at t=0).
-    ``max_requests`` keeps the first N requests of the file. ``seed`` drives ShareGPT arrivals and the random
-    tokens of ``prompt_len`` lines.
+    ``request_rate`` is the long-run mean rate of *requests* (turns) per second, as for the other workloads:
+    sessions start by a gamma process (``burstiness``; 1 = Poisson) at ``request_rate / turns.mean`` sessions/s,
+    ``inf`` starts every session at t=0. Turn k+1 arrives ``reply_len * reply_time_per_token_s`` (the time its
+    reply is assumed to take) plus an exponential think time of mean ``think_time_s`` after turn k.
+    """
+
+    name: str = "multi_turn"
+    num_sessions: int = 8
+    request_rate: float = float("inf")  # requests/s on average (see above); inf = every session starts at t=0
+    burstiness: float = 1.0
+    turns: LengthDist = field(default_factory=lambda: LengthDist(kind="fixed", mean=4, max=64))
+    user_len: LengthDist = field(default_factory=lambda: LengthDist(mean=32))   # tokens of each user message
+    reply_len: LengthDist = field(default_factory=lambda: LengthDist(mean=32))  # each turn's max_tokens
+    think_time_s: float = 1.0           # mean (exponential) pause between a reply and the next user message
+    reply_time_per_token_s: float = 0.02  # how long a reply is assumed to take, per token (open loop)
+    prompt_kind: str = "random"         # "random" token ids, or "text" cut from the chat dataset
+    num_system_prompts: int = 0         # >0: each session starts with one of these shared system prompts
+    system_len: int = 0
+    priority_classes: list[int] = field(default_factory=lambda: [0])   # drawn per session
+    priority_weights: list[float] = field(default_factory=lambda: [1.0])
+    num_clients: int = 1                # each session belongs to one client
+    client_rate_shares: list[float] | None = None
+    ttft_slo_ms: list[float] | None = None  # per-request TTFT target, one per entry of priority_classes
+    e2el_slo_ms: list[float] | None = None  # per-request end-to-end target, one per entry of priority_classes
+    ignore_eos: bool = True             # so each reply really has its sampled length
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validate_workload_config(self)
+
+
+@dataclass
+class TraceWorkloadConfig:
+    """Replay a ``.jsonl`` trace (own arrival times), a Mooncake trace (``.jsonl``, arrivals in ms, prompts
+    synthesised from block hash ids) or a ShareGPT ``.json`` file (arrivals from ``request_rate``).
+
+    ``format``: ``auto`` (``.json`` is ShareGPT; a ``.jsonl`` whose first line has Mooncake's ``timestamp``,
+    ``input_length`` or ``hash_ids`` is Mooncake, else nano-vllm's JSONL), or ``jsonl`` / ``mooncake`` /
+    ``sharegpt`` whatever the file is called. ``time_scale`` multiplies arrival times (0.5 replays twice as fast;
+    0 sends everything at t=0). ``max_requests`` keeps the first N requests of the file. ``block_size``: tokens
+    per Mooncake hash id (512 in Mooncake's traces). ``seed`` drives ShareGPT arrivals, the random tokens of
+    ``prompt_len`` lines and the tokens of each Mooncake block.
     """
 
     name: str = "trace"
     path: str = ""
+    format: str = "auto"                # auto | jsonl | mooncake | sharegpt
     time_scale: float = 1.0
     max_requests: int | None = None
-    default_output_len: int = 128       # for JSONL lines without output_len
+    default_output_len: int = 128       # for JSONL lines without output_len (Mooncake: output_length)
+    block_size: int = 512               # Mooncake only: tokens per hash id
     request_rate: float = float("inf")  # ShareGPT only: it has no timestamps
     burstiness: float = 1.0
     ignore_eos: bool = True             # replay the trace's output lengths exactly

@@ -16,12 +16,14 @@ LENGTH_KINDS = ("fixed", "uniform", "lognormal", "zipf")
 
 # One RNG stream per aspect of a workload (see the module docstring for why).
 _STREAMS = {"arrivals": 0, "input_len": 1, "output_len": 2, "prompts": 3, "prefix": 4, "priority": 5,
-            "client": 6, "chat_pick": 7}
+            "client": 6, "chat_pick": 7, "turns": 8, "think_time": 9, "trace_blocks": 10}
 
 
-def _rng(seed: int, stream: str) -> np.random.Generator:
-    """An independent generator for one aspect of the workload (same seed -> same stream)."""
-    return np.random.default_rng([int(seed), _STREAMS[stream]])
+def _rng(seed: int, stream: str, *keys: int) -> np.random.Generator:
+    """An independent generator for one aspect of the workload (same seed -> same stream). ``keys`` (integers
+    >= 0) split a stream further: ``_rng(seed, "trace_blocks", hash_id)`` is one generator per trace block, so a
+    block's tokens depend on its id alone, not on which request met it first."""
+    return np.random.default_rng([int(seed), _STREAMS[stream], *(int(k) for k in keys)])
 
 
 def sample_arrival_times(n: int, request_rate: float, burstiness: float,
@@ -126,6 +128,13 @@ def _sample_choice(values: Sequence[Any], weights: Sequence[float], n: int, rng:
 
 def _sample_priorities(cfg: Any, n: int, rng: np.random.Generator) -> list[int]:
     return [int(c) for c in _sample_choice(list(cfg.priority_classes), list(cfg.priority_weights), n, rng)]
+
+
+def _slo_targets(cfg: Any, priority: int) -> dict[str, float | None]:
+    """A request's own SLO targets: the entry of ``ttft_slo_ms`` / ``e2el_slo_ms`` for its priority class."""
+    index = list(cfg.priority_classes).index(priority)
+    return {key: (None if getattr(cfg, key, None) is None else float(getattr(cfg, key)[index]))
+            for key in ("ttft_slo_ms", "e2el_slo_ms")}
 
 
 def _sample_clients(cfg: Any, n: int, rng: np.random.Generator) -> list[str]:

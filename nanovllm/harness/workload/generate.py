@@ -1,4 +1,4 @@
-"""Build a workload's requests from its config: the ``synthetic``, ``chat`` and ``trace`` sources."""
+"""Build a workload's requests from its config: the ``synthetic``, ``chat``, ``trace`` and ``multi_turn`` sources."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ import numpy as np
 
 from nanovllm.chat_template import chat_token_ids
 from nanovllm.harness.workload.config import WorkloadRequest
+from nanovllm.harness.workload.conversations import multi_turn_requests
 from nanovllm.harness.workload.distributions import (
     _rng,
     _sample_clients,
     _sample_priorities,
+    _slo_targets,
     sample_arrival_times,
     sample_lengths,
 )
 from nanovllm.harness.workload.prompts import _synthetic_prompts, load_chat_prompts
-from nanovllm.harness.workload.traces import read_jsonl_trace, read_sharegpt
+from nanovllm.harness.workload.mooncake import looks_like_mooncake, read_mooncake_trace
+from nanovllm.harness.workload.traces import jsonl_objects, read_jsonl_trace, read_sharegpt
 from nanovllm.harness.workload.validation import validate_workload_config
 
 
@@ -54,16 +57,25 @@ def _chat_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     ]
 
 
-def _slo_targets(cfg: Any, priority: int) -> dict[str, float | None]:
-    """A request's own SLO targets: the entry of ``ttft_slo_ms`` / ``e2el_slo_ms`` for its priority class."""
-    index = list(cfg.priority_classes).index(priority)
-    return {key: (None if getattr(cfg, key, None) is None else float(getattr(cfg, key)[index]))
-            for key in ("ttft_slo_ms", "e2el_slo_ms")}
+_TRACE_READERS: dict[str, Callable[[Any, Any], list[WorkloadRequest]]] = {
+    "jsonl": read_jsonl_trace, "mooncake": read_mooncake_trace, "sharegpt": read_sharegpt,
+}
+
+
+def _trace_format(cfg: Any) -> str:
+    """The trace's format: the configured one, else by the file's name (``.json``: ShareGPT) and, for a
+    ``.jsonl``, by its first line's fields (Mooncake's or nano-vllm's)."""
+    if cfg.format != "auto":
+        return cfg.format
+    path = Path(cfg.path).expanduser()
+    if path.suffix == ".json":
+        return "sharegpt"
+    first = next(jsonl_objects(path), None)
+    return "mooncake" if first is not None and looks_like_mooncake(first[1]) else "jsonl"
 
 
 def _trace_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
-    read = read_jsonl_trace if Path(cfg.path).suffix == ".jsonl" else read_sharegpt
-    requests = read(cfg, tokenizer)
+    requests = _TRACE_READERS[_trace_format(cfg)](cfg, tokenizer)
     if not requests:  # an empty run would "succeed" with no numbers: almost surely the wrong file
         raise ValueError(f"{cfg.path}: the trace holds no usable requests")
     return requests
@@ -71,6 +83,7 @@ def _trace_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
 
 _GENERATORS: dict[str, Callable[[Any, Any], list[WorkloadRequest]]] = {
     "synthetic": _synthetic_workload, "chat": _chat_workload, "trace": _trace_workload,
+    "multi_turn": multi_turn_requests,
 }
 
 

@@ -1,12 +1,12 @@
 """Prompt material: the shipped chat dataset, readable text cut to an exact token length, random token ids,
-and synthetic prompts with optional shared prefixes."""
+shared prefixes, and synthetic prompts built from them."""
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
 import json
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,18 +47,30 @@ def _text_tokens(tokenizer: Any, n: int, rng: np.random.Generator) -> list[int]:
         count *= 2
 
 
+def _token_maker(prompt_kind: str, tokenizer: Any) -> Callable[[int, np.random.Generator], list[int]]:
+    """``make(n, rng)``: ``n`` token ids of the ``prompt_kind`` (``"random"`` ids or readable ``"text"``)."""
+    if prompt_kind == "text":
+        return functools.partial(_text_tokens, tokenizer)
+    return functools.partial(_random_tokens, _normal_token_ids(tokenizer))
+
+
 def _synthetic_prompts(cfg: Any, tokenizer: Any, input_lens: np.ndarray) -> list[list[int]]:
     """Each prompt: an optional shared prefix (its group's) + its own suffix of the sampled input length."""
     rng = _rng(cfg.seed, "prompts")
-    if cfg.prompt_kind == "text":
-        make = functools.partial(_text_tokens, tokenizer)
-    else:
-        make = functools.partial(_random_tokens, _normal_token_ids(tokenizer))
+    make = _token_maker(cfg.prompt_kind, tokenizer)
     if cfg.num_prefix_groups == 0:
         return [make(int(n), rng) for n in input_lens]
-    prefix_rng = _rng(cfg.seed, "prefix")
-    prefixes = [make(cfg.prefix_len, prefix_rng) for _ in range(cfg.num_prefix_groups)]
+    prefixes = _shared_prefixes(make, cfg.seed, cfg.num_prefix_groups, cfg.prefix_len, len(input_lens))
+    return [prefix + make(int(n), rng) for prefix, n in zip(prefixes, input_lens)]
+
+
+def _shared_prefixes(make: Callable[[int, np.random.Generator], list[int]], seed: int, num_groups: int,
+                     length: int, n: int) -> list[list[int]]:
+    """The shared prefix of each of ``n`` prompts (or sessions): ``num_groups`` prefixes of ``length`` tokens,
+    one picked per prompt (the ``prefix`` stream). Equal groups give the very same list object."""
+    prefix_rng = _rng(seed, "prefix")
+    prefixes = [make(length, prefix_rng) for _ in range(num_groups)]
     # Groups are picked at random (seeded) rather than round robin so their reuse distances vary, as in real
     # traffic; strict round robin is the worst case for an LRU prefix cache.
-    groups = prefix_rng.integers(0, cfg.num_prefix_groups, size=len(input_lens))
-    return [prefixes[g] + make(int(n), rng) for g, n in zip(groups, input_lens)]
+    groups = prefix_rng.integers(0, num_groups, size=n)
+    return [prefixes[g] for g in groups]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -66,6 +66,23 @@ def _parse_trace_line(obj: Any, path: Path, lineno: int, cfg: Any, token_ids: np
         ignore_eos=bool(cfg.ignore_eos), request_id=None if request_id is None else str(request_id))
 
 
+def jsonl_objects(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed object)`` of each non-blank line of a JSONL file, each line parsed only when it is
+    taken (a reader that stops after ``max_requests`` never parses the rest)."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # file lines only (not str.splitlines's set)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); is it really a JSONL trace?") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _line_error(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+        yield lineno, obj
+
+
 def read_jsonl_trace(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     """Requests of a JSONL trace (blank lines skipped), in file order, at most ``cfg.max_requests``."""
     path = Path(cfg.path).expanduser()
@@ -73,19 +90,7 @@ def read_jsonl_trace(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     rng = _rng(cfg.seed, "prompts")
     out: list[WorkloadRequest] = []
     first_line_of: dict[str, int] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # file lines only (not str.splitlines's set)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); is it really a JSONL trace?") from None
-    for lineno, line in enumerate(lines, start=1):
-        if cfg.max_requests is not None and len(out) >= cfg.max_requests:
-            break
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise _line_error(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+    for lineno, obj in jsonl_objects(path):
         request = _parse_trace_line(obj, path, lineno, cfg, token_ids, rng)
         if request.request_id is not None:
             # The engine, the policies and abort_request find a request by its id: two would be confused.
@@ -94,6 +99,8 @@ def read_jsonl_trace(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
                                                 f"{first_line_of[request.request_id]}; ids must be unique")
             first_line_of[request.request_id] = lineno
         out.append(request)
+        if cfg.max_requests is not None and len(out) >= cfg.max_requests:
+            break  # before the next line is taken: lines past the last one kept are never parsed
     return out
 
 

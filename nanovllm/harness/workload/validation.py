@@ -11,7 +11,8 @@ from typing import Any, Callable, Sequence
 from nanovllm.harness.workload.distributions import LENGTH_KINDS, _zipf_scale
 
 PROMPT_KINDS = ("random", "text")
-WORKLOAD_NAMES = ("synthetic", "chat", "trace")
+WORKLOAD_NAMES = ("synthetic", "chat", "trace", "multi_turn")
+TRACE_FORMATS = ("auto", "jsonl", "mooncake", "sharegpt")
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -98,6 +99,23 @@ def _check_seed(cfg: Any) -> None:
     _check_int(cfg, "seed", 0)  # numpy's SeedSequence rejects negative seeds
 
 
+def _check_seconds(cfg: Any, name: str) -> None:
+    value = getattr(cfg, name)
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise _bad(name, value, "must be a finite number of seconds >= 0")
+
+
+def _check_prefix_pair(cfg: Any, count_field: str, len_field: str) -> None:
+    """Shared prefixes: a count and a length, both 0 or both >= 1."""
+    _check_int(cfg, count_field, 0)
+    _check_int(cfg, len_field, 0)
+    # A prefix length without groups (or groups without a prefix) is almost surely a typo: say so.
+    if getattr(cfg, count_field) > 0 and getattr(cfg, len_field) == 0:
+        raise _bad(len_field, 0, f"must be >= 1 when {count_field} > 0")
+    if getattr(cfg, len_field) > 0 and getattr(cfg, count_field) == 0:
+        raise _bad(count_field, 0, f"must be >= 1 when {len_field} > 0")
+
+
 def _validate_synthetic(cfg: Any, check_files: bool) -> None:
     _check_int(cfg, "num_requests", 1)
     _check_arrivals(cfg)
@@ -105,13 +123,22 @@ def _validate_synthetic(cfg: Any, check_files: bool) -> None:
     _check_length(cfg.output_len, "output_len")
     if cfg.prompt_kind not in PROMPT_KINDS:
         raise _bad("prompt_kind", cfg.prompt_kind, f"must be one of {', '.join(PROMPT_KINDS)}")
-    _check_int(cfg, "num_prefix_groups", 0)
-    _check_int(cfg, "prefix_len", 0)
-    # A prefix length without groups (or groups without a prefix) is almost surely a typo: say so.
-    if cfg.num_prefix_groups > 0 and cfg.prefix_len == 0:
-        raise _bad("prefix_len", 0, "must be >= 1 when num_prefix_groups > 0")
-    if cfg.prefix_len > 0 and cfg.num_prefix_groups == 0:
-        raise _bad("num_prefix_groups", 0, "must be >= 1 when prefix_len > 0")
+    _check_prefix_pair(cfg, "num_prefix_groups", "prefix_len")
+    _check_classes(cfg)
+    _check_seed(cfg)
+
+
+def _validate_multi_turn(cfg: Any, check_files: bool) -> None:
+    _check_int(cfg, "num_sessions", 1)
+    _check_arrivals(cfg)
+    _check_length(cfg.turns, "turns")
+    _check_length(cfg.user_len, "user_len")
+    _check_length(cfg.reply_len, "reply_len")
+    _check_seconds(cfg, "think_time_s")
+    _check_seconds(cfg, "reply_time_per_token_s")
+    if cfg.prompt_kind not in PROMPT_KINDS:
+        raise _bad("prompt_kind", cfg.prompt_kind, f"must be one of {', '.join(PROMPT_KINDS)}")
+    _check_prefix_pair(cfg, "num_system_prompts", "system_len")
     _check_classes(cfg)
     _check_seed(cfg)
 
@@ -125,29 +152,36 @@ def _validate_chat(cfg: Any, check_files: bool) -> None:
 
 
 def _validate_trace(cfg: Any, check_files: bool) -> None:
+    if cfg.format not in TRACE_FORMATS:
+        raise _bad("format", cfg.format, f"must be one of {', '.join(TRACE_FORMATS)}")
     if not _is_number(cfg.time_scale) or not math.isfinite(cfg.time_scale) or cfg.time_scale < 0:
         raise _bad("time_scale", cfg.time_scale, "must be a finite number >= 0")
     if cfg.max_requests is not None:
         _check_int(cfg, "max_requests", 1)
     _check_int(cfg, "default_output_len", 1)
+    _check_int(cfg, "block_size", 1)
     _check_arrivals(cfg)
     _check_seed(cfg)
     if check_files:
-        _check_trace_path(cfg.path)
+        _check_trace_path(cfg.path, cfg.format)
 
 
-def _check_trace_path(path: str) -> None:
+def _check_trace_path(path: str, trace_format: str) -> None:
     if not path:
-        raise _bad("path", path, "a trace workload needs the path of a .jsonl trace or a ShareGPT .json file")
+        raise _bad("path", path, "a trace workload needs the path of a .jsonl trace (nano-vllm's or Mooncake's) "
+                                 "or a ShareGPT .json file")
     p = Path(path).expanduser()
-    if p.suffix not in (".jsonl", ".json"):
-        raise _bad("path", path, "must end in .jsonl (trace with arrival times) or .json (ShareGPT)")
+    # Only format=auto goes by the name; a named format reads whatever the file is called.
+    if trace_format == "auto" and p.suffix not in (".jsonl", ".json"):
+        raise _bad("path", path, "must end in .jsonl (trace with arrival times, or Mooncake's) or .json "
+                                 "(ShareGPT), or set workload.format")
     if not p.is_file():
         raise _bad("path", path, "no such file")
 
 
 _VALIDATORS: dict[str, Callable[[Any, bool], None]] = {
     "synthetic": _validate_synthetic, "chat": _validate_chat, "trace": _validate_trace,
+    "multi_turn": _validate_multi_turn,
 }
 
 

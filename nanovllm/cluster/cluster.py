@@ -1,0 +1,179 @@
+"""``Cluster``: N engine replicas behind one ``Router``, driven like one engine. The serving loops that drive an
+``LLMEngine`` (``nanovllm.harness.serving.serve``, ``LLM.generate``) drive a cluster through the same calls:
+``make_request``, ``add_request`` (the router picks the replica here), ``step`` (one replica runs one step),
+``has_unfinished``, ``abort_all``.
+
+Time. Each simulated replica has its own virtual clock. ``ClusterClock.now()`` is the start of the next step
+the cluster will run: the earliest clock among replicas with work; ``step`` runs that replica. A request is
+routed at its arrival time, before any step that starts after it, and an idle replica's clock jumps to the
+arrival of the request it is given. So every replica's steps, and every routing decision, happen in time
+order on one timeline, as a discrete-event simulation, whatever the number of replicas.
+
+A step is computed when it starts (as the one-engine simulator does), so a request routed while a replica's step
+is in progress sees that replica as it will be at the step's end; a real router sees the last state a replica
+reported, which is older. Both are one step from the truth, in opposite directions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from typing import Any, Sequence
+
+from nanovllm.cluster.replica import LocalReplica
+from nanovllm.engine.engine import LLMEngine, StepOutput
+from nanovllm.request import Request
+from nanovllm.router import Router, RouterError, StepTimeEstimate, check_route
+from nanovllm.sampling import SamplingParams
+
+
+class ClusterClock:
+    """The serving loop's clock over a cluster of virtual-clock replicas (see the module docstring)."""
+
+    def __init__(self, cluster: "Cluster") -> None:
+        self._cluster = cluster
+        self._idle_time = 0.0   # where time stands while no replica has work
+
+    def now(self) -> float:
+        busy = self._cluster.next_ready_time()
+        return self._idle_time if busy is None else busy
+
+    def __call__(self) -> float:
+        return self.now()
+
+    def wait_until(self, t: float, stop: threading.Event | None = None) -> None:
+        """Idle until ``t`` (only called while no replica has work: the loop waits for the next arrival)."""
+        self._idle_time = max(self._idle_time, t)
+
+
+class Cluster:
+    """Replicas (``LocalReplica``) and the router that spreads requests over them.
+
+    ``replicas[0]``'s engine tokenizes and validates requests (every replica serves the same model); a request
+    must fit every replica (each one's ``max_model_len`` and KV cache), since the router may send it to any.
+    """
+
+    def __init__(self, engines: Sequence[LLMEngine], router: Router,
+                 step_time: StepTimeEstimate | None = None) -> None:
+        if not engines:
+            raise ValueError("cluster.replicas must be >= 1")
+        self.replicas = [LocalReplica(index, engine) for index, engine in enumerate(engines)]
+        self.router = router
+        if step_time is not None:
+            router.bind_step_time(step_time)
+        self.clock = ClusterClock(self)
+        self._ready: list[tuple[float, int]] = []   # (clock, replica index) of replicas with work: a heap
+        self._in_ready = [False] * len(self.replicas)
+        # Distinct replica limits a request must fit (one engine per distinct max_model_len, cache and block size).
+        limits: dict[tuple[int, int, int], LLMEngine] = {}
+        for engine in engines:
+            limits.setdefault((engine.max_model_len, engine.num_kv_blocks, engine.config.block_size), engine)
+        self._validators = list(limits.values())
+        self.imbalance: list[float] = []   # max / mean outstanding requests over replicas, at each arrival
+
+    # -- what the serving loop reads, as of an engine ----------------------------------------------------------
+    @property
+    def engines(self) -> list[LLMEngine]:
+        return [replica.engine for replica in self.replicas]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.replicas[0].engine.tokenizer
+
+    @property
+    def runner(self) -> Any:
+        """Replica 0's runner (every replica runs the same model): its dtype and device."""
+        return self.replicas[0].engine.runner
+
+    @property
+    def config(self) -> Any:
+        return self.replicas[0].engine.config
+
+    @property
+    def warmup_time(self) -> float:
+        return sum(engine.warmup_time for engine in self.engines)
+
+    @property
+    def warmup_steps(self) -> int:
+        return sum(engine.warmup_steps for engine in self.engines)
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                     **fields: Any) -> Request:
+        """Tokenize and validate against every distinct replica's limits (``ValueError`` naming the field)."""
+        request = self._validators[0].make_request(prompt, sampling_params, **fields)
+        for engine in self._validators[1:]:
+            engine.make_request(request.prompt_token_ids, request.sampling_params, **fields)
+        return request
+
+    def rejected_request(self, prompt: str | list, sampling_params: SamplingParams, **fields: Any) -> Request:
+        return self.replicas[0].engine.rejected_request(prompt, sampling_params, **fields)
+
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        """Route ``request`` at its arrival time and queue it on the chosen replica (a refused one, with
+        ``error``, is routed too and ends failed there at its next step)."""
+        now = request.arrival_time
+        views = [replica.view(request) for replica in self.replicas]
+        self._note_imbalance(views)
+        try:
+            choice = self.router.route(request, views, now)
+        except RouterError:
+            raise
+        except Exception as exc:
+            raise RouterError(f"router {self.router.registered_name!r} raised in route(): "
+                              f"{type(exc).__name__}: {exc}") from exc
+        index = check_route(self.router, choice, views)
+        replica = self.replicas[index]
+        request.replica = index
+        if not replica.has_unfinished():
+            replica.wake(now)
+        replica.add(request, error=error)
+        self._ask("on_arrival", request, index, now)
+        self._mark_ready(index)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ready)
+
+    def abort_all(self, reason: str = "aborted") -> list[str]:
+        """Abort every request on every replica (each replica reports them at its next ``step``)."""
+        ids: list[str] = []
+        for replica in self.replicas:
+            ids += replica.engine.abort_all(reason)
+        return ids
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def next_ready_time(self) -> float | None:
+        """When the next step starts: the earliest clock among replicas with work (None: none has work)."""
+        return self._ready[0][0] if self._ready else None
+
+    def step(self) -> StepOutput:
+        """Run one step of the replica whose clock is earliest; its record says which replica (``replica``)."""
+        _, index = heapq.heappop(self._ready)
+        self._in_ready[index] = False
+        replica = self.replicas[index]
+        output = replica.step()
+        output.record["replica"] = index   # type: ignore[typeddict-unknown-key]
+        now = replica.engine.clock()
+        for request in output.finished:
+            self._ask("on_finish", request, index, now)
+        self._mark_ready(index)
+        return output
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _mark_ready(self, index: int) -> None:
+        replica = self.replicas[index]
+        if not self._in_ready[index] and replica.has_unfinished():
+            heapq.heappush(self._ready, (replica.engine.clock(), index))
+            self._in_ready[index] = True
+
+    def _note_imbalance(self, views: Sequence[Any]) -> None:
+        loads = [view.num_outstanding for view in views if view.alive]
+        total = sum(loads)
+        self.imbalance.append(max(loads) * len(loads) / total if total else 1.0)
+
+    def _ask(self, method: str, *args: Any) -> None:
+        try:
+            getattr(self.router, method)(*args)
+        except Exception as exc:
+            raise RouterError(f"router {self.router.registered_name!r} raised in {method}(): "
+                              f"{type(exc).__name__}: {exc}") from exc

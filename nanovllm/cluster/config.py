@@ -1,0 +1,59 @@
+"""``ClusterConfig``: how many replicas, how each may differ, and where real replicas run (the ``cluster``
+config node of ``python -m nanovllm.run``; a plain dataclass, so it doubles as the Hydra schema)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from nanovllm.config import EngineConfig
+
+
+@dataclass
+class ClusterConfig:
+    """``replicas``: engine replicas behind the router (1: one engine, no router). ``replica_overrides``:
+    ``{replica index: {engine field: value}}``, e.g. ``{0: {num_kv_blocks: 64}}`` for a replica with a smaller
+    cache; the others take the run's ``engine`` settings. ``address``: the Ray cluster real replicas join
+    (null: a local instance started and stopped with the run; ``auto``: the running one)."""
+
+    replicas: int = 1
+    replica_overrides: Any = field(default_factory=dict)
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise ValueError(f"cluster.replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.replica_overrides is None:
+            self.replica_overrides = {}
+        if not isinstance(self.replica_overrides, Mapping):
+            raise ValueError("cluster.replica_overrides must map a replica index to engine settings, e.g. "
+                             f"{{0: {{num_kv_blocks: 64}}}}, got {self.replica_overrides!r}")
+        fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        overrides: dict[int, dict[str, Any]] = {}
+        for key, settings in self.replica_overrides.items():
+            try:
+                index = int(key)
+            except (TypeError, ValueError):
+                index = -1
+            if not 0 <= index < self.replicas:
+                raise ValueError(f"cluster.replica_overrides: {key!r} is not a replica index in "
+                                 f"[0, {self.replicas}) (cluster.replicas={self.replicas})")
+            if not isinstance(settings, Mapping):
+                raise ValueError(f"cluster.replica_overrides.{key} must map engine fields to values, got "
+                                 f"{settings!r}")
+            unknown = sorted(set(settings) - fields)
+            if unknown:
+                raise ValueError(f"cluster.replica_overrides.{key}: unknown engine field(s) {', '.join(unknown)}")
+            overrides[index] = dict(settings)
+        self.replica_overrides = overrides
+
+    def engine_config(self, base: EngineConfig, index: int) -> EngineConfig:
+        """Replica ``index``'s engine settings: ``base`` with its overrides (validated as ``EngineConfig``)."""
+        overrides = self.replica_overrides.get(index)
+        if not overrides:
+            return base
+        try:
+            return dataclasses.replace(base, **overrides)
+        except ValueError as exc:
+            raise ValueError(f"cluster.replica_overrides.{index}.{exc}") from exc

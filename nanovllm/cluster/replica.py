@@ -1,0 +1,122 @@
+"""One replica of a cluster as the cluster keeps it: its engine, and the running figures a router reads in a
+``ReplicaView`` (kept up to date step by step, so building a view costs the same with 10 or 100,000 requests
+queued)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Any
+
+from nanovllm.engine.engine import LLMEngine, StepOutput
+from nanovllm.request import Request
+from nanovllm.router import ReplicaView
+
+RECENT_REQUESTS = 16   # the finished requests whose TTFT and inter-token latency a view reports (their mean)
+
+
+class LocalReplica:
+    """A replica whose engine runs in this process (a simulated engine, or a real one).
+
+    The cluster calls ``add`` when the router sent it a request, ``step`` to run one engine step, ``view`` when
+    a request is being routed. ``num_queued_tokens`` is the sum over its unfinished requests of the tokens not
+    computed yet; it is updated from each step's plan (the scheduled, preempted and ended requests are the only
+    ones whose count can change in a step), never by scanning the queues."""
+
+    def __init__(self, index: int, engine: LLMEngine) -> None:
+        self.index = index
+        self.engine = engine
+        self.alive = True
+        self.num_routed = 0
+        self.num_queued_tokens = 0
+        self.num_decoding = 0          # running requests past their prompt, as of the last step
+        self.recent_ttft: float | None = None
+        self.recent_itl: float | None = None
+        self._queued: dict[Request, int] = {}   # unfinished request -> its tokens not computed yet
+        self._view: ReplicaView | None = None   # reused until the replica changes (a step, a new request)
+        self._recent: deque[tuple[float, float | None]] = deque(maxlen=RECENT_REQUESTS)  # (TTFT, ITL) seconds
+
+    # -- what the cluster does to it -----------------------------------------------------------------------------
+    def add(self, request: Request, error: str | None = None) -> None:
+        """Queue ``request`` on this replica's engine (``error``: it was refused and ends failed)."""
+        self.num_routed += 1
+        self._view = None
+        self.engine.add_request(request, error=error)
+        if error is None:
+            self._track(request)
+
+    def wake(self, t: float) -> None:
+        """An idle replica is given a request that arrived at ``t``: a virtual clock jumps there (a wall clock
+        is already there)."""
+        wait_until = getattr(self.engine.runner.clock, "wait_until", None)
+        if wait_until is not None:
+            wait_until(t)
+
+    def step(self) -> StepOutput:
+        """One engine step; the figures the views read follow what it did."""
+        output = self.engine.step()
+        self._view = None
+        if output.plan is not None:
+            for request, _ in output.plan.scheduled:
+                self._track(request)
+            for request in output.plan.preempted:
+                self._track(request)
+        for request in output.finished:
+            self._forget(request)
+            if request.first_token_time is not None:
+                self._recent.append((request.first_token_time - request.arrival_time, _mean_itl(request)))
+                self._update_recent()
+        self.num_decoding = sum(1 for r in self.engine.scheduler.running if r.num_output_tokens > 0)
+        return output
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    # -- what a router sees --------------------------------------------------------------------------------------
+    def view(self, request: Request) -> ReplicaView:
+        """This replica as a router sees it while ``request`` is being routed (built anew only when the replica
+        changed since the last one)."""
+        if self._view is None:
+            self._view = self._build_view()
+        return self._view.bind(request)
+
+    def _build_view(self) -> ReplicaView:
+        scheduler, allocator, config = self.engine.scheduler, self.engine.allocator, self.engine.config
+        return ReplicaView(
+            index=self.index, alive=self.alive, num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting), num_free_blocks=allocator.num_free_blocks(),
+            num_total_blocks=allocator.num_blocks, block_size=allocator.block_size,
+            num_queued_tokens=self.num_queued_tokens,
+            num_decoding=self.num_decoding,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            recent_ttft=self.recent_ttft, recent_itl=self.recent_itl,
+            num_routed=self.num_routed, prefix_lookup=allocator.cached_prefix_len,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The settings that can differ between replicas (what ``metrics.json`` lists per replica)."""
+        config = self.engine.config
+        return {"replica": self.index, "num_kv_blocks": self.engine.num_kv_blocks, "block_size": config.block_size,
+                "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                "policy": self.engine.policy.registered_name, "allocator": self.engine.allocator.registered_name}
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def _track(self, request: Request) -> None:
+        if request.is_finished:
+            return
+        uncomputed = request.num_tokens - request.num_computed_tokens
+        self.num_queued_tokens += uncomputed - self._queued.get(request, 0)
+        self._queued[request] = uncomputed
+
+    def _update_recent(self) -> None:
+        self.recent_ttft = statistics.fmean(ttft for ttft, _ in self._recent)
+        itls = [itl for _, itl in self._recent if itl is not None]
+        self.recent_itl = statistics.fmean(itls) if itls else None
+
+    def _forget(self, request: Request) -> None:
+        self.num_queued_tokens -= self._queued.pop(request, 0)
+
+
+def _mean_itl(request: Request) -> float | None:
+    times = request.token_times
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None

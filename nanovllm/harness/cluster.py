@@ -1,0 +1,131 @@
+"""Serving a cluster: ``ServedCluster`` is a ``ServedEngine`` whose engine is a ``nanovllm.cluster.Cluster``
+(N replicas behind a router), served by the same loop and written to the same files as one engine, with what a
+cluster adds: each request's ``replica`` in ``requests.jsonl``, each step's in ``steps.jsonl``, a breakdown
+per replica, and the summary's cluster figures (``summary_extras``):
+
+* ``load_imbalance_mean`` / ``load_imbalance_max``: max over mean outstanding requests across replicas, as
+  each arriving request found the cluster (1.0 is perfect balance; N is everything on one of N replicas);
+* ``per_replica``: per replica, requests routed and completed, prefix-cache hit rate, preemptions, mean and
+  peak KV usage, busy fraction (its steps' time over the run's) and mean outstanding requests.
+
+Simulated (``runner=sim cluster.replicas=N``): every replica is a ``Simulation`` (the real scheduler, policy
+instance and allocator of its own) on its own virtual clock, and the cluster runs them as one discrete-event
+simulation (``nanovllm.cluster.cluster``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
+
+from nanovllm.cluster import Cluster
+from nanovllm.cluster.config import ClusterConfig
+from nanovllm.config import EngineConfig
+from nanovllm.engine.engine import PluginSpec
+from nanovllm.harness.formatting import format_value
+from nanovllm.harness.records import RequestRecord
+from nanovllm.harness.serving import ServedEngine
+from nanovllm.harness.sim.simulate import Simulation
+from nanovllm.router import ROUTERS
+
+
+@dataclass
+class ServedCluster(ServedEngine):
+    """A cluster ready to ``serve``: ``engine`` is the ``Cluster``, ``clock`` its ``ClusterClock``."""
+
+    simulations: list[Simulation]
+    breakdown_by: ClassVar[tuple[str, ...]] = ("priority", "client_id", "replica")
+
+    @classmethod
+    def simulated(cls, cluster: ClusterConfig, router: PluginSpec, runner: Mapping[str, Any],
+                  hardware: Mapping[str, Any] | None, config: EngineConfig, **plugins: PluginSpec) -> "ServedCluster":
+        """``cluster.replicas`` simulated replicas (``Simulation.from_config`` each, with its overrides) behind
+        ``router`` (a registered name, ``{"name": ..., **options}`` or a ``Router``); the router predicts with
+        their shared step-time model (``Simulation.replica``: one tokenizer, HF config and model for all)."""
+        first = Simulation.from_config(runner, hardware, cluster.engine_config(config, 0), **plugins)
+        simulations = [first] + [first.replica(cluster.engine_config(config, index), **plugins)
+                                 for index in range(1, cluster.replicas)]
+        model = simulations[0].model
+        engine = Cluster([sim.engine for sim in simulations], ROUTERS.build(router),
+                         step_time=lambda features: float(model.predict(features, 0.0)))
+        return cls(engine, engine.clock, simulations[0].cost, simulations)
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.engine  # type: ignore[return-value]
+
+    @property
+    def annotations(self) -> dict[str, Any]:
+        """What ``metrics.json`` gains: the replicas' (simulated, with which step-time model) and the cluster's
+        shape: replica count, router, each replica's settings."""
+        return {**self.simulations[0].annotations, "cluster_replicas": len(self.simulations),
+                "router": self.cluster.router.registered_name,
+                "replica_settings": [replica.describe() for replica in self.cluster.replicas]}
+
+    def monitor_config(self, configured: Any) -> Any:
+        return self.simulations[0].monitor_config(configured)
+
+    def serve(self, workload: Sequence[Any], **kwargs: Any) -> Any:
+        kwargs.setdefault("progress", False)
+        return super().serve(workload, **kwargs)
+
+    def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        imbalance = self.cluster.imbalance
+        return {
+            "load_imbalance_mean": statistics.fmean(imbalance) if imbalance else None,
+            "load_imbalance_max": max(imbalance) if imbalance else None,
+            "per_replica": per_replica(records, steps, len(self.simulations)),
+        }
+
+
+def per_replica(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],
+                num_replicas: int) -> dict[str, dict[str, Any]]:
+    """Per replica (keyed by its index as a string): its requests, cache hits, preemptions, KV usage and load."""
+    duration = max((r["finish_time"] or 0.0 for r in records), default=0.0) or 1.0
+    by_replica: dict[int, list[RequestRecord]] = {i: [] for i in range(num_replicas)}
+    steps_of: dict[int, list[dict[str, Any]]] = {i: [] for i in range(num_replicas)}
+    for record in records:
+        if record["replica"] is not None:
+            by_replica[record["replica"]].append(record)
+    for step in steps:
+        steps_of[step["replica"]].append(step)
+    table: dict[str, dict[str, Any]] = {}
+    for index in range(num_replicas):
+        mine, its_steps = by_replica[index], steps_of[index]
+        prompt = sum(r["num_prompt_tokens"] for r in mine)
+        usage = [s["kv_blocks_used"] / s["kv_blocks_total"] for s in its_steps if s["kv_blocks_total"]]
+        table[str(index)] = {
+            "requests": len(mine),
+            "completed": sum(r["error"] is None and r["finish_reason"] in ("stop", "length") for r in mine),
+            "prefix_cache_hit_rate": sum(r["num_cached_tokens"] for r in mine) / prompt if prompt else 0.0,
+            "num_preemptions": sum(r["num_preemptions"] for r in mine),
+            "mean_kv_usage": statistics.fmean(usage) if usage else 0.0,
+            "peak_kv_usage": max(usage, default=0.0),
+            "busy_fraction": sum(s["duration"] for s in its_steps) / duration,
+            "mean_outstanding": (statistics.fmean(s["num_running"] + s["num_waiting"] for s in its_steps)
+                                 if its_steps else 0.0),
+            "num_steps": len(its_steps),
+        }
+    return table
+
+
+_REPLICA_COLUMNS = [("requests", "requests", "d"), ("done", "completed", "d"),
+                    ("hit rate", "prefix_cache_hit_rate", ".3f"), ("preempt", "num_preemptions", "d"),
+                    ("mean KV", "mean_kv_usage", ".3f"), ("peak KV", "peak_kv_usage", ".3f"),
+                    ("busy", "busy_fraction", ".3f"), ("mean load", "mean_outstanding", ".1f"),
+                    ("steps", "num_steps", "d")]
+
+
+def format_per_replica(summary: Mapping[str, Any]) -> str:
+    """A console table of ``summary["per_replica"]`` with the load imbalance under it."""
+    table = summary.get("per_replica") or {}
+    header = ["replica"] + [label for label, _, _ in _REPLICA_COLUMNS]
+    rows = [[index] + [format_value(stats[key], spec) for _, key, spec in _REPLICA_COLUMNS]
+            for index, stats in table.items()]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(text.rjust(w) for text, w in zip(row, widths)) for row in [header, *rows]]
+    imbalance = (f"load imbalance (max/mean outstanding at arrivals): mean "
+                 f"{format_value(summary.get('load_imbalance_mean'), '.3f')}, max "
+                 f"{format_value(summary.get('load_imbalance_max'), '.3f')}")
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], imbalance])

@@ -1,0 +1,166 @@
+"""The simulated cluster: N replicas (each its own scheduler, policy instance and allocator) on one timeline.
+One replica is exactly one engine; replicas may differ; every request ends and says where it ran; the
+per-replica figures and the load imbalance add up; the command line's cluster options are checked before
+anything is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from helpers import REPO
+from nanovllm.cluster.config import ClusterConfig
+from nanovllm.config import EngineConfig
+from nanovllm.harness.cluster import ServedCluster, format_per_replica
+from nanovllm.harness.loggers import JsonlLogger
+from nanovllm.harness.sim import Simulation
+from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+
+TOKEN_COST = {"name": "sim", "step_time": "token_cost"}
+ENGINE = dict(num_kv_blocks=48, max_num_seqs=4, dtype="bfloat16")
+
+
+def workload(tokenizer, n=60, rate=30.0, seed=0):
+    return generate_workload(SyntheticWorkloadConfig(
+        num_requests=n, request_rate=rate, seed=seed, priority_classes=[0, 1], priority_weights=[0.5, 0.5],
+        input_len=LengthDist(kind="uniform", mean=96, range_ratio=0.8),
+        output_len=LengthDist(kind="uniform", mean=24, range_ratio=0.8)), tokenizer)
+
+
+def cluster(replicas, router="round_robin", overrides=None, scheduler="fcfs", **engine):
+    return ServedCluster.simulated(ClusterConfig(replicas=replicas, replica_overrides=overrides or {}), router,
+                                   TOKEN_COST, None, EngineConfig(**{**ENGINE, **engine}), scheduler=scheduler)
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "priority"])
+def test_one_replica_is_exactly_one_engine(scheduler):
+    """Same records, same steps (preemptions included: the cache is small), whatever the router."""
+    small = {**ENGINE, "num_kv_blocks": 24}
+    single = Simulation.from_config(TOKEN_COST, None, EngineConfig(**small), scheduler=scheduler)
+    alone = single.serve(workload(single.engine.tokenizer, rate=80.0))
+    for router in ("round_robin", "cache_aware", "predicted_latency"):
+        one = cluster(1, router, scheduler=scheduler, num_kv_blocks=24)
+        result = one.serve(workload(one.engine.tokenizer, rate=80.0))
+        assert alone.summary["num_preemptions"] > 0
+        assert [{**r, "replica": None} for r in result.requests] == alone.requests
+        assert [{k: v for k, v in s.items() if k != "replica"} for s in result.steps] == alone.steps
+        assert {r["replica"] for r in result.requests} == {0}
+
+
+def test_replicas_step_in_time_order_and_every_request_ends_once():
+    served = cluster(4, "least_loaded")
+    requests = workload(served.engine.tokenizer, n=120, rate=60.0)
+    result = served.serve(requests)
+    assert sorted(r["request_id"] for r in result.requests) == sorted(str(i) for i in range(120))
+    starts = [s["start_time"] for s in result.steps]
+    assert starts == sorted(starts)   # one timeline: the discrete-event order
+    for replica in range(4):          # and each replica's own steps never overlap
+        mine = [s for s in result.steps if s["replica"] == replica]
+        assert all(a["start_time"] + a["duration"] <= b["start_time"] + 1e-9 for a, b in zip(mine, mine[1:]))
+    for r in result.requests:         # no request starts before it arrived, on whichever replica
+        assert r["first_scheduled_time"] >= r["arrival_time"] - 1e-9
+
+
+def test_per_replica_figures_add_up_to_the_cluster_and_are_printed():
+    served = cluster(3, "round_robin")
+    result = served.serve(workload(served.engine.tokenizer))
+    table = result.summary["per_replica"]
+    assert set(table) == {"0", "1", "2"}
+    assert sum(row["requests"] for row in table.values()) == len(result.requests)
+    assert sum(row["num_preemptions"] for row in table.values()) == result.summary["num_preemptions"]
+    assert sum(row["num_steps"] for row in table.values()) == len(result.steps)
+    assert all(0 < row["busy_fraction"] <= 1 and 0 < row["mean_kv_usage"] <= 1 for row in table.values())
+    assert 1.0 <= result.summary["load_imbalance_mean"] <= result.summary["load_imbalance_max"] <= 3.0
+    assert set(result.breakdowns["replica"]) == {"0", "1", "2"}
+    assert result.summary["router"] == "round_robin" and result.summary["cluster_replicas"] == 3
+    text = format_per_replica(result.summary)
+    assert text.splitlines()[0].split()[:3] == ["replica", "requests", "done"] and "load imbalance" in text
+
+
+def test_replicas_may_differ_and_each_keeps_its_own_settings():
+    served = cluster(3, "least_loaded", overrides={0: {"num_kv_blocks": 16}, "2": {"max_num_seqs": 1}})
+    result = served.serve(workload(served.engine.tokenizer, n=40, rate=20.0))
+    settings = {s["replica"]: s for s in result.summary["replica_settings"]}
+    assert [settings[i]["num_kv_blocks"] for i in range(3)] == [16, 48, 48]
+    assert [settings[i]["max_num_seqs"] for i in range(3)] == [4, 4, 1]
+    assert max(s["num_running"] for s in result.steps if s["replica"] == 2) == 1
+    assert max(s["kv_blocks_total"] for s in result.steps if s["replica"] == 0) == 16
+    # Every replica has a policy instance of its own: none is shared.
+    assert len({id(engine.policy) for engine in served.cluster.engines}) == 3
+
+
+def test_a_request_that_fits_only_the_bigger_replicas_is_refused_with_the_reason():
+    """The router may send a request to any replica, so it must fit every one (the smallest cache here)."""
+    served = cluster(2, "round_robin", overrides={0: {"num_kv_blocks": 4}})
+    from nanovllm.harness.workload import WorkloadRequest
+
+    big = WorkloadRequest(arrival_time=0.0, prompt=[7] * 100, max_tokens=8)
+    result = served.serve([big, WorkloadRequest(arrival_time=0.0, prompt=[7] * 20, max_tokens=8)])
+    errors = sorted((r["error"] or "") for r in result.requests)
+    assert errors[0] == "" and "num_kv_blocks=4" in errors[1]
+
+
+def test_requests_jsonl_and_steps_jsonl_say_where_each_request_and_step_ran(tmp_path):
+    served = cluster(2, "round_robin")
+    logger = JsonlLogger()
+    logger.start(tmp_path, {}, group=None, name="t")
+    try:
+        served.serve(workload(served.engine.tokenizer, n=10), loggers=[logger])
+    finally:
+        logger.finish()
+    requests = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert {r["replica"] for r in requests} == {0, 1} and {s["replica"] for s in steps} == {0, 1}
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics["summary"]["per_replica"]) == {"0", "1"} if "summary" in metrics else \
+        set(metrics["per_replica"]) == {"0", "1"}
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+def compose_run(*overrides):
+    from nanovllm.harness.conf_schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_the_command_line_serves_a_simulated_cluster():
+    from nanovllm.harness.run import check_config
+    from nanovllm.harness.runners import served_engine
+
+    cfg = compose_run("runner=sim", "runner.step_time=token_cost", "cluster.replicas=3", "router=cache_aware",
+                      "workload=synthetic", "workload.num_requests=30", "workload.request_rate=20",
+                      "+cluster.replica_overrides={1: {num_kv_blocks: 64}}")
+    checked = check_config(cfg)
+    assert checked.cluster.replicas == 3 and checked.router["name"] == "cache_aware"
+    served = served_engine(checked.runner, checked.hardware, checked.engine, cluster=checked.cluster,
+                           router=checked.router, scheduler=checked.scheduler, allocator=checked.allocator,
+                           attention=checked.attention)
+    assert isinstance(served, ServedCluster)
+    result = served.serve(generate_workload(cfg.workload, served.engine.tokenizer))
+    assert len(result.requests) == 30 and {r["replica"] for r in result.requests} <= {0, 1, 2}
+    assert result.summary["replica_settings"][1]["num_kv_blocks"] == 64
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.replicas=0"], r"cluster.replicas must be an integer >= 1, got 0"),
+    (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={5: {num_kv_blocks: 8}}"],
+     r"cluster.replica_overrides: 5 is not a replica index in \[0, 2\)"),
+    (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={0: {num_kv_block: 8}}"],
+     r"cluster.replica_overrides.0: unknown engine field\(s\) num_kv_block"),
+    (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={0: {num_kv_blocks: -1}}"],
+     r"cluster.replica_overrides.0.num_kv_blocks"),
+    (["cluster.replicas=2"], r"cluster.replicas=2 needs runner=sim"),
+    (["runner=sim", "cluster.replicas=2", "router.name=nope"], r"unknown router 'nope'"),
+    (["runner=sim", "cluster.replicas=2", "router=least_loaded", "router.metric=bytes"],
+     r"router.metric must be one of requests, tokens"),
+])
+def test_bad_cluster_options_fail_before_anything_loads_naming_the_field(overrides, message):
+    from nanovllm.harness.run import check_config
+
+    with pytest.raises((ValueError, KeyError), match=message):
+        check_config(compose_run(*overrides))
