@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -153,20 +154,39 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
     assert not cluster.replicas[1].alive and cluster.replicas[0].alive
 
 
-def test_the_command_line_serves_real_replicas_and_leaves_no_ray_process(tmp_path):
+def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(tmp_path):
+    """``python -m nanovllm.run cluster.replicas=2``, interrupted as a terminal's Ctrl-C does (SIGINT to its whole
+    process group, Ray's processes included) once both replicas have stepped: status 130, every request that
+    arrived is recorded (finished, or aborted "interrupted"), the per-replica table is printed and written, and
+    no Ray process is left."""
+    from nanovllm.harness.records import read_jsonl, read_run
+
     before = {p.pid for p in ray_processes()}
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", "router=least_loaded",
-         "workload.num_requests=4", "workload.max_tokens=4", "engine.num_kv_blocks=128",
+         "workload.num_requests=12", "workload.max_tokens=64", "engine.num_kv_blocks=128",
          "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false",
-         "progress=false",
-         f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "cluster_replicas:" in proc.stdout and "load imbalance" in proc.stdout
-    from nanovllm.harness.records import read_run
-
+         "progress=false", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = read_jsonl(run_dir / "steps.jsonl", missing_ok=True)
+            if {s["replica"] for s in steps} == {0, 1}:
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted by SIGINT" in err and "load imbalance" in out
     run = read_run(run_dir)
-    assert len(run.requests) == 4 and {r["replica"] for r in run.requests} <= {0, 1}
-    assert set(run.metrics["per_replica"]) == {"0", "1"} and run.metrics["router"] == "least_loaded"
+    assert run.requests and run.metrics["unfinished"] == 0 and run.metrics["aborted"] > 0
+    assert all(r["finish_reason"] in ("stop", "length") or r["error"] == "interrupted" for r in run.requests)
+    assert {r["replica"] for r in run.requests} == {0, 1} and set(run.metrics["per_replica"]) == {"0", "1"}
+    assert run.metrics["interrupted"] and run.metrics["router"] == "least_loaded"
     assert not [p for p in ray_processes() if p.pid not in before]
