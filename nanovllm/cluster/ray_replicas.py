@@ -376,7 +376,10 @@ class RayCluster(Cluster):
             try:
                 result = ray.get(ready[0])
             except RayTaskError as exc:   # the engine raised inside a live actor: as one engine's step would
-                raise exc.as_instanceof_cause() from None
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise
             except RayActorError as exc:
                 self._died(replica, exc)
                 continue

@@ -154,6 +154,38 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
     assert not cluster.replicas[1].alive and cluster.replicas[0].alive
 
 
+BOOM_PLUGIN = """
+from nanovllm import Policy, register_policy
+
+@register_policy("boom")
+class Boom(Policy):
+    def priority(self, request, now):
+        return 1 / 0
+"""
+
+
+def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_process(tmp_path):
+    """The exception path: a plugin (loaded in the driver and, from ``plugins``, in every actor) raises inside a
+    replica's step; the run ends with the engine's own one-line error, every request that arrived is written,
+    and no Ray process is left."""
+    from nanovllm.harness.records import read_jsonl
+
+    (tmp_path / "boom.py").write_text(BOOM_PLUGIN)
+    before = {p.pid for p in ray_processes()}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", f"plugins=[{tmp_path / 'boom.py'}]",
+         "scheduler.name=boom", "workload.num_requests=4", "workload.max_tokens=4", "engine.num_kv_blocks=128",
+         "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false",
+         "progress=false", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert "policy 'boom' raised in priority()" in errors[0] and "ZeroDivisionError" in errors[0]
+    requests = read_jsonl(run_dir / "requests.jsonl")
+    assert requests and all(r["error"] for r in requests)
+    assert not [p for p in ray_processes() if p.pid not in before]
+
+
 def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(tmp_path):
     """``python -m nanovllm.run cluster.replicas=2``, interrupted as a terminal's Ctrl-C does (SIGINT to its whole
     process group, Ray's processes included) once both replicas have stepped: status 130, every request that
