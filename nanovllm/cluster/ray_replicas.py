@@ -179,7 +179,7 @@ class RemoteReplica:
         self.state.pop("keys_removed")
         self.held: dict[str, Request] = {}              # request id -> request, until it ends
         self.unsent: list[tuple[Request, str | None]] = []
-        self.sending: list[Request] = []                # the requests of the call in flight
+        self.sending: list[Request] = []                # the (accepted) requests of the call in flight
         self.in_flight: Any = None                      # its ObjectRef
         self.abort: str | None = None
         self._view: ReplicaView | None = None
@@ -193,7 +193,7 @@ class RemoteReplica:
     def view(self, request: Request, lookup: Any) -> ReplicaView:
         if self._view is None:
             state, config = self.state, self.info["describe"]
-            transit = [r for r in self.sending if not r.is_finished] + [r for r, e in self.unsent if e is None]
+            transit = self.sending + [r for r, error in self.unsent if error is None]
             self._view = ReplicaView(
                 index=self.index, alive=self.alive, num_running=state["num_running"],
                 num_waiting=state["num_waiting"] + len(transit), num_free_blocks=state["num_free_blocks"],
@@ -208,7 +208,7 @@ class RemoteReplica:
     def send(self) -> None:
         """The next call: the requests routed since the last one, and the abort if one was asked."""
         new = [_plain(request, error, self.offset) for request, error in self.unsent]
-        self.sending = [request for request, _ in self.unsent]
+        self.sending = [request for request, error in self.unsent if error is None]
         self.unsent = []
         self.in_flight = self.actor.run.remote(new, self.abort)
         self.abort = None
