@@ -8,7 +8,7 @@ A hash hit is not trusted on the hash alone: the cached block's own tokens are c
 
 from __future__ import annotations
 
-from nanovllm import BlockAllocator, EvictionTracker, Request, register_allocator
+from nanovllm import BlockAllocator, EvictionTracker, Request, prefix_block_key, register_allocator
 
 
 @register_allocator("prefix")
@@ -108,4 +108,7 @@ class PrefixCachingAllocator(BlockAllocator):
         return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
 
     def _block_hash(self, parent: int | None, token_ids: list[int], index: int) -> int:
-        return hash((parent, self._chunk(token_ids, index)))
+        return prefix_block_key(parent, self._chunk(token_ids, index))
+
+    def cached_block_keys(self) -> set[int]:
+        return set(self._block_of_hash)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanovllm import BlockAllocator, EvictionTracker, Request, register_allocator
+from nanovllm import BlockAllocator, EvictionTracker, Request, prefix_block_key, register_allocator
 
 
 @dataclass(eq=False)
@@ -112,6 +112,17 @@ class RadixTreeAllocator(BlockAllocator):
 
     def cached_prefix_len(self, request: Request) -> int:
         return len(self._walk(request)) * self.block_size
+
+    def cached_block_keys(self) -> set[int]:
+        keys: set[int] = set()
+        stack: list[tuple[_Node, int | None]] = [(self._root, None)]
+        while stack:
+            node, parent = stack.pop()
+            for child in node.children.values():
+                key = prefix_block_key(parent, child.tokens)
+                keys.add(key)
+                stack.append((child, key))
+        return keys
 
     def match_prefix(self, request: Request) -> int:
         nodes = self._walk(request)

@@ -31,6 +31,7 @@ _EXPORTS = {
     "BlockAllocator": "nanovllm.allocator",
     "register_allocator": "nanovllm.allocator",
     "ALLOCATORS": "nanovllm.allocator",
+    "prefix_block_key": "nanovllm.allocator",
     "AttentionBackend": "nanovllm.attention.base",
     "AttentionMetadata": "nanovllm.attention.base",
     "register_attention": "nanovllm.attention.base",

@@ -72,12 +72,35 @@ class BlockAllocator(ABC):
         """Free blocks still holding reusable content (a prefix cache's evictable blocks)."""
         return 0
 
+    def cached_block_keys(self) -> set[int] | None:
+        """The ``prefix_block_key`` of every full block a prefix lookup can match now (``cached_prefix_len``
+        would follow them), or None for an allocator that does not say: what a real cluster's driver mirrors
+        to answer ``ReplicaView.prefix_match_tokens`` without asking the replica's process. Default: None."""
+        return None
+
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks()
 
     def usage(self) -> float:
         """Fraction of blocks held by requests."""
         return self.num_used_blocks() / self.num_blocks
+
+
+def prefix_block_key(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The key of a full block holding ``tokens`` after the blocks whose last key is ``parent`` (None: the first
+    block). The same in every process: ints and tuples of ints hash alike everywhere (None's hash does not)."""
+    return hash((0 if parent is None else parent, tokens))
+
+
+def prefix_block_keys(token_ids: list[int], block_size: int) -> list[int]:
+    """The keys of the full blocks of ``token_ids`` a prefix cache may match (never the block holding the last
+    token: a step must compute at least one token), in order."""
+    keys: list[int] = []
+    parent: int | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = prefix_block_key(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        keys.append(parent)
+    return keys
 
 
 ALLOCATORS: Registry[BlockAllocator] = Registry(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Any, Sequence
 
 from nanovllm.chat_template import chat_token_ids
 from nanovllm.config import EngineConfig
@@ -23,7 +23,14 @@ class LLM:
     enable_chunked_prefill, seed, ...). ``scheduler``, ``allocator`` and ``attention`` take a registered name,
     an instance, or ``{"name": ..., **options}``; ``attention="auto"`` is the C++ ``cpu`` backend on CPU and the
     ``torch`` reference elsewhere. ``plugins``: files or modules to import first (``nanovllm.load_plugins``),
-    so the names they register can be chosen here, as ``plugins=[...]`` does for ``python -m nanovllm.run``."""
+    so the names they register can be chosen here, as ``plugins=[...]`` does for ``python -m nanovllm.run``.
+
+    ``cluster=dict(replicas=N)`` (a ``ClusterConfig`` or its fields: ``replica_overrides``, ``address``) with N > 1
+    serves on N real replicas, each an engine in its own Ray actor, behind ``router`` (a registered name, an
+    instance, or ``{"name": ..., **options}``): ``generate`` returns what one engine would. A local Ray instance
+    is started (and stopped by ``close()`` or at exit) unless ``cluster.address`` names one to join
+    (``nanovllm.cluster.ray_replicas``). ``step_time``: the batch-features -> seconds estimate routers that
+    predict latency need (``predicted_latency``)."""
 
     def __init__(
         self,
@@ -32,11 +39,23 @@ class LLM:
         allocator: PluginSpec = "paged",
         attention: PluginSpec = "auto",
         plugins: Sequence[str] = (),
+        cluster: Any = None,
+        router: PluginSpec = "round_robin",
+        step_time: Any = None,
         **engine_options,
     ) -> None:
         load_plugins(plugins)
         config = EngineConfig.from_options(model=model, **engine_options)
-        self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
+        replicas = _cluster_config(cluster)
+        if replicas is not None and replicas.replicas > 1:
+            from nanovllm.cluster.ray_replicas import RayCluster
+            from nanovllm.router import ROUTERS
+
+            self.engine: Any = RayCluster(config, replicas, ROUTERS.build(router),
+                                          dict(scheduler=scheduler, allocator=allocator, attention=attention),
+                                          plugin_paths=plugins, step_time=step_time)
+        else:
+            self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
         self.tokenizer = self.engine.tokenizer
         # The step records of the latest generate() call only: an LLM serving many calls keeps no history.
         self.last_steps: list[StepRecord] = []
@@ -104,9 +123,21 @@ class LLM:
         ``on_finish``) and report them out of the engine at once. Returns their ids. ``generate`` calls it
         when interrupted; to abort a single request of your own loop use ``llm.engine.abort_request(id)``."""
         ids = self.engine.abort_all(reason)
-        if self.engine.has_unfinished():
-            self.engine.step()  # nothing left to run: this step only reports the aborted requests
+        while self.engine.has_unfinished():
+            self.engine.step()  # nothing left to run: this step (one per replica) only reports the aborted requests
         return ids
+
+    def close(self) -> None:
+        """Stop what this LLM started: a cluster's replicas and its Ray instance (an engine holds nothing)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
@@ -116,6 +147,19 @@ class LLM:
             metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                    r.num_preemptions, r.num_cached_tokens),
         )
+
+
+def _cluster_config(cluster: Any) -> Any:
+    if cluster is None:
+        return None
+    from nanovllm.cluster.config import ClusterConfig
+
+    if isinstance(cluster, ClusterConfig):
+        return cluster
+    if not isinstance(cluster, dict):
+        raise ValueError(f"cluster must be a ClusterConfig or a dict of its fields, e.g. dict(replicas=2), got "
+                         f"{cluster!r}")
+    return ClusterConfig(**cluster)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

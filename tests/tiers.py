@@ -77,6 +77,9 @@ SLOW = {
     "test_sim.py::test_cli_simulates_many_requests_and_writes_the_run_files": "the CLI",
     "test_sim.py::test_cli_simulation_on_another_machines_profile_prints_and_logs_one_line": "the CLI",
     "test_server_process.py": "python -m nanovllm.serve subprocesses",
+    "test_ray_cluster.py": "starts Ray and real replicas (Ray actors that load the model), and python -m nanovllm.run",
+    "test_tensor_parallel.py::test_a_script_without_the_main_guard_gets_one_error_naming_it":
+        "a script that starts tensor-parallel workers, in a subprocess",
     # a browser
     "test_live.py::test_watch_a_real_run_in_headless_chromium": "headless Chromium",
 }

@@ -113,16 +113,7 @@ class Cluster:
         """Route ``request`` at its arrival time and queue it on the chosen replica (a refused one, with
         ``error``, is routed too and ends failed there at its next step)."""
         now = request.arrival_time
-        views = [replica.view(request) for replica in self.replicas]
-        self._note_imbalance(views)
-        try:
-            choice = self.router.route(request, views, now)
-        except RouterError:
-            raise
-        except Exception as exc:
-            raise RouterError(f"router {self.router.registered_name!r} raised in route(): "
-                              f"{type(exc).__name__}: {exc}") from exc
-        index = check_route(self.router, choice, views)
+        index = self._route(request, now)
         replica = self.replicas[index]
         request.replica = index
         if not replica.has_unfinished():
@@ -160,6 +151,21 @@ class Cluster:
         return output
 
     # -- helpers ---------------------------------------------------------------------------------------------
+    def _route(self, request: Request, now: float) -> int:
+        """The router's choice for ``request`` among the replicas' views, checked (RouterError otherwise)."""
+        return self._choose(request, [replica.view(request) for replica in self.replicas], now)
+
+    def _choose(self, request: Request, views: Sequence[Any], now: float) -> int:
+        self._note_imbalance(views)
+        try:
+            choice = self.router.route(request, views, now)
+        except RouterError:
+            raise
+        except Exception as exc:
+            raise RouterError(f"router {self.router.registered_name!r} raised in route(): "
+                              f"{type(exc).__name__}: {exc}") from exc
+        return check_route(self.router, choice, views)
+
     def _mark_ready(self, index: int) -> None:
         replica = self.replicas[index]
         if not self._in_ready[index] and replica.has_unfinished():

@@ -11,6 +11,10 @@ per replica, and the summary's cluster figures (``summary_extras``):
 Simulated (``runner=sim cluster.replicas=N``): every replica is a ``Simulation`` (the real scheduler, policy
 instance and allocator of its own) on its own virtual clock, and the cluster runs them as one discrete-event
 simulation (``nanovllm.cluster.cluster``).
+
+Real (``cluster.replicas=N`` with runner ``real``): every replica is an engine in its own Ray actor
+(``nanovllm.cluster.ray_replicas.RayCluster``) on the wall clock; the router predicts with this machine's
+calibrated step-time profile when there is one for the model (the shipped or ``--this-machine`` one).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from nanovllm.router import ROUTERS
 class ServedCluster(ServedEngine):
     """A cluster ready to ``serve``: ``engine`` is the ``Cluster``, ``clock`` its ``ClusterClock``."""
 
-    simulations: list[Simulation]
+    simulations: list[Simulation]   # empty for real replicas
     breakdown_by: ClassVar[tuple[str, ...]] = ("priority", "client_id", "replica")
 
     @classmethod
@@ -51,32 +55,69 @@ class ServedCluster(ServedEngine):
                          step_time=lambda features: float(model.predict(features, 0.0)))
         return cls(engine, engine.clock, simulations[0].cost, simulations)
 
+    @classmethod
+    def real(cls, cluster: ClusterConfig, router: PluginSpec, config: EngineConfig, plugin_paths: Sequence[str] = (),
+             **plugins: PluginSpec) -> "ServedCluster":
+        """``cluster.replicas`` real replicas, each an engine in a Ray actor (``RayCluster``), behind ``router``,
+        on the wall clock; the cost model is the HF config's (the driver loads no weights)."""
+        from nanovllm.cluster.ray_replicas import RayCluster
+        from nanovllm.config import torch_dtype
+        from nanovllm.harness.monitor import ModelCost
+        from nanovllm.harness.serving import WallClock
+
+        engine = RayCluster(config, cluster, ROUTERS.build(router), plugins, plugin_paths=plugin_paths,
+                            step_time=_machine_step_time(config))
+        return cls(engine, WallClock(), ModelCost.from_hf_config(engine.hf_config, torch_dtype(config.dtype)), [])
+
     @property
     def cluster(self) -> Cluster:
         return self.engine  # type: ignore[return-value]
 
     @property
     def annotations(self) -> dict[str, Any]:
-        """What ``metrics.json`` gains: the replicas' (simulated, with which step-time model) and the cluster's
-        shape: replica count, router, each replica's settings."""
-        return {**self.simulations[0].annotations, "cluster_replicas": len(self.simulations),
+        """What ``metrics.json`` gains: the replicas' (simulated, with which step-time model; or the machine real
+        ones ran on) and the cluster's shape: replica count, router, each replica's settings."""
+        where = self.simulations[0].annotations if self.simulations else super().annotations
+        return {**where, "cluster_replicas": len(self.cluster.replicas),
                 "router": self.cluster.router.registered_name,
                 "replica_settings": [replica.describe() for replica in self.cluster.replicas]}
 
     def monitor_config(self, configured: Any) -> Any:
-        return self.simulations[0].monitor_config(configured)
+        return self.simulations[0].monitor_config(configured) if self.simulations else configured
 
     def serve(self, workload: Sequence[Any], **kwargs: Any) -> Any:
-        kwargs.setdefault("progress", False)
+        if self.simulations:
+            kwargs.setdefault("progress", False)
         return super().serve(workload, **kwargs)
+
+    def close(self) -> None:
+        """Stop real replicas (and the Ray instance they started); nothing for simulated ones."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         imbalance = self.cluster.imbalance
         return {
             "load_imbalance_mean": statistics.fmean(imbalance) if imbalance else None,
             "load_imbalance_max": max(imbalance) if imbalance else None,
-            "per_replica": per_replica(records, steps, len(self.simulations)),
+            "per_replica": per_replica(records, steps, len(self.cluster.replicas)),
         }
+
+
+def _machine_step_time(config: EngineConfig) -> Any:
+    """This machine's calibrated step-time estimate for the model, or None when no profile fits it."""
+    import logging
+
+    from nanovllm.harness.sim.step_time import STEP_TIME_MODELS
+
+    try:
+        model = STEP_TIME_MODELS.build({"name": "calibrated", "profile": None, "dtype": config.dtype,
+                                        "model": config.model})
+    except (ValueError, TypeError) as exc:
+        logging.getLogger(__name__).info("no step-time estimate for the router: %s", exc)
+        return None
+    return lambda features: float(model.predict(features, 0.0))
 
 
 def per_replica(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],

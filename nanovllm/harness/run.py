@@ -208,9 +208,16 @@ def _check_cluster(cfg: DictConfig, engine: EngineConfig, runner: dict[str, Any]
     cluster = ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
     for index in cluster.replica_overrides:
         cluster.engine_config(engine, index)
-    if cluster.replicas > 1 and runner["name"] != "sim":
-        raise ValueError(f"cluster.replicas={cluster.replicas} needs runner=sim (simulated replicas on one virtual "
-                         f"clock); runner={runner['name']} serves one engine")
+    if cluster.replicas > 1 and runner["name"] not in ("sim", "real"):
+        raise ValueError(f"cluster.replicas={cluster.replicas} needs runner=real (replicas in Ray actors) or "
+                         f"runner=sim (simulated replicas on one virtual clock); runner={runner['name']} serves one "
+                         "engine")
+    if cluster.replicas > 1 and runner["name"] == "real" and cfg.live.mode != "off":
+        raise ValueError(f"live={cfg.live.mode} watches one engine's KV blocks; it is not available with real "
+                         f"replicas yet (cluster.replicas={cluster.replicas}); use live=off")
+    if cluster.replicas > 1 and runner["name"] == "real" and importlib.util.find_spec("ray") is None:
+        raise ValueError(f"cluster.replicas={cluster.replicas} runs its replicas on Ray, which is not installed "
+                         "(pip install 'nanovllm[ray]'), or use runner=sim")
     return cluster
 
 
@@ -242,7 +249,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         STOP.starting("starting the engine")  # the model, the kernels, the warm-up: see interrupt.startup_phase
         with _engine_field_errors():
             served = served_engine(checked.runner, checked.hardware, checked.engine, cluster=checked.cluster,
-                                   router=checked.router, **plugins)
+                                   router=checked.router, plugin_paths=list(cfg.plugins), **plugins)
         engine = served.engine
         STOP.starting("generating the workload")
         workload = generate_workload(cfg.workload, engine.tokenizer)
@@ -251,6 +258,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                       checked.engine.device)
     except BaseException:
         live.close()  # the dashboard process must not outlive a start-up that failed or was interrupted
+        if "served" in locals():
+            _close(served)
         raise
     STOP.starting("starting the loggers")
 
@@ -277,6 +286,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         for logger in started:
             logger.finish()
+        _close(served)  # real replicas (Ray actors) end with the run, whatever ended it
 
     print(format_summary(result.summary))
     print(format_breakdown(result.by_priority, "priority"))
@@ -289,6 +299,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(f"run files: {run_dir}")
     live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
+
+
+def _close(served: Any) -> None:
+    close = getattr(served, "close", None)
+    if close is not None:
+        close()
 
 
 def _task(cfg: DictConfig) -> float | None:

@@ -81,15 +81,18 @@ def _check_simulation(runner: Mapping[str, Any], hardware: Mapping[str, Any] | N
 
 def served_engine(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None, config: EngineConfig,
                   cluster: ClusterConfig | None = None, router: PluginSpec = "round_robin",
-                  **plugins: PluginSpec) -> ServedEngine:
+                  plugin_paths: Any = (), **plugins: PluginSpec) -> ServedEngine:
     """The engine the (checked) ``runner`` node asks for, with its clock and cost model: the simulator gets its
     step-time model and virtual clock (``Simulation.from_config``); any other runner is the engine's own, on
     the wall clock, its options passed through. With ``cluster.replicas`` > 1 (simulated), that many replicas
-    behind ``router`` (``nanovllm.harness.cluster.ServedCluster``)."""
+    behind ``router`` (``nanovllm.harness.cluster.ServedCluster``); with runner ``real``, that many engines in Ray
+    actors (``plugin_paths``: the files they import first, as this process did)."""
     if cluster is not None and cluster.replicas > 1:
         from nanovllm.harness.cluster import ServedCluster
 
-        return ServedCluster.simulated(cluster, router, runner, hardware, config, **plugins)
+        if runner["name"] == SIM:
+            return ServedCluster.simulated(cluster, router, runner, hardware, config, **plugins)
+        return ServedCluster.real(cluster, router, config, plugin_paths=plugin_paths, **plugins)
     if runner["name"] == SIM:
         return Simulation.from_config(runner, hardware, config, **plugins)
     return ServedEngine.build(config, dict(runner), **plugins)

@@ -253,3 +253,28 @@ def test_radix_a_request_that_lost_the_race_to_cache_a_block_keeps_its_copy_priv
     cache.free(second)
     assert cache.num_cached_blocks() == 0 and cache.num_free_blocks() == 8
     assert cache.cached_prefix_len(Request("probe", block_tokens(1, 2), SamplingParams(max_tokens=1), 0.0)) == 0
+
+
+@pytest.mark.parametrize("allocator", ["prefix", "radix"])
+def test_cached_block_keys_are_what_a_prefix_lookup_follows(allocator):
+    """What a real cluster's driver mirrors: the keys of the cached blocks, chained as ``prefix_block_keys`` hashes a
+    prompt, so walking them gives ``cached_prefix_len``; evicted blocks leave the set (paged caches nothing)."""
+    from nanovllm.allocator import prefix_block_keys
+
+    assert ALLOCATORS.get("paged")(num_blocks=8, block_size=4).cached_block_keys() is None
+    cache = ALLOCATORS.get(allocator)(num_blocks=4, block_size=4)
+    a = make_request("a", list(range(100, 111)), max_tokens=1)   # 11 tokens: two full blocks cached
+    cache.allocate(a, a.num_tokens)
+    _compute(cache, a, a.num_tokens)
+    keys = cache.cached_block_keys()
+    probe = make_request("p", list(range(100, 108)) + [7, 7, 7], max_tokens=1)
+    walked = 0
+    for key in prefix_block_keys(probe.token_ids, 4):
+        if key not in keys:
+            break
+        walked += 4
+    assert keys == set(prefix_block_keys(a.token_ids, 4)[:2]) and walked == cache.cached_prefix_len(probe) == 8
+    cache.free(a)
+    b = make_request("b", list(range(200, 216)), max_tokens=1)  # needs every block: the cached ones are evicted
+    cache.allocate(b, b.num_tokens)
+    assert not keys & cache.cached_block_keys()

@@ -154,7 +154,10 @@ def test_the_command_line_serves_a_simulated_cluster():
      r"cluster.replica_overrides.0: unknown engine field\(s\) num_kv_block"),
     (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={0: {num_kv_blocks: -1}}"],
      r"cluster.replica_overrides.0.num_kv_blocks"),
-    (["cluster.replicas=2"], r"cluster.replicas=2 needs runner=sim"),
+    (["runner=tp", "cluster.replicas=2"], r"cluster.replicas=2 needs runner=real \(replicas in Ray actors\) or "
+                                          r"runner=sim"),
+    (["cluster.replicas=2", "live=web"], r"live=web watches one engine's KV blocks; it is not available with real "
+                                         r"replicas yet"),
     (["runner=sim", "cluster.replicas=2", "router.name=nope"], r"unknown router 'nope'"),
     (["runner=sim", "cluster.replicas=2", "router=least_loaded", "router.metric=bytes"],
      r"router.metric must be one of requests, tokens"),

@@ -168,3 +168,19 @@ def test_a_dead_worker_ends_the_run_with_an_error_naming_it(mode) -> None:
     _, err = proc.communicate(timeout=240)  # a hang fails here
     assert proc.returncode == 1
     assert f"WorkerDiedError: tensor-parallel worker rank 1 (pid {pid}) exited with status -9" in err, err[-3000:]
+
+
+def test_a_script_without_the_main_guard_gets_one_error_naming_it(tmp_path) -> None:
+    """A script that builds a tensor-parallel engine at its top level: each spawned worker imports it again and
+    would build one too. The worker stops at once and the script gets one RuntimeError naming the fix, not a
+    WorkerDiedError under multiprocessing's bootstrapping message."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from nanovllm import LLM\n\nLLM(tensor_parallel_size=2, num_kv_blocks=64, max_model_len=256, "
+                      "warmup=False)\nprint('built')\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and "built" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: tensor_parallel_size > 1 starts worker processes") and \
+        'if __name__ == "__main__":' in last, proc.stderr[-3000:]
+    assert "WorkerDiedError" not in proc.stderr and "bootstrapping phase" not in proc.stderr

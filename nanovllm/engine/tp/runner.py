@@ -43,6 +43,22 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot run another step."""
 
 
+# A worker exits with this status when it finds itself re-running the main script's top level (see below).
+MAIN_GUARD_STATUS = 86
+MAIN_GUARD_MESSAGE = (
+    "tensor_parallel_size > 1 starts worker processes, and each one imports the main script again: the code "
+    "that builds the engine must not run when it is imported. Put it under `if __name__ == \"__main__\":` "
+    "(https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods)")
+
+
+def exit_if_bootstrapping() -> None:
+    """In a spawned worker that is still importing the parent's main script (a script without the
+    ``if __name__ == "__main__":`` guard builds an engine at its top level, so the worker would build one too):
+    exit at once with ``MAIN_GUARD_STATUS``, which the parent turns into one error naming the fix."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(MAIN_GUARD_STATUS)
+
+
 def check_parallel_resources(world: int, device: str) -> None:
     """Raise ``ValueError`` when the machine has fewer CPU cores (or GPUs, on CUDA) than ``world`` ranks."""
     if torch.device(device).type == "cuda":
@@ -63,6 +79,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, context: RunnerContext) -> None:
         """Start ranks 1..N-1 (``N = tensor_parallel_size``), load rank 0's shard here, connect them. The
         shards are cut from the unfused projections, so tensor-parallel runs never take the fast layouts."""
+        exit_if_bootstrapping()
         config, hf_config, attention = context.config, context.hf_config, context.attention
         world, device, dtype, model_dir = config.tensor_parallel_size, config.device, config.dtype, context.model_dir
         check_tensor_parallel_size(hf_config.num_attention_heads, hf_config.num_key_value_heads, world)
@@ -137,6 +154,8 @@ class TensorParallelRunner(ModelRunner):
         dead = [(rank, p) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
         if dead:
             self.close()
+            if any(p.exitcode == MAIN_GUARD_STATUS for _, p in dead):
+                raise RuntimeError(MAIN_GUARD_MESSAGE)
             raise WorkerDiedError("tensor-parallel worker " + ", ".join(
                 f"rank {rank} (pid {p.pid}) exited with status {p.exitcode}" for rank, p in dead
             ) + "; the engine cannot continue (its traceback, if any, is above)")

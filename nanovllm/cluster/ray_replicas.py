@@ -1,0 +1,547 @@
+"""Real replicas: each one an ``LLMEngine`` in its own Ray actor (its own process, model and KV cache), behind
+the router in the driver. ``RayCluster`` is the same engine-like facade as the simulated ``Cluster`` (its
+``_route`` is that class's: the same views, checks and router calls), so ``LLM.generate`` and the harness's
+``serve`` drive it unchanged.
+
+The step. Every replica with work has exactly one ``ReplicaActor.run`` call in flight: it adds the requests
+routed to it since its last call, runs one engine step and returns plain data (the step's record, the requests
+that ended, the replica's state). ``step()`` waits for the first call of any replica to come back, sends that
+replica its next call at once (its new requests with it), and returns the step as one engine's ``StepOutput``
+with ``record["replica"]``. So replicas step concurrently in their processes while the loop in the driver
+sees one step at a time, in the order they end. A request routed while every replica is mid-step is routed at
+its arrival (its view is the one the router gets) and joins its replica's next step, as a request arriving
+during a step of one engine does.
+
+Views. A replica's view is its last reported state (running, waiting, free blocks, queued tokens, decoding,
+recent TTFT/ITL) plus what the driver routed to it since (those requests count as waiting, their prompts as
+queued tokens). ``prefix_match_tokens`` reads a driver-side mirror of the replica's prefix cache: each call
+returns the keys (``prefix_block_key``) of the blocks its allocator caches that were added and removed in the
+step (``BlockAllocator.cached_block_keys``), and a lookup hashes the request's full blocks once per route and
+walks each replica's key set: no round trip, at most one step stale. An allocator that does not expose its
+keys reports none (``prefix_match_tokens`` 0).
+
+Time. Arrival times cross as perf_counter seconds of the driver. Processes on one machine share that clock
+(CLOCK_MONOTONIC); an actor on another node gets an offset measured once with a round trip (NTP-style, error
+under half a round trip), which the driver adds to what it sends and takes off what comes back.
+
+Deaths. A call that fails because its actor is gone (``ray.kill``, a crash, a lost node) marks the replica
+dead (its view ``alive=False``, so routers skip it), and fails each request it held with ``error`` "replica N
+died: ..." in one model-free step record of that replica; the others go on. An exception raised by the engine
+inside a live actor is re-raised in the driver as it was (a plugin bug ends the run, as on one engine).
+
+Lifetime. With no address, a local Ray instance (127.0.0.1, no dashboard) is started and stopped with the
+cluster; ``address="auto"`` or ``ray://...`` joins a running one (then only this cluster's actors are
+stopped). ``close()`` kills the actors and shuts down what it started; a finalizer does the same when the
+cluster is collected or the interpreter exits (normally, on an exception, after Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+import types
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from nanovllm.allocator import prefix_block_keys
+from nanovllm.cluster.cluster import Cluster
+from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.replica import LocalReplica
+from nanovllm.config import EngineConfig, torch_dtype
+from nanovllm.engine.engine import LLMEngine, PluginSpec, StepOutput
+from nanovllm.outputs import StepRecord
+from nanovllm.request import Request, RequestStatus
+from nanovllm.router import ReplicaView, Router, StepTimeEstimate
+
+START_TIMEOUT_S = 600.0   # how long the replicas may take to start and load the model
+
+
+class ReplicaActor:
+    """One replica in its Ray actor: an engine, and the running figures a view needs (``LocalReplica``'s)."""
+
+    def __init__(self, index: int, config: EngineConfig, plugins: Mapping[str, PluginSpec],
+                 plugin_paths: Sequence[str], threads: int) -> None:
+        import torch
+
+        from nanovllm.plugins import load_plugins
+
+        torch.set_num_threads(threads)
+        load_plugins(list(plugin_paths))
+        self.engine = LLMEngine(config, **plugins)
+        self.replica = LocalReplica(index, self.engine)
+        self._keys: set[int] = set()
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        engine = self.engine
+        return {"describe": self.replica.describe(), "max_model_len": engine.max_model_len,
+                "num_kv_blocks": engine.num_kv_blocks, "block_size": engine.config.block_size,
+                "max_logprobs": engine.max_logprobs, "warmup_time": engine.warmup_time,
+                "warmup_steps": engine.warmup_steps, "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "state": self._state()}
+
+    def clock(self) -> float:
+        return self.engine.clock()
+
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """What this replica's allocator itself says of a prompt (what the driver's mirror must agree with)."""
+        from nanovllm.sampling import SamplingParams
+
+        request = Request("probe", list(token_ids), SamplingParams(), 0.0)
+        return self.engine.allocator.cached_prefix_len(request)
+
+    def run(self, new: list[dict[str, Any]], abort: str | None) -> dict[str, Any]:
+        """Add ``new`` requests (plain data), abort everything when ``abort`` says why, run one step."""
+        engine = self.engine
+        for spec in new:
+            fields = {key: spec[key] for key in ("arrival_time", "priority", "client_id", "request_id", "slo_ttft",
+                                                "slo_e2el", "session_id")}
+            error = spec["error"]
+            if error is None:
+                try:
+                    request = engine.make_request(spec["prompt_token_ids"], spec["sampling_params"], **fields)
+                except ValueError as exc:
+                    error = str(exc)
+            if error is not None:
+                request = engine.rejected_request(spec["prompt_token_ids"], spec["sampling_params"], **fields)
+            request.replica = self.replica.index
+            self.replica.add(request, error=error)
+        if abort is not None:
+            engine.abort_all(abort)
+        if not engine.has_unfinished():
+            return {"record": None, "finished": [], "state": self._state()}
+        output = self.replica.step()
+        return {"record": dict(output.record), "finished": [_ended(r) for r in output.finished],
+                "state": self._state()}
+
+    def _state(self) -> dict[str, Any]:
+        scheduler, allocator, replica = self.engine.scheduler, self.engine.allocator, self.replica
+        keys = allocator.cached_block_keys()
+        added: list[int] = []
+        removed: list[int] = []
+        if keys is not None:
+            added, removed = list(keys - self._keys), list(self._keys - keys)
+            self._keys = keys
+        return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                "num_free_blocks": allocator.num_free_blocks(), "num_total_blocks": allocator.num_blocks,
+                "num_queued_tokens": replica.num_queued_tokens, "num_decoding": replica.num_decoding,
+                "recent_ttft": replica.recent_ttft, "recent_itl": replica.recent_itl,
+                "keys_added": added, "keys_removed": removed}
+
+
+def _ended(request: Request) -> dict[str, Any]:
+    """What the driver needs of a request that ended in an actor (times on the actor's clock)."""
+    return {"request_id": request.request_id, "output_token_ids": request.output_token_ids,
+            "status": request.status.value, "num_computed_tokens": request.num_computed_tokens,
+            "num_cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
+            "num_recomputed_tokens": request.num_recomputed_tokens,
+            "max_computed_tokens": request.max_computed_tokens,
+            "first_scheduled_time": request.first_scheduled_time, "first_token_time": request.first_token_time,
+            "finish_time": request.finish_time, "token_times": request.token_times,
+            "finish_reason": request.finish_reason, "error": request.error, "logprobs": request.logprobs}
+
+
+class _Frontend:
+    """The engine's own request checks (``LLMEngine.make_request`` and the methods it calls) on the limits a
+    replica reported: the driver tokenizes and validates without a model of its own."""
+
+    make_request = LLMEngine.make_request
+    rejected_request = LLMEngine.rejected_request
+    _validate_tokens = LLMEngine._validate_tokens
+    _best_effort_tokens = LLMEngine._best_effort_tokens
+
+    def __init__(self, info: Mapping[str, Any], tokenizer: Any, hf_config: Any, runner: Any) -> None:
+        self.tokenizer, self.runner, self.clock = tokenizer, runner, time.perf_counter
+        self.max_model_len, self.num_kv_blocks = info["max_model_len"], info["num_kv_blocks"]
+        self.max_logprobs, self.vocab_size = info["max_logprobs"], hf_config.vocab_size
+        eos = hf_config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # BlockAllocator.blocks_for's formula (the engine checks a request against its cache with it).
+        self.allocator = types.SimpleNamespace(blocks_for=lambda n, size=info["block_size"]: -(-n // size))
+        self._ids = itertools.count()
+
+
+class RemoteReplica:
+    """The driver's side of one actor: its last reported state, what was routed to it since, its in-flight
+    call and the requests it holds (by id)."""
+
+    def __init__(self, index: int, actor: Any, info: Mapping[str, Any], offset: float) -> None:
+        self.index, self.actor, self.info, self.offset = index, actor, info, offset
+        self.alive = True
+        self.num_routed = 0
+        self.state: dict[str, Any] = dict(info["state"])
+        self.keys: set[int] = set(self.state.pop("keys_added"))
+        self.state.pop("keys_removed")
+        self.held: dict[str, Request] = {}              # request id -> request, until it ends
+        self.unsent: list[tuple[Request, str | None]] = []
+        self.sending: list[Request] = []                # the (accepted) requests of the call in flight
+        self.in_flight: Any = None                      # its ObjectRef
+        self.abort: str | None = None
+        self._view: ReplicaView | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.info["describe"])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.held)
+
+    def view(self, request: Request, lookup: Any) -> ReplicaView:
+        if self._view is None:
+            state, config = self.state, self.info["describe"]
+            transit = self.sending + [r for r, error in self.unsent if error is None]
+            self._view = ReplicaView(
+                index=self.index, alive=self.alive, num_running=state["num_running"],
+                num_waiting=state["num_waiting"] + len(transit), num_free_blocks=state["num_free_blocks"],
+                num_total_blocks=state["num_total_blocks"], block_size=config["block_size"],
+                num_queued_tokens=state["num_queued_tokens"] + sum(r.num_prompt_tokens for r in transit),
+                num_decoding=state["num_decoding"], max_num_seqs=config["max_num_seqs"],
+                max_num_batched_tokens=config["max_num_batched_tokens"], recent_ttft=state["recent_ttft"],
+                recent_itl=state["recent_itl"], num_routed=self.num_routed,
+                prefix_lookup=lambda r: lookup(self, r))
+        return self._view.bind(request)
+
+    def send(self) -> None:
+        """The next call: the requests routed since the last one, and the abort if one was asked."""
+        new = [_plain(request, error, self.offset) for request, error in self.unsent]
+        self.sending = [request for request, error in self.unsent if error is None]
+        self.unsent = []
+        self.in_flight = self.actor.run.remote(new, self.abort)
+        self.abort = None
+
+
+def _plain(request: Request, error: str | None, offset: float) -> dict[str, Any]:
+    return {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids),
+            "sampling_params": request.sampling_params, "arrival_time": request.arrival_time + offset,
+            "priority": request.priority, "client_id": request.client_id, "slo_ttft": request.slo_ttft,
+            "slo_e2el": request.slo_e2el, "session_id": request.session_id, "error": error}
+
+
+class RayCluster(Cluster):
+    """``replicas`` real engines in Ray actors behind ``router``; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, cluster: ClusterConfig, router: Router,
+                 plugins: Mapping[str, PluginSpec] | None = None, plugin_paths: Sequence[str] = (),
+                 step_time: StepTimeEstimate | None = None) -> None:
+        if cluster.address is None:
+            # A local instance serves this machine only: its daemons and workers on the loopback address
+            # (Ray otherwise advertises the machine's outward address). Read when ray is first imported.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+        import torch
+        from transformers import AutoConfig, AutoTokenizer
+
+        from nanovllm.models.loader import resolve_model
+
+        self.router = router
+        if step_time is not None:
+            router.bind_step_time(step_time)
+        self.imbalance: list[float] = []
+        self._reports: deque[StepOutput] = deque()
+        self._last_keys: tuple[Request | None, list[int]] = (None, [])
+        self._started = _start_ray(cluster.address, cluster.replicas)
+        actors: list[Any] = []
+        self._finalizer = weakref.finalize(self, _stop, actors, self._started)
+        try:
+            threads = max(1, _cpus(self._started) // cluster.replicas)
+            actor_class = ray.remote(ReplicaActor)
+            env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                os.environ.get("PYTHONPATH")])),
+                   "OMP_NUM_THREADS": str(threads)}
+            paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in plugin_paths]
+            for index in range(cluster.replicas):
+                actors.append(actor_class.options(num_cpus=threads, max_restarts=0, max_task_retries=0,
+                                                  runtime_env={"env_vars": env}).remote(
+                    index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads))
+            model_dir = resolve_model(config.model)
+            self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.hf_config = AutoConfig.from_pretrained(model_dir)
+            infos = _gather([actor.info.remote() for actor in actors], "start")
+        except BaseException:
+            self._finalizer()
+            raise
+        node = ray.get_runtime_context().get_node_id()
+        self.replicas = [RemoteReplica(index, actor, info, 0.0 if info["node_id"] == node else _offset(actor))
+                         for index, (actor, info) in enumerate(zip(actors, infos))]
+        self._runner = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch_dtype(config.dtype),
+                                             model=None, clock=time.perf_counter)
+        self.clock = time.perf_counter
+        self._config = config
+        limits: dict[tuple[int, int, int], _Frontend] = {}
+        for info in infos:
+            key = (info["max_model_len"], info["num_kv_blocks"], info["block_size"])
+            limits.setdefault(key, _Frontend(info, self._tokenizer, self.hf_config, self._runner))
+        self._validators = list(limits.values())
+
+    # -- what the loops read, as of an engine ----------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:  # type: ignore[override]
+        return self._config
+
+    @property
+    def tokenizer(self) -> Any:  # type: ignore[override]
+        return self._tokenizer
+
+    @property
+    def runner(self) -> Any:  # type: ignore[override]
+        """What the loops read of a runner: the replicas' dtype, a device for seeded generators, no model."""
+        return self._runner
+
+    @property
+    def engines(self) -> list[Any]:  # type: ignore[override]
+        return []
+
+    @property
+    def warmup_time(self) -> float:  # type: ignore[override]
+        return sum(replica.info["warmup_time"] for replica in self.replicas)
+
+    @property
+    def warmup_steps(self) -> int:  # type: ignore[override]
+        return sum(replica.info["warmup_steps"] for replica in self.replicas)
+
+    @property
+    def actor_pids(self) -> list[int]:
+        return [replica.info["pid"] for replica in self.replicas]
+
+    def rejected_request(self, prompt: str | list, sampling_params: Any, **fields: Any) -> Request:
+        return self._validators[0].rejected_request(prompt, sampling_params, **fields)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        now = request.arrival_time
+        index = self._route(request, now)
+        replica = self.replicas[index]
+        request.replica = index
+        replica.num_routed += 1
+        replica.held[request.request_id] = request
+        replica.unsent.append((request, error))
+        replica._view = None
+        self._ask("on_arrival", request, index, now)
+        if replica.in_flight is None:
+            replica.send()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._reports) or any(replica.held for replica in self.replicas)
+
+    def abort_all(self, reason: str = "aborted") -> list[str]:
+        ids: list[str] = []
+        for replica in self.replicas:
+            if replica.alive and replica.held:
+                ids += list(replica.held)
+                replica.abort = reason
+                if replica.in_flight is None:
+                    replica.send()
+        return ids
+
+    def view_keys(self, request: Request) -> list[int]:
+        """The prefix-block keys of ``request``'s prompt, hashed once per route (every replica's lookup)."""
+        last, keys = self._last_keys
+        if last is not request:
+            keys = prefix_block_keys(request.token_ids, self._config.block_size)
+            self._last_keys = (request, keys)
+        return keys
+
+    def _prefix_match(self, replica: RemoteReplica, request: Request) -> int:
+        matched = 0
+        for key in self.view_keys(request):
+            if key not in replica.keys:
+                break
+            matched += 1
+        return matched * replica.info["block_size"]
+
+    def _route(self, request: Request, now: float) -> int:
+        views = [replica.view(request, self._prefix_match) for replica in self.replicas]
+        return self._choose(request, views, now)
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def next_ready_time(self) -> float | None:
+        return time.perf_counter() if self.has_unfinished() else None
+
+    def step(self) -> StepOutput:
+        """The next step any replica reports (or a dead replica's failed requests), as one engine's."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        while not self._reports:
+            flights = {replica.in_flight: replica for replica in self.replicas if replica.in_flight is not None}
+            if not flights:
+                raise RuntimeError("RayCluster.step() called with no replica holding a request")
+            ready, _ = ray.wait(list(flights), num_returns=1)
+            replica = flights[ready[0]]
+            replica.in_flight = None
+            try:
+                result = ray.get(ready[0])
+            except RayTaskError as exc:   # the engine raised inside a live actor: as one engine's step would
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise
+            except RayActorError as exc:
+                self._died(replica, exc)
+                continue
+            output = self._apply(replica, result)
+            if replica.held or replica.unsent:
+                replica.send()
+            if output is not None:
+                return output
+        return self._reports.popleft()
+
+    def _apply(self, replica: RemoteReplica, result: Mapping[str, Any]) -> StepOutput | None:
+        state = dict(result["state"])
+        replica.keys.difference_update(state.pop("keys_removed"))
+        replica.keys.update(state.pop("keys_added"))
+        replica.state, replica.sending, replica._view = state, [], None
+        if result["record"] is None:
+            return None
+        offset = replica.offset
+        finished = []
+        for plain in result["finished"]:
+            request = replica.held.pop(plain["request_id"])
+            _finish(request, plain, offset)
+            finished.append(request)
+        now = time.perf_counter()
+        for request in finished:
+            self._ask("on_finish", request, replica.index, now)
+        record = dict(result["record"])
+        record.update(start_time=record["start_time"] - offset, replica=replica.index)
+        return StepOutput(finished, record)  # type: ignore[arg-type]
+
+    def _died(self, replica: RemoteReplica, exc: BaseException) -> None:
+        replica.alive, replica._view = False, None
+        reason = f"replica {replica.index} died: {_first_line(exc)}"
+        now = time.perf_counter()
+        failed = list(replica.held.values())
+        replica.held.clear()
+        replica.unsent, replica.sending = [], []
+        for request in failed:
+            request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
+        for request in failed:
+            self._ask("on_finish", request, replica.index, now)
+        state = replica.state
+        record = StepRecord(
+            step=0, start_time=now, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0,
+            num_decode_seqs=0, num_running=0, num_waiting=0, num_preempted=0, kv_blocks_used=0,
+            kv_blocks_cached=0, kv_blocks_free=state["num_total_blocks"], kv_blocks_total=state["num_total_blocks"],
+            context_tokens=0, attn_pairs=0, num_sampled=0, prefix_hit_tokens=0, recomputed_tokens=0,
+            num_evictions=0, kv_slots_unused=0)
+        record["replica"] = replica.index  # type: ignore[typeddict-unknown-key]
+        self._reports.append(StepOutput(failed, record))
+
+    # -- lifetime ----------------------------------------------------------------------------------------------
+    def kill_replica(self, index: int) -> None:
+        """Kill replica ``index``'s actor (as a crash would): its requests fail at the next ``step``."""
+        import ray
+
+        ray.kill(self.replicas[index].actor, no_restart=True)
+
+    def close(self) -> None:
+        """Stop the actors and the Ray instance this cluster started (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "RayCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _finish(request: Request, plain: Mapping[str, Any], offset: float) -> None:
+    """The driver's ``request`` as it ended in the actor."""
+
+    def back(t: float | None) -> float | None:
+        return None if t is None else t - offset
+
+    request.token_ids = list(request.prompt_token_ids) + list(plain["output_token_ids"])
+    request.status = RequestStatus(plain["status"])
+    for key in ("num_computed_tokens", "num_cached_tokens", "num_preemptions", "num_recomputed_tokens",
+                "max_computed_tokens", "finish_reason", "error", "logprobs"):
+        setattr(request, key, plain[key])
+    request.first_scheduled_time = back(plain["first_scheduled_time"])
+    request.first_token_time = back(plain["first_token_time"])
+    request.finish_time = back(plain["finish_time"])
+    request.token_times = [t - offset for t in plain["token_times"]]
+
+
+# -- Ray ----------------------------------------------------------------------------------------------------------
+
+def _start_ray(address: str | None, replicas: int) -> bool:
+    """Connect to Ray; True when this call did it (so ``close`` disconnects, stopping a local instance)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None:
+        ray.init(num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False, log_to_driver=True,
+                 logging_level="WARNING")
+    else:
+        ray.init(address=address, logging_level="WARNING")
+    return True
+
+
+def _cpus(local: bool) -> int:
+    """The cores the replicas share: this machine's for a local instance, the cluster's CPUs otherwise."""
+    import ray
+
+    cores = os.cpu_count() or 1
+    if local:
+        return cores
+    return int(ray.cluster_resources().get("CPU", cores))
+
+
+def _gather(refs: list[Any], what: str) -> list[Any]:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(refs, timeout=START_TIMEOUT_S)
+    except GetTimeoutError:
+        raise RuntimeError(f"the replicas did not {what} within {START_TIMEOUT_S:.0f} s (not enough CPUs "
+                           "for their actors in the Ray cluster?)") from None
+    except (RayActorError, RayTaskError) as exc:
+        cause = getattr(exc, "cause", None) or getattr(exc, "error_msg", None) or exc
+        if isinstance(cause, ValueError):
+            raise cause from None
+        raise RuntimeError(f"a replica failed to {what}: {_first_line(cause)}") from None
+
+
+def _offset(actor: Any) -> float:
+    """The actor's perf_counter minus the driver's, from the round trip with the smallest delay of five."""
+    import ray
+
+    best = None
+    for _ in range(5):
+        sent = time.perf_counter()
+        theirs = ray.get(actor.clock.remote())
+        back = time.perf_counter()
+        if best is None or back - sent < best[0]:
+            best = (back - sent, theirs - (sent + back) / 2)
+    return best[1]
+
+
+def _stop(actors: list[Any], started: bool) -> None:
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 -- already gone
+                pass
+        if started:
+            ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- at exit, say it and go on
+        print(f"nanovllm: stopping the Ray replicas failed: {exc}", file=sys.stderr)
+
+
+def _first_line(exc: Any) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+__all__ = ["RayCluster", "ReplicaActor", "RemoteReplica"]

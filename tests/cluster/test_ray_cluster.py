@@ -1,0 +1,224 @@
+"""Real replicas on Ray: two engines in Ray actors behind a router, driven like one engine (one module-scoped
+cluster, float32, no warm-up, to keep the file cheap). The cluster generates what one engine does, its views
+follow the replicas' reported state (the prefix-cache mirror agrees with each replica's own allocator), a
+served run writes where each request and step ran, a replica killed mid-run fails its requests with the reason
+while the router sends the rest to the live one, and no Ray process is left once it is closed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from helpers import REPO
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # as RayCluster sets it: Ray on 127.0.0.1 only
+ray = pytest.importorskip("ray")
+
+ENGINE = dict(num_kv_blocks=256, max_model_len=512, warmup=False)
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+LONG = ("You are a helpful assistant. Answer every question briefly and precisely, citing what you know. " * 3)
+
+
+def ray_processes() -> list[psutil.Process]:
+    """Ray's daemons started by this session's processes (raylet, gcs_server)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        except psutil.Error:
+            continue
+        if "raylet" in text or "gcs_server" in text:
+            found.append(proc)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster_llm():
+    from nanovllm import LLM
+
+    before = {p.pid for p in ray_processes()}
+    llm = LLM(cluster=dict(replicas=2), router="round_robin", allocator="prefix", **ENGINE)
+    yield llm
+    llm.close()
+    assert not ray.is_initialized()
+    assert not [p for p in ray_processes() if p.pid not in before]
+
+
+def test_two_replicas_generate_what_one_engine_does(cluster_llm):
+    from nanovllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    served = cluster_llm.generate(PROMPTS, params, use_tqdm=False)
+    alone = LLM(allocator="prefix", **ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in served] == [o.token_ids for o in alone]
+    assert [o.text for o in served] == [o.text for o in alone]
+    assert [o.finish_reason for o in served] == [o.finish_reason for o in alone]
+    assert [replica.num_routed for replica in cluster_llm.engine.replicas] == [2, 2]   # round robin: both served
+
+
+def test_views_follow_each_replicas_state_and_its_prefix_cache_at_a_small_cost(cluster_llm):
+    from nanovllm import SamplingParams
+
+    cluster = cluster_llm.engine
+    [out] = cluster_llm.generate([LONG], SamplingParams(max_tokens=2), use_tqdm=False)
+    probe = cluster.make_request(out.prompt_token_ids, SamplingParams(max_tokens=2))
+    views = [replica.view(probe, cluster._prefix_match) for replica in cluster.replicas]
+    own = ray.get([replica.actor.cached_prefix_len.remote(probe.token_ids) for replica in cluster.replicas])
+    assert [view.prefix_match_tokens for view in views] == own       # the mirror is the allocator's answer
+    assert max(own) >= len(probe.token_ids) // 16 * 16 - 16 > 0      # one replica caches the prompt's blocks
+    assert all(v.num_outstanding == 0 and v.num_free_blocks == v.num_total_blocks == 256 for v in views)
+    # What a route costs: every replica's view (the prefix match read) for a 100-block prompt, in the driver.
+    from nanovllm import Request
+
+    long = Request("long", list(out.prompt_token_ids) * 25, SamplingParams(max_tokens=1), 0.0)
+    start, n = time.perf_counter(), 200
+    for _ in range(n):
+        for replica in cluster.replicas:
+            replica._view = None
+        cluster._last_keys = (None, [])
+        assert sum(replica.view(long, cluster._prefix_match).prefix_match_tokens for replica in cluster.replicas)
+    per_route = (time.perf_counter() - start) / n
+    print(f"views + prefix match of a {long.num_prompt_tokens}-token prompt on 2 replicas: "
+          f"{per_route * 1e6:.0f} us per route")
+    assert per_route < 0.005
+
+
+def test_a_served_run_records_where_each_request_and_step_ran(cluster_llm, tmp_path):
+    from nanovllm.harness.cluster import ServedCluster
+    from nanovllm.harness.loggers import JsonlLogger
+    from nanovllm.harness.monitor import ModelCost
+    from nanovllm.harness.records import read_run
+    from nanovllm.harness.serving import WallClock
+    from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+
+    cluster = cluster_llm.engine
+    served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, cluster.runner.dtype), [])
+    workload = generate_workload(SyntheticWorkloadConfig(
+        num_requests=6, request_rate=20.0, seed=1, input_len=LengthDist(kind="uniform", mean=24, range_ratio=0.5),
+        output_len=LengthDist(kind="uniform", mean=4, range_ratio=0.5)), cluster.tokenizer)
+    logger = JsonlLogger()
+    logger.start(tmp_path, {})
+    try:
+        result = served.serve(workload, loggers=[logger], progress=False)
+    finally:
+        logger.finish()
+    run = read_run(tmp_path)
+    assert sorted(r["request_id"] for r in run.requests) == [str(i) for i in range(6)]
+    assert all(r["error"] is None and r["replica"] in (0, 1) for r in run.requests)
+    assert {s["replica"] for s in run.steps} == {0, 1} and len(run.steps) == len(result.steps)
+    table = result.summary["per_replica"]
+    assert sum(row["requests"] for row in table.values()) == 6
+    assert sum(row["num_steps"] for row in table.values()) == len(result.steps)
+    assert result.summary["cluster_replicas"] == 2 and result.summary["router"] == "round_robin"
+    assert result.summary["load_imbalance_mean"] >= 1.0 and set(result.breakdowns["replica"]) == {"0", "1"}
+
+
+def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoids_it(cluster_llm):
+    """Replica 1 is killed (ray.kill) once it has run a step of the served run: what it held fails with the
+    reason, the requests that arrive later all go to replica 0 and finish, none is lost. (Last test of the
+    module cluster: it loses a replica.)"""
+    from nanovllm.harness.cluster import ServedCluster
+    from nanovllm.harness.loggers import RunLogger
+    from nanovllm.harness.monitor import ModelCost
+    from nanovllm.harness.serving import WallClock
+    from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+
+    cluster = cluster_llm.engine
+    killed_at: list[float] = []
+
+    class KillReplicaOne(RunLogger):
+        def log_step(self, step):
+            if step["replica"] == 1 and not killed_at:
+                cluster.kill_replica(1)
+                killed_at.append(step["start_time"] + step["duration"])
+
+    served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, cluster.runner.dtype), [])
+    workload = generate_workload(SyntheticWorkloadConfig(
+        num_requests=8, request_rate=4.0, seed=2, input_len=LengthDist(kind="uniform", mean=24, range_ratio=0.5),
+        output_len=LengthDist(kind="fixed", mean=12)), cluster.tokenizer)
+    workload = [dataclasses.replace(w, ignore_eos=True) for w in workload]
+    result = served.serve(workload, loggers=[KillReplicaOne()], progress=False)
+    assert killed_at and len(result.requests) == 8
+    died = [r for r in result.requests if r["error"] is not None]
+    assert died and all(r["replica"] == 1 and r["error"].startswith("replica 1 died: ") for r in died)
+    assert all(r["finish_reason"] == "length" for r in result.requests if r["error"] is None)
+    later = [r for r in result.requests if r["arrival_time"] > killed_at[0] + 0.5]
+    assert later and all(r["replica"] == 0 and r["error"] is None for r in later)
+    assert not cluster.replicas[1].alive and cluster.replicas[0].alive
+
+
+BOOM_PLUGIN = """
+from nanovllm import Policy, register_policy
+
+@register_policy("boom")
+class Boom(Policy):
+    def priority(self, request, now):
+        return 1 / 0
+"""
+
+
+def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_process(tmp_path):
+    """The exception path: a plugin (loaded in the driver and, from ``plugins``, in every actor) raises inside a
+    replica's step; the run ends with the engine's own one-line error, every request that arrived is written,
+    and no Ray process is left."""
+    from nanovllm.harness.records import read_jsonl
+
+    (tmp_path / "boom.py").write_text(BOOM_PLUGIN)
+    before = {p.pid for p in ray_processes()}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", f"plugins=[{tmp_path / 'boom.py'}]",
+         "scheduler.name=boom", "workload.num_requests=4", "workload.max_tokens=4", "engine.num_kv_blocks=128",
+         "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false",
+         "progress=false", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert "policy 'boom' raised in priority()" in errors[0] and "ZeroDivisionError" in errors[0]
+    requests = read_jsonl(run_dir / "requests.jsonl")
+    assert requests and all(r["error"] for r in requests)
+    assert not [p for p in ray_processes() if p.pid not in before]
+
+
+def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(tmp_path):
+    """``python -m nanovllm.run cluster.replicas=2``, interrupted as a terminal's Ctrl-C does (SIGINT to its whole
+    process group, Ray's processes included) once both replicas have stepped: status 130, every request that
+    arrived is recorded (finished, or aborted "interrupted"), the per-replica table is printed and written, and
+    no Ray process is left."""
+    from nanovllm.harness.records import read_jsonl, read_run
+
+    before = {p.pid for p in ray_processes()}
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", "router=least_loaded",
+         "workload.num_requests=12", "workload.max_tokens=64", "engine.num_kv_blocks=128",
+         "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false",
+         "progress=false", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = read_jsonl(run_dir / "steps.jsonl", missing_ok=True)
+            if {s["replica"] for s in steps} == {0, 1}:
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted by SIGINT" in err and "load imbalance" in out
+    run = read_run(run_dir)
+    assert run.requests and run.metrics["unfinished"] == 0 and run.metrics["aborted"] > 0
+    assert all(r["finish_reason"] in ("stop", "length") or r["error"] == "interrupted" for r in run.requests)
+    assert {r["replica"] for r in run.requests} == {0, 1} and set(run.metrics["per_replica"]) == {"0", "1"}
+    assert run.metrics["interrupted"] and run.metrics["router"] == "least_loaded"
+    assert not [p for p in ray_processes() if p.pid not in before]
