@@ -25,6 +25,7 @@ _EXPORTS = {
     "SchedulerView": "nanovllm.policy",
     "StepBudget": "nanovllm.policy",
     "register_policy": "nanovllm.policy",
+    "a_hair_before": "nanovllm.policy",
     "POLICIES": "nanovllm.policy",
     "EvictionTracker": "nanovllm.eviction",
     "EVICTION_POLICIES": "nanovllm.eviction",
@@ -80,7 +81,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.llm import LLM
     from nanovllm.outputs import RequestMetrics, RequestOutput
     from nanovllm.plugins import PluginImportError, load_plugins
-    from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, register_policy
+    from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, a_hair_before, register_policy
     from nanovllm.registry import Registry, UnknownPluginError
     from nanovllm.request import Request, RequestStatus
     from nanovllm.router import ROUTERS, ReplicaView, Router, RouterError, live_replicas, register_router

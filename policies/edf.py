@@ -9,7 +9,8 @@ Admission control (``admission_control=true``): a waiting request that can no lo
 rejected with the reason, instead of taking seats from requests that still can (past saturation, serving a
 hopeless request makes others late too). "Can no longer" means the deadline has passed, or (with a
 ``step_time`` estimate in seconds) fewer steps remain before it than the request needs at least: one for a
-first token, one per output token for an end-to-end deadline.
+first token, one per output token for an end-to-end deadline. The scheduler asks about a request only once
+that time could have come (``reject_after``), not at every step.
 
 A request without the target ``deadline`` names gets ``default_slo_ms``; without that either, with
 ``require_slo=true`` (as ``conf/scheduler/edf.yaml`` sets, so a workload without SLOs is caught) the run stops
@@ -20,13 +21,15 @@ from __future__ import annotations
 
 import math
 
-from nanovllm import Policy, Request, RequestStatus, register_policy
+from nanovllm import Policy, Request, RequestStatus, a_hair_before, register_policy
 
 DEADLINES = ("ttft", "e2el")
 
 
 @register_policy("edf")
 class EarliestDeadlineFirst(Policy):
+    waiting_key = "static"   # a waiting request's deadline is fixed (running ones keep arrival order)
+
     def __init__(self, deadline: str = "ttft", admission_control: bool = True, step_time: float = 0.0,
                  default_slo_ms: float | None = None, require_slo: bool = False) -> None:
         if deadline not in DEADLINES:
@@ -67,11 +70,21 @@ class EarliestDeadlineFirst(Policy):
             return (request.arrival_time,)
         return (self.deadline_of(request), request.arrival_time)
 
+    def _steps_needed(self, request: Request) -> int:
+        """The fewest steps ``request`` needs before its deadline: one for a first token, one per output token."""
+        return 1 if self.deadline == "ttft" else max(1, request.max_tokens)
+
     def reject_reason(self, request: Request, now: float) -> str | None:
         if not self.admission_control or request.status is not RequestStatus.WAITING:
             return None   # a preempted request already produced tokens: finish it rather than waste them
-        steps_needed = 1 if self.deadline == "ttft" else max(1, request.max_tokens)
-        if now + self.step_time * steps_needed > self.deadline_of(request):
+        if now + self.step_time * self._steps_needed(request) > self.deadline_of(request):
             return (f"cannot meet its {self.deadline} deadline ({self.slo_of(request) * 1000:.0f} ms after "
                     f"arrival)")
         return None
+
+    def reject_after(self, request: Request, now: float) -> float | None:
+        """``reject_reason``'s rule solved for ``now``: the last moment the request can still start in time."""
+        if not self.admission_control or request.status is not RequestStatus.WAITING:
+            return None
+        deadline, needed = self.deadline_of(request), self.step_time * self._steps_needed(request)
+        return None if math.isinf(deadline) else a_hair_before(deadline - needed, deadline, needed)

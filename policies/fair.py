@@ -4,7 +4,12 @@ Language Models", OSDI 2024).
 Each client has a counter of the service it received: prompt tokens weighted by ``input_weight`` and generated
 tokens by ``output_weight``. Requests of the least-served client go first. A client that comes back after
 being idle has its counter lifted to the smallest counter among active clients, so idleness cannot be banked
-as credit."""
+as credit.
+
+Counters change at every step, so the waiting queue is re-sorted at every step (``waiting_key = "dynamic"``:
+exact, O(n log n) per step). ``waiting_window=W`` bounds that cost: only the W longest-waiting requests are
+ranked by counter each step, the rest wait behind them in arrival order (an approximation: exact while at most W
+wait; O(W log n) per step)."""
 
 from __future__ import annotations
 
@@ -17,11 +22,18 @@ from nanovllm import Policy, Request, register_policy
 
 @register_policy("fair")
 class VirtualTokenCounter(Policy):
-    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+    waiting_key = "dynamic"   # every step's service moves the counters
+
+    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0,
+                 waiting_window: int | None = None) -> None:
         for key, weight in (("input_weight", input_weight), ("output_weight", output_weight)):
             # A negative weight would make a client's counter fall as it is served: it would never give way.
             if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
                 raise ValueError(f"scheduler.{key} must be a finite number >= 0, got {weight!r}")
+        if waiting_window is not None and (isinstance(waiting_window, bool) or not isinstance(waiting_window, int)
+                                           or waiting_window < 1):
+            raise ValueError(f"scheduler.waiting_window must be an integer >= 1 or null, got {waiting_window!r}")
+        self.waiting_window = waiting_window
         self.input_weight = input_weight
         self.output_weight = output_weight
         self.counters: dict[str, float] = defaultdict(float)

@@ -16,6 +16,9 @@ from nanovllm import Policy, Request, register_policy
 
 @register_policy("mlfq")
 class MultiLevelFeedbackQueue(Policy):
+    # A level changes only with service, and a waiting request is not served: fixed while it waits.
+    waiting_key = "static"
+
     def __init__(self, quantum: int = 64, num_levels: int = 8, preempt: bool = False) -> None:
         for key, value in (("quantum", quantum), ("num_levels", num_levels)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

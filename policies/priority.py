@@ -13,6 +13,8 @@ class PriorityPolicy(Policy):
     latest-arrived running request. With ``preempt_for_priority`` (default on), a waiting request of strictly
     higher priority that cannot be admitted preempts the lowest-priority running request."""
 
+    waiting_key = "static"   # (priority, arrival): fixed for as long as a request waits
+
     def __init__(self, preempt_for_priority: bool = True) -> None:
         self.preempt_for_priority = preempt_for_priority
 

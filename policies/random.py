@@ -11,6 +11,8 @@ from nanovllm import Policy, Request, register_policy
 
 @register_policy("random")
 class RandomOrder(Policy):
+    waiting_key = "static"   # a request's rank is drawn once, when it arrives, and kept until it finishes
+
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._rng = random.Random(seed)

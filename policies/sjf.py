@@ -12,7 +12,12 @@ Scheduling by Learning to Rank", NeurIPS 2024). ``predictor`` chooses the output
 
 A job's remaining work is its uncomputed prompt tokens plus its predicted output tokens not yet generated.
 SJF starves long jobs under load; a request that has waited longer than ``max_wait`` seconds goes ahead of
-every non-starving one, oldest first (``max_wait=inf``, the default, is pure SJF)."""
+every non-starving one, oldest first (``max_wait=inf``, the default, is pure SJF).
+
+A waiting request's key is fixed but for that promotion, at a known time (``waiting_key = "timed"``), with the
+``oracle`` and ``prompt_length`` predictors. ``client_history`` learns from every finished request and a custom
+predictor may read anything, so with those the waiting queue is re-sorted every step (``"dynamic"``, O(n log n)
+per step); a subclass whose predictor is a pure function of the request can declare ``waiting_key = "timed"``."""
 
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ import math
 from collections import defaultdict
 from typing import Callable
 
-from nanovllm import Policy, Request, RequestStatus, register_policy
+from nanovllm import Policy, Request, RequestStatus, a_hair_before, register_policy
 
 PREDICTORS = ("oracle", "prompt_length", "client_history")
+FIXED_PREDICTORS = ("oracle", "prompt_length")   # their estimate of a waiting request never changes
 Predictor = Callable[[Request], float]
 
 
@@ -43,6 +49,7 @@ class ShortestJobFirst(Policy):
         self.max_wait = max_wait
         self.output_per_prompt_token = output_per_prompt_token
         self.predictor_name = predictor if isinstance(predictor, str) else getattr(predictor, "__name__", "callable")
+        self._fixed_predictor = isinstance(predictor, str) and predictor in FIXED_PREDICTORS
         self._predict = self._resolve(predictor)
         self._history: dict[str, list[int]] = defaultdict(list)
 
@@ -85,6 +92,10 @@ class ShortestJobFirst(Policy):
                              f"got {value!r} for request {request.request_id!r}")
         return value
 
+    @property
+    def waiting_key(self) -> str:   # see the module docstring
+        return "timed" if self._fixed_predictor else "dynamic"
+
     def priority(self, request: Request, now: float):
         starving = request.status is not RequestStatus.RUNNING and now - request.arrival_time > self.max_wait
         if starving:
@@ -92,6 +103,12 @@ class ShortestJobFirst(Policy):
         remaining_output = max(self.predicted_output_len(request) - request.num_output_tokens, 0)
         remaining_prompt = max(request.num_prompt_tokens - request.num_computed_tokens, 0)
         return (1, remaining_prompt + remaining_output, request.arrival_time)
+
+    def priority_changes_at(self, request: Request, now: float) -> float | None:
+        """A waiting request's key changes once, when it has waited ``max_wait``, and never again."""
+        if math.isinf(self.max_wait) or now - request.arrival_time > self.max_wait:
+            return None
+        return a_hair_before(request.arrival_time + self.max_wait, request.arrival_time, self.max_wait)
 
     def on_finish(self, request: Request, now: float) -> None:
         if request.num_output_tokens:

@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from nanovllm.allocator import BlockAllocator
-from nanovllm.policy import Policy, SchedulerView, StepBudget
+from nanovllm.engine.waiting_queue import WaitingQueue, waiting_queue_for
+from nanovllm.policy import Policy, PolicyError, SchedulerView, StepBudget
 from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import INVALID_TOKEN, NON_FINITE_REASON
 
-
-class PolicyError(RuntimeError):
-    """A policy method raised or returned something the scheduler cannot use."""
-
+__all__ = ["PolicyError", "Scheduler", "SchedulerOutput"]   # PolicyError lives with the seam; imported from here too
 
 @dataclass
 class SchedulerOutput:
@@ -62,14 +60,16 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # Admission keeps a few blocks spare so newly admitted requests do not immediately force preemptions.
         self.watermark_blocks = int(watermark * allocator.num_blocks)
-        self.waiting: list[Request] = []
+        # In the policy's order, kept at the cost its declarations allow (``waiting_queue.py``).
+        self.waiting: WaitingQueue = waiting_queue_for(policy, self._ask)
         self.running: list[Request] = []
         self._rejected: list[Request] = []   # failed on arrival or aborted; reported by the next update_from_output
         policy.bind_prefix_lookup(allocator.cached_prefix_len)
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
-        self.waiting.append(request)
+        """``request`` arrived: it joins the waiting queue and the policy hears ``on_arrival``."""
+        self.waiting.push(request)
         self._ask("on_arrival", request, now)
 
     def reject(self, request: Request, error: str, now: float) -> None:
@@ -85,10 +85,14 @@ class Scheduler:
         ``error`` = ``reason``; its blocks go back to the allocator at once (a prefix cache keeps their content
         reusable) and the policy hears ``on_finish``. It is reported by the next ``update_from_output``, like a
         rejected request. Returns the request, or None when no unfinished request has that id (a no-op)."""
-        request = next((r for r in (*self.running, *self.waiting) if r.request_id == request_id), None)
-        if request is None:
-            return None
-        (self.running if request in self.running else self.waiting).remove(request)
+        request = next((r for r in self.running if r.request_id == request_id), None)
+        if request is not None:
+            self.running.remove(request)
+        else:
+            request = self.waiting.find(request_id)
+            if request is None:
+                return None
+            self.waiting.remove(request)
         self.allocator.free(request)
         request.status = RequestStatus.ABORTED
         request.finish_reason = "abort"
@@ -147,7 +151,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step, in this order:
 
-        0. ``reject_reason``: waiting requests the policy rejects end failed with its reason.
+        0. ``reject_reason``: waiting requests the policy rejects end failed with its reason (asked as
+           ``Policy.rejection`` says: of none, of those whose ``reject_after`` time has come, or of all).
         1. ``preempt_for``: while the most urgent waiting request cannot be admitted, the policy may name a
            running request to preempt in its favour.
         2. ``step_budget`` sets the step's token budget and mix. Decodes first (the default): running decodes,
@@ -159,7 +164,7 @@ class Scheduler:
         """
         out = SchedulerOutput()
         self._reject_hopeless(now)
-        self._sort(self.waiting, now)
+        self.waiting.order(now)
         self._preempt_for_waiting(out, now)
         self._sort(self.running, now)
         plan = self._step_budget(out, now)
@@ -197,8 +202,12 @@ class Scheduler:
         return StepBudget(min(plan.max_tokens, self.max_num_batched_tokens), plan.decodes_first)
 
     def _reject_hopeless(self, now: float) -> None:
-        """Waiting requests the policy rejects end failed with its reason (freed, reported, told back)."""
-        for request in list(self.waiting):
+        """Waiting requests the policy rejects end failed with its reason (freed, reported, told back). Which are
+        asked, in queue order: none, those whose ``reject_after`` time has come, or all (``Policy.rejection``)."""
+        if self.policy.rejection == "never":
+            return
+        timed = self.policy.rejection == "timed"
+        for request in (self.waiting.due_for_rejection(now) if timed else list(self.waiting)):
             reason = self._ask("reject_reason", request, now)
             if reason is None:
                 continue
@@ -239,7 +248,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.head()
             allowed = self._ask("should_expand_batch", request, self._view(out, budget), now)
             if not allowed and self.running:  # a veto over an empty batch is ignored: the engine never stalls
                 break
@@ -259,7 +268,7 @@ class Scheduler:
                 break
             self.allocator.allocate(request, num_new)
             out.num_prefix_hit_tokens += request.num_cached_tokens
-            self.waiting.pop(0)
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
@@ -267,9 +276,9 @@ class Scheduler:
 
     def _preempt_for_waiting(self, out: SchedulerOutput, now: float) -> None:
         """Let the policy swap the most urgent waiting request in for running ones when it cannot be admitted."""
-        if not self.waiting:
+        request = self.waiting.head()
+        if request is None:
             return
-        request = self.waiting[0]
         while self.running and self._blocked(request):
             victim = self._ask("preempt_for", request, list(self.running), now)
             if victim is None:
@@ -279,7 +288,7 @@ class Scheduler:
                                   "that is not running")
             self._preempt(victim, out)
             # The victim joined the waiting queue behind ``request``; keep the policy's order.
-            self._sort(self.waiting, now)
+            self.waiting.order(now)
 
     def _blocked(self, request: Request) -> bool:
         """Could ``request`` not be admitted now for lack of a free slot or free blocks?"""
@@ -293,7 +302,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.running.remove(request)
-        self.waiting.append(request)
+        self.waiting.push(request)
         out.preempted.append(request)
 
     def _undo_prefix_match(self, request: Request) -> None:
@@ -304,6 +313,7 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _sort(self, requests: list[Request], now: float) -> None:
+        """Sort the running batch in the policy's order (it is small: at most ``max_num_seqs``)."""
         try:  # sort calls the key once per request
             requests.sort(key=lambda r: self._ask("priority", r, now))
         except TypeError as exc:
