@@ -26,6 +26,7 @@ step-time model for simulated replicas, this machine's calibrated profile for re
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Mapping, Sequence
 
 from nanovllm.registry import Registry
@@ -105,16 +106,16 @@ class ReplicaView:
                 f"queued_tokens={self.num_queued_tokens})")
 
 
-class Router:
-    """Base router. Subclasses override ``route``; the callbacks are for routers that keep state (counters,
+class Router(abc.ABC):
+    """Base router. Subclasses implement ``route``; the callbacks are for routers that keep state (counters,
     a hash ring, an approximate cache map). See the module docstring for when each is called."""
 
     registered_name: str = "custom"
     _step_time: StepTimeEstimate | None = None
 
+    @abc.abstractmethod
     def route(self, request: Request, replicas: Sequence[ReplicaView], now: float) -> int:
         """The index of the replica that serves ``request`` (arrived at ``now``); must be a live one."""
-        raise NotImplementedError(f"router {self.registered_name!r} must override route()")
 
     def on_arrival(self, request: Request, replica: int, now: float) -> None:
         """``request`` joined replica ``replica`` (the one ``route`` chose)."""

@@ -37,6 +37,7 @@ cluster is collected or the interpreter exits (normally, on an exception, after 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -529,10 +530,8 @@ def _stop(actors: list[Any], started: bool) -> None:
         if not ray.is_initialized():
             return
         for actor in actors:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 -- already gone
-                pass
         if started:
             ray.shutdown()
     except Exception as exc:  # noqa: BLE001 -- at exit, say it and go on

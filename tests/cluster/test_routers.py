@@ -137,12 +137,12 @@ def test_a_router_that_picks_a_dead_replica_or_no_index_or_raises_is_a_router_er
         serve(served_cluster(2, "test_raises"), synthetic(n=2))
 
 
-def test_a_router_that_does_not_override_route_says_so():
+def test_a_router_that_does_not_implement_route_cannot_be_built():
     class Lazy(Router):
-        pass
+        """Only the callbacks, no route."""
 
-    with pytest.raises(NotImplementedError, match="must override route"):
-        Lazy().route(None, [], 0.0)
+    with pytest.raises(TypeError, match="abstract method.*route"):
+        Lazy()
 
 
 def test_unknown_router_and_bad_options_name_the_field():
