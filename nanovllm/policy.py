@@ -200,17 +200,12 @@ def resorted_every_step(policy_class: type[Policy]) -> type[Policy]:
     request asked ``reject_reason`` at every step. The same decisions at the old cost: the reference that the
     incremental paths are tested against (tests/policies/test_waiting_keys.py) and the "before" of
     experiments/bench_scheduler.py."""
-
-    def reject_reason(self: Policy, request: Request, now: float) -> str | None:
-        return super(reference, self).reject_reason(request, now)
-
-    reference = type(f"{policy_class.__name__}ResortedEveryStep", (policy_class,), {
+    return type(f"{policy_class.__name__}ResortedEveryStep", (policy_class,), {
         "__doc__": resorted_every_step.__doc__, "__module__": policy_class.__module__,
-        "waiting_key": "dynamic", "reject_reason": reject_reason,
+        "waiting_key": "dynamic", "rejection": "every_step",
         # No window, whatever the constructor was given (lpm and fair take one).
         "waiting_window": property(lambda self: None, lambda self, value: None),
     })
-    return reference
 
 
 POLICIES: Registry[Policy] = Registry("policy", base=Policy, builtin_packages=("policies",))

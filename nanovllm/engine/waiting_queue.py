@@ -230,8 +230,8 @@ class WaitingQueue(ABC):
 
     def __iter__(self) -> Iterator[Request]:
         """Every waiting request, in order (sorting a heap's live items: O(n log n))."""
-        yield from self._iter_ordered()
-        yield from (e.request for e in self._pending[self._pending_start:] if e.alive)
+        pending = [e.request for e in self._pending[self._pending_start:] if e.alive]
+        return iter([*self._iter_ordered(), *pending])
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
@@ -410,38 +410,40 @@ class KeyedQueue(WaitingQueue):
 
 class ResortingQueue(WaitingQueue):
     """Keys that may change at any step ("dynamic"), exact: the list re-sorted with a stable sort at every
-    ordering, ``priority`` asked of every waiting request. O(n log n) per step: the scheduler's old behaviour."""
+    ordering, ``priority`` asked of every waiting request. O(n log n) per step: the scheduler's old behaviour.
+    The list holds the requests themselves, as the old one did (entries would add a memory access per request
+    to every sort, a tenth of its time at 100,000 waiting)."""
 
     def __init__(self, ask: Ask, policy_name: str, timed_rejections: bool = False) -> None:
         super().__init__(ask, policy_name, timed_rejections)
-        self._list: list[_Entry] = []
+        self._list: list[Request] = []
 
     def _order(self, entries: list[_Entry], now: float) -> None:
-        self._list.extend(entries)
+        self._list.extend(entry.request for entry in entries)
         try:  # sort calls the key once per request
-            self._list.sort(key=lambda entry: self._ask("priority", entry.request, now))
+            self._list.sort(key=lambda request: self._ask("priority", request, now))
         except TypeError as exc:
             raise self._incomparable(exc) from exc
 
     def _ordered_head(self) -> _Entry | None:
-        return self._list[0] if self._list else None
+        return self._entries[id(self._list[0])] if self._list else None
 
     def _pop_ordered(self) -> None:
         del self._list[0]
 
     def _discard(self, entry: _Entry) -> None:
-        self._list.remove(entry)
+        self._list.remove(entry.request)
 
     def _iter_ordered(self) -> Iterable[Request]:
-        return [entry.request for entry in self._list]
+        return list(self._list)
 
     def _first_ordered(self, n: int) -> list[Request]:
-        return [entry.request for entry in self._list[:n]]
+        return self._list[:n]
 
     def _ordered_position(self, entries: list[_Entry]) -> Callable[[_Entry], Any]:
-        wanted = {id(e) for e in entries}
-        index = {id(e): i for i, e in enumerate(self._list) if id(e) in wanted}
-        return lambda entry: index[id(entry)]
+        wanted = {id(e.request) for e in entries}
+        index = {id(r): i for i, r in enumerate(self._list) if id(r) in wanted}
+        return lambda entry: index[id(entry.request)]
 
 
 class WindowQueue(KeyedQueue):

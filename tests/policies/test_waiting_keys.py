@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import make_request, simulate, workload_request
+from helpers import REPO, make_request, simulate, workload_request
 from nanovllm import POLICIES, RequestStatus
 from nanovllm.policy import resorted_every_step
 
@@ -90,12 +90,17 @@ def test_declared_waiting_queue_serves_exactly_as_the_full_resort_and_the_declar
     assert incremental.requests == resorted.requests
     assert incremental.steps == resorted.steps
     assert sum(r["num_preemptions"] for r in resorted.requests) > 0   # the workload does preempt
-    if waiting_key == "dynamic":
-        return
+    if waiting_key != "dynamic":
+        _assert_declaration_holds(log, timed=waiting_key == "timed")
+
+
+def _assert_declaration_holds(log: _KeyLog, timed: bool) -> None:
+    """Every stay's keys change only where the queue recomputes them: never ("static"), or at the first
+    ordering at or past the time ``priority_changes_at`` named when the key was last computed ("timed")."""
     for stay, keys in log.stays.items():
         _, key, valid_until = keys[0]
         for now, now_key, changes in keys[1:]:
-            if waiting_key == "timed" and valid_until is not None and now >= valid_until:
+            if timed and valid_until is not None and now >= valid_until:
                 key, valid_until = now_key, changes   # its time came: the queue recomputes it here
             assert now_key == key, (stay, keys)
 
@@ -143,3 +148,18 @@ def test_sjf_priority_changes_at_is_never_later_than_the_promotion(arrival, max_
             assert now >= at
             assert sjf.priority_changes_at(request, now) is None   # promoted for good
     assert POLICIES.build("sjf").priority_changes_at(request, arrival) is None   # pure SJF never changes
+
+
+def test_the_documented_timed_policy_declares_honestly_and_serves_as_the_full_resort():
+    """The aging example of docs/policy_library.md ("The waiting queue's cost"), run as a user would write it."""
+    text = (REPO / "docs" / "policy_library.md").read_text()
+    start = text.index("```python\nfrom nanovllm import Policy, a_hair_before") + len("```python\n")
+    snippet = text[start:text.index("```", start)]
+    namespace: dict = {}
+    exec(snippet.replace("@register_policy(", "@(lambda name: lambda cls: cls)("), namespace)   # not registered
+    cls = namespace["ShortestPromptFirstTimed"]
+    assert cls.waiting_key == "timed"
+    reference = resorted_every_step(cls)(max_wait=6.0)
+    log = _KeyLog(reference)
+    assert _serve(cls(max_wait=6.0)).requests == _serve(reference).requests
+    _assert_declaration_holds(log, timed=True)
