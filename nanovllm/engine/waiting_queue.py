@@ -234,6 +234,7 @@ class WaitingQueue(ABC):
         return iter([*self._iter_ordered(), *pending])
 
     def __getitem__(self, index: int | slice) -> Any:
+        """``waiting[i]`` and ``waiting[:n]`` as on the old list; a prefix costs what ``first`` costs."""
         if isinstance(index, slice):
             start, stop, step = index.start or 0, index.stop, index.step
             if stop is not None and start >= 0 and stop >= 0 and step in (None, 1):
