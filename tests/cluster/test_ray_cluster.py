@@ -40,6 +40,20 @@ def ray_processes() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer Llama with SmolLM2's tokenizer: the command-line runs below test the cluster's ends (Ctrl-C, a
+    plugin that raises), not the model, and load it in every replica in a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import save_tiny_model
+    from nanovllm.models.loader import resolve_model
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_model(LlamaConfig, LlamaForCausalLM, {}, path, resolve_model(None))
+    return path
+
+
+@pytest.fixture(scope="module")
 def cluster_llm():
     from nanovllm import LLM
 
@@ -154,6 +168,13 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
     assert not cluster.replicas[1].alive and cluster.replicas[0].alive
 
 
+def synthetic(num_requests: int, output_len: int) -> list[str]:
+    """A synthetic workload for the tiny model (it has no chat template): 16-token prompts, all at t=0."""
+    return ["workload=synthetic", f"workload.num_requests={num_requests}", "workload.request_rate=inf",
+            "workload.input_len.kind=fixed", "workload.input_len.mean=16", "workload.output_len.kind=fixed",
+            f"workload.output_len.mean={output_len}"]
+
+
 BOOM_PLUGIN = """
 from nanovllm import Policy, register_policy
 
@@ -164,7 +185,7 @@ class Boom(Policy):
 """
 
 
-def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_process(tmp_path):
+def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_process(tmp_path, tiny_model):
     """The exception path: a plugin (loaded in the driver and, from ``plugins``, in every actor) raises inside a
     replica's step; the run ends with the engine's own one-line error, every request that arrived is written,
     and no Ray process is left."""
@@ -175,7 +196,8 @@ def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_p
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", f"plugins=[{tmp_path / 'boom.py'}]",
-         "scheduler.name=boom", "workload.num_requests=4", "workload.max_tokens=4", "engine.num_kv_blocks=128",
+         f"model.path={tiny_model}",
+         "scheduler.name=boom", *synthetic(4, 4), "engine.num_kv_blocks=128",
          "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false",
          "progress=false", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -186,7 +208,7 @@ def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_p
     assert not [p for p in ray_processes() if p.pid not in before]
 
 
-def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(tmp_path):
+def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(tmp_path, tiny_model):
     """``python -m nanovllm.run cluster.replicas=2``, interrupted as a terminal's Ctrl-C does (SIGINT to its whole
     process group, Ray's processes included) once both replicas have stepped: status 130, every request that
     arrived is recorded (finished, or aborted "interrupted"), the per-replica table is printed and written, and
@@ -196,8 +218,8 @@ def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(
     before = {p.pid for p in ray_processes()}
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", "router=least_loaded",
-         "workload.num_requests=12", "workload.max_tokens=64", "engine.num_kv_blocks=128",
+        [sys.executable, "-m", "nanovllm.run", "cluster.replicas=2", "router=least_loaded", f"model.path={tiny_model}",
+         *synthetic(200, 64), "engine.num_kv_blocks=128",
          "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false",
          "progress=false", f"hydra.run.dir={run_dir}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -376,7 +376,7 @@ def test_runs_from_an_installed_wheel(tmp_path: Path) -> None:
     wheel_dir, src = tmp_path / "wheel", tmp_path / "src"
     # Build from a copy: pip builds in the source tree (build/, *.egg-info), which must not touch the checkout.
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("nanovllm", "conf", "policies", "allocators"):
+    for name in ("nanovllm", "conf", "policies", "allocators", "routers"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         if (REPO / name).is_file():
