@@ -194,8 +194,8 @@ def test_a_subclass_that_overrides_priority_without_declaring_gets_the_exact_ful
         def priority(self, request, now):
             return (-request.priority,)
 
-    class Inherits(priority):  # the priority it declared for is unchanged: so is the declaration
-        pass
+    class Inherits(priority):
+        """The priority it declared for is unchanged: so is the declaration."""
 
     assert (Mine.waiting_key, Declared.waiting_key, MySjf().waiting_key, MyPriority.waiting_key,
             Inherits.waiting_key) == ("dynamic", "static", "dynamic", "dynamic", "static")
