@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nanovllm import ALLOCATORS, POLICIES, Request, SamplingParams
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -229,3 +231,19 @@ def held_env(tmp_path: Path, hold: str, **extra: str) -> dict[str, str]:
     """The subprocess parks at ``hold`` (see tests/startup_hold/sitecustomize.py) and writes ``held``."""
     return cli_env(tmp_path, pythonpath=os.pathsep.join([str(HOLD_DIR), str(REPO)]), NANOVLLM_TEST_HOLD=hold,
                    NANOVLLM_TEST_HOLD_MARKER=str(tmp_path / "held"), **extra)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds (a bound on waiting, never an assertion on time)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A loopback port free right now (for a server subprocess a test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -84,8 +84,9 @@ SLOW = {
     "test_live.py::test_watch_a_real_run_in_headless_chromium": "headless Chromium",
 }
 
-# Programs a fast test may start: the C++ toolchain that builds the kernels on a fresh machine.
-TOOLCHAIN = {"c++", "g++", "gcc", "cc", "ninja", "which"}
+# Programs a fast test may start: the C++ toolchain that builds the kernels on a fresh machine, and fontconfig's
+# fc-list, which matplotlib runs once on a fresh machine to build its font cache (the first test that plots).
+TOOLCHAIN = {"c++", "g++", "gcc", "cc", "ninja", "which", "fc-list"}
 
 
 def is_slow(item: pytest.Item) -> bool:

@@ -125,6 +125,11 @@ class Cluster:
     def has_unfinished(self) -> bool:
         return bool(self._ready)
 
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) requests over every replica."""
+        lengths = [engine.queue_lengths() for engine in self.engines]
+        return sum(r for r, _ in lengths), sum(w for _, w in lengths)
+
     def abort_all(self, reason: str = "aborted") -> list[str]:
         """Abort every request on every replica (each replica reports them at its next ``step``)."""
         ids: list[str] = []

@@ -75,6 +75,7 @@ class ReplicaActor:
         self.engine = LLMEngine(config, **plugins)
         self.replica = LocalReplica(index, self.engine)
         self._keys: set[int] = set()
+        self._sent: dict[str, int] = {}   # request id -> output tokens already reported (``progress``)
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -96,8 +97,11 @@ class ReplicaActor:
         request = Request("probe", list(token_ids), SamplingParams(), 0.0)
         return self.engine.allocator.cached_prefix_len(request)
 
-    def run(self, new: list[dict[str, Any]], abort: str | None) -> dict[str, Any]:
-        """Add ``new`` requests (plain data), abort everything when ``abort`` says why, run one step."""
+    def run(self, new: list[dict[str, Any]], abort: str | None,
+            aborts: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+        """Add ``new`` requests (plain data), abort everything when ``abort`` says why and each of ``aborts``
+        (request id, reason), run one step. Returns its record, the requests that ended, every live request's
+        tokens new since the last call (``progress``: what a streaming server sends on) and the state."""
         engine = self.engine
         for spec in new:
             fields = {key: spec[key] for key in ("arrival_time", "priority", "client_id", "request_id", "slo_ttft",
@@ -114,11 +118,28 @@ class ReplicaActor:
             self.replica.add(request, error=error)
         if abort is not None:
             engine.abort_all(abort)
+        for request_id, reason in aborts:
+            engine.abort_request(request_id, reason)
         if not engine.has_unfinished():
-            return {"record": None, "finished": [], "state": self._state()}
+            return {"record": None, "finished": [], "progress": [], "state": self._state()}
         output = self.replica.step()
+        for request in output.finished:
+            self._sent.pop(request.request_id, None)
         return {"record": dict(output.record), "finished": [_ended(r) for r in output.finished],
-                "state": self._state()}
+                "progress": self._progress(), "state": self._state()}
+
+    def _progress(self) -> list[tuple[str, list[int], list | None, int]]:
+        """(id, new output tokens, their logprobs, cached prompt tokens) of each unfinished request that has
+        tokens the driver has not seen: at most ``max_num_seqs`` running ones, plus preempted ones (none new)."""
+        progress = []
+        for request in self.engine.scheduler.running:
+            sent = self._sent.get(request.request_id, 0)
+            if request.num_output_tokens > sent:
+                new = request.output_token_ids[sent:]
+                logprobs = request.logprobs[sent:] if request.logprobs else None
+                progress.append((request.request_id, new, logprobs, request.num_cached_tokens))
+                self._sent[request.request_id] = request.num_output_tokens
+        return progress
 
     def _state(self) -> dict[str, Any]:
         scheduler, allocator, replica = self.engine.scheduler, self.engine.allocator, self.replica
@@ -183,6 +204,7 @@ class RemoteReplica:
         self.sending: list[Request] = []                # the (accepted) requests of the call in flight
         self.in_flight: Any = None                      # its ObjectRef
         self.abort: str | None = None
+        self.aborts: list[tuple[str, str]] = []         # (request id, reason) for the next call
         self._view: ReplicaView | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -211,8 +233,8 @@ class RemoteReplica:
         new = [_plain(request, error, self.offset) for request, error in self.unsent]
         self.sending = [request for request, error in self.unsent if error is None]
         self.unsent = []
-        self.in_flight = self.actor.run.remote(new, self.abort)
-        self.abort = None
+        self.in_flight = self.actor.run.remote(new, self.abort, self.aborts)
+        self.abort, self.aborts = None, []
 
 
 def _plain(request: Request, error: str | None, offset: float) -> dict[str, Any]:
@@ -258,7 +280,7 @@ class RayCluster(Cluster):
                 actors.append(actor_class.options(num_cpus=threads, max_restarts=0, max_task_retries=0,
                                                   runtime_env={"env_vars": env}).remote(
                     index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads))
-            model_dir = resolve_model(config.model)
+            model_dir = self._model_dir = resolve_model(config.model)
             self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self.hf_config = AutoConfig.from_pretrained(model_dir)
             infos = _gather([actor.info.remote() for actor in actors], "start")
@@ -305,6 +327,21 @@ class RayCluster(Cluster):
         return sum(replica.info["warmup_steps"] for replica in self.replicas)
 
     @property
+    def max_model_len(self) -> int:
+        """The longest request every replica takes (the router may send it to any)."""
+        return min(validator.max_model_len for validator in self._validators)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The smallest replica's KV cache, in blocks (a request must fit it)."""
+        return min(validator.num_kv_blocks for validator in self._validators)
+
+    @property
+    def model_dir(self) -> Path:
+        """The model's local directory (its tokenizer and config; the weights stay in the actors)."""
+        return self._model_dir
+
+    @property
     def actor_pids(self) -> list[int]:
         return [replica.info["pid"] for replica in self.replicas]
 
@@ -327,6 +364,26 @@ class RayCluster(Cluster):
 
     def has_unfinished(self) -> bool:
         return bool(self._reports) or any(replica.held for replica in self.replicas)
+
+    def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
+        """End ``request_id`` on its replica (it is reported by that replica's next step, as on one engine).
+        An unknown or already-ended id is a no-op and returns False."""
+        for replica in self.replicas:
+            if replica.alive and request_id in replica.held:
+                replica.aborts.append((request_id, reason))
+                if replica.in_flight is None:
+                    replica.send()
+                return True
+        return False
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) over the live replicas as they last reported, plus what was routed since."""
+        running = waiting = 0
+        for replica in self.replicas:
+            if replica.alive:
+                running += replica.state["num_running"]
+                waiting += replica.state["num_waiting"] + len(replica.sending) + len(replica.unsent)
+        return running, waiting
 
     def abort_all(self, reason: str = "aborted") -> list[str]:
         ids: list[str] = []
@@ -362,8 +419,13 @@ class RayCluster(Cluster):
     def next_ready_time(self) -> float | None:
         return time.perf_counter() if self.has_unfinished() else None
 
-    def step(self) -> StepOutput:
-        """The next step any replica reports (or a dead replica's failed requests), as one engine's."""
+    # Replicas step on their own: a serving loop that admits requests between steps (the HTTP server's) waits
+    # with ``step(timeout=...)`` so that a request for an idle replica does not wait for a busy one's step.
+    steps_concurrently = True
+
+    def step(self, timeout: float | None = None) -> StepOutput | None:
+        """The next step any replica reports (or a dead replica's failed requests), as one engine's; None when
+        ``timeout`` seconds pass first (only when a timeout is given)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -371,7 +433,9 @@ class RayCluster(Cluster):
             flights = {replica.in_flight: replica for replica in self.replicas if replica.in_flight is not None}
             if not flights:
                 raise RuntimeError("RayCluster.step() called with no replica holding a request")
-            ready, _ = ray.wait(list(flights), num_returns=1)
+            ready, _ = ray.wait(list(flights), num_returns=1, timeout=timeout)
+            if not ready:
+                return None
             replica = flights[ready[0]]
             replica.in_flight = None
             try:
@@ -398,6 +462,13 @@ class RayCluster(Cluster):
         replica.state, replica.sending, replica._view = state, [], None
         if result["record"] is None:
             return None
+        for request_id, tokens, logprobs, cached in result["progress"]:
+            request = replica.held.get(request_id)
+            if request is not None:   # the driver's copy follows the actor's, token by token
+                request.token_ids.extend(tokens)
+                if logprobs is not None:
+                    request.logprobs = (request.logprobs or []) + list(logprobs)
+                request.num_cached_tokens = cached
         offset = replica.offset
         finished = []
         for plain in result["finished"]:

@@ -237,6 +237,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) requests now, preempted ones among the waiting: what a server's gauges and its
+        admission limit read between steps."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
     @property
     def num_steps(self) -> int:
         """Steps this engine has run (a counter, not a history)."""

@@ -212,9 +212,9 @@ def _check_cluster(cfg: DictConfig, engine: EngineConfig, runner: dict[str, Any]
         raise ValueError(f"cluster.replicas={cluster.replicas} needs runner=real (replicas in Ray actors) or "
                          f"runner=sim (simulated replicas on one virtual clock); runner={runner['name']} serves one "
                          "engine")
-    if cluster.replicas > 1 and runner["name"] == "real" and cfg.live.mode != "off":
-        raise ValueError(f"live={cfg.live.mode} watches one engine's KV blocks; it is not available with real "
-                         f"replicas yet (cluster.replicas={cluster.replicas}); use live=off")
+    if cluster.replicas > 1 and cfg.live.mode == "tui":
+        raise ValueError(f"live=tui draws one engine in the terminal; with cluster.replicas={cluster.replicas} use "
+                         "live=web (every replica's batch and KV usage) or live=off")
     if cluster.replicas > 1 and runner["name"] == "real" and importlib.util.find_spec("ray") is None:
         raise ValueError(f"cluster.replicas={cluster.replicas} runs its replicas on Ray, which is not installed "
                          "(pip install 'nanovllm[ray]'), or use runner=sim")
@@ -259,7 +259,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except BaseException:
         live.close()  # the dashboard process must not outlive a start-up that failed or was interrupted
         if "served" in locals():
-            _close(served)
+            served.close()
         raise
     STOP.starting("starting the loggers")
 
@@ -286,7 +286,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         for logger in started:
             logger.finish()
-        _close(served)  # real replicas (Ray actors) end with the run, whatever ended it
+        served.close()  # real replicas (Ray actors) end with the run, whatever ended it
 
     print(format_summary(result.summary))
     print(format_breakdown(result.by_priority, "priority"))
@@ -299,12 +299,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(f"run files: {run_dir}")
     live.close(keep_open=checked.live.keep_open and not multirun)
     return result.summary
-
-
-def _close(served: Any) -> None:
-    close = getattr(served, "close", None)
-    if close is not None:
-        close()
 
 
 def _task(cfg: DictConfig) -> float | None:

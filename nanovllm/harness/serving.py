@@ -128,6 +128,10 @@ class ServedEngine:
         per-replica figures); called once, after the last request ended, before the loggers get the summary."""
         return {}
 
+    def close(self) -> None:
+        """Release what serving held, once the run or server is over (nothing for one engine in this process;
+        a cluster stops its Ray actors)."""
+
 
 def serve(
     engine: LLMEngine,
@@ -225,7 +229,14 @@ class _Run:
             while pending and self.t0 + pending[0][1].arrival_time <= self.clock.now():
                 self._submit(*pending.popleft())
             if engine.has_unfinished():
-                result = engine.step()
+                if pending and getattr(engine, "steps_concurrently", False):
+                    # Replicas step on their own (RayCluster): wait for the next step only until the next
+                    # arrival, which is routed then, at its time, to a replica that may be idle.
+                    result = engine.step(timeout=max(0.0, self.t0 + pending[0][1].arrival_time - self.clock.now()))
+                    if result is None:
+                        continue
+                else:
+                    result = engine.step()
                 for request in result.finished:
                     self._ended(request_record(request, self.t0))
                     self.output_tokens += request.num_output_tokens

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 STOP_STRING_REASON = "stop string"   # how the engine's abort is told apart from a real one
 INTERRUPTED_REASON = "interrupted"   # the server was stopped (SIGINT / SIGTERM) with the request in flight
+CLUSTER_POLL_S = 0.005               # how long a cluster's step waits before new requests are let in
 
 
 class QueueFull(Exception):
@@ -150,7 +151,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests not yet scheduled: handed over and not admitted, plus the engine's waiting queue (preempted
         ones included). Exact while the lock is held: the engine thread moves requests across under it."""
-        return len(self._inbox.submitted) + len(self.engine.scheduler.waiting)
+        return len(self._inbox.submitted) + self.engine.queue_lengths()[1]
 
     def abort(self, request_id: str, reason: str) -> None:
         """End ``request_id`` before the next step (a no-op once it has ended)."""
@@ -239,7 +240,14 @@ class EngineLoop:
         return True
 
     def _step(self) -> None:
-        result = self.engine.step()
+        if getattr(self.engine, "steps_concurrently", False):
+            # Replicas step on their own (RayCluster): wait for the next step a little at a time, so that a
+            # request that arrives meanwhile reaches its (maybe idle) replica now, not after a busy one's step.
+            result = self.engine.step(timeout=CLUSTER_POLL_S)
+            if result is None:
+                return
+        else:
+            result = self.engine.step()
         step = step_record(result.record, self.t0, len(self.steps))
         step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
         self.steps.append(step)

@@ -52,22 +52,25 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
     STOP.starting("importing the engine")
     import uvicorn  # noqa: F401  (imported here, so a missing install fails before the model loads)
 
-    from nanovllm.engine.engine import LLMEngine
     from nanovllm.harness.live.launch import start_live
-    from nanovllm.harness.monitor import ModelCost, Monitor
-    from nanovllm.harness.sim.this_machine import this_machine
+    from nanovllm.harness.monitor import Monitor
+    from nanovllm.harness.runners import served_engine
     from nanovllm.server.app import ServerState
     from nanovllm.server.http import HTTPServer, uvicorn_config
     from nanovllm.server.prometheus import ServerMetrics
 
     live = start_live(checked.live, run_dir)
+    served = None
     try:
         STOP.starting("starting the engine")
-        engine = LLMEngine(checked.engine, scheduler=checked.scheduler, allocator=checked.allocator,
-                           attention=checked.attention)
+        # One engine, or with cluster.replicas > 1 that many engines in Ray actors behind the router: the
+        # routes and the engine loop drive both through the same calls.
+        served = served_engine(checked.runner, checked.hardware, checked.engine, cluster=checked.cluster,
+                               router=checked.router, plugin_paths=list(cfg.plugins), scheduler=checked.scheduler,
+                               allocator=checked.allocator, attention=checked.attention)
+        engine = served.engine
         STOP.starting("calibrating the monitor")
-        monitor = Monitor.from_config(ModelCost.from_model(engine.runner.model), checked.monitor,
-                                      engine.runner.dtype, checked.engine.device)
+        monitor = Monitor.from_config(served.cost, checked.monitor, engine.runner.dtype, checked.engine.device)
         STOP.starting("starting the loggers")
         loggers = configured_loggers(checked.logger) + live.attach(engine, 0)
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -75,6 +78,8 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
             run_logger.start(run_dir, resolved, name=run_dir.name)
     except BaseException:
         live.close()
+        if served is not None:
+            served.close()
         raise
     model_name = served_model_name(server, cfg.model.path)
     state = ServerState(engine, server, model_name,
@@ -89,14 +94,21 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
         try:
             if state.engine_loop is not None:
                 state.engine_loop.stop()
+                records, steps = state.engine_loop.records, state.engine_loop.steps
                 summary = state.engine_loop.write_summary(
-                    {"machine": this_machine(), **({"interrupted": True} if STOP.requested else {})})
+                    {**served.annotations, **served.summary_extras(records, steps),
+                     **({"interrupted": True} if STOP.requested else {})})
         finally:
             for run_logger in loggers:
                 run_logger.finish()
             live.close()
+            served.close()   # real replicas (Ray actors, the Ray instance they started) end with the server
     if summary is not None:
         print(format_summary(summary, title="Serving Result (server side)"))
+        if "per_replica" in summary:
+            from nanovllm.harness.cluster import format_per_replica
+
+            print(format_per_replica(summary))
     print(f"run files: {run_dir}")
     fault = state.engine_loop.fault if state.engine_loop is not None else None
     if fault is not None:

@@ -83,8 +83,9 @@ class ServerMetrics:
 
     def observe_step(self, step: dict[str, Any], engine: Any) -> None:
         """After each engine step (engine thread): the queue gauges, KV usage and the step's counts."""
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
+        running, waiting = engine.queue_lengths()
+        self.running.set(running)
+        self.waiting.set(waiting)
         total = step["kv_blocks_total"]
         self.kv_usage.set(step["kv_blocks_used"] / total if total else 0.0)
         self.kv_free.set(step["kv_blocks_free"])

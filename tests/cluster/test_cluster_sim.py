@@ -118,6 +118,49 @@ def test_requests_jsonl_and_steps_jsonl_say_where_each_request_and_step_ran(tmp_
         set(metrics["per_replica"]) == {"0", "1"}
 
 
+def test_the_live_dashboard_draws_every_replicas_batch_and_kv_usage(tmp_path):
+    """``live=web`` on a cluster: the live loggers write every replica's sizes to ``engine.json``; the dashboard
+    (the real Bokeh document, fed from the run's files) draws one line per replica from ``steps.jsonl`` and its
+    batch and KV charts show the sums of the replicas' latest states."""
+    from nanovllm.harness.live.config import LiveConfig
+    from nanovllm.harness.live.feed import step_columns
+    from nanovllm.harness.live.launch import LiveSession
+    from nanovllm.harness.live.web import RunDashboard
+
+    served = cluster(2, "round_robin", overrides={1: {"num_kv_blocks": 96}})
+    live = LiveSession(LiveConfig(mode="web"), tmp_path)   # its loggers, without starting the dashboard process
+    loggers = [JsonlLogger(), *live.attach(served.engine, 40)]
+    for run_logger in loggers:
+        run_logger.start(tmp_path, {}, group=None, name="t")
+    try:
+        result = served.serve(workload(served.engine.tokenizer, n=40), loggers=loggers)
+    finally:
+        for run_logger in loggers:
+            run_logger.finish()
+    info = json.loads((tmp_path / "engine.json").read_text())
+    assert info["num_replicas"] == 2 and info["num_kv_blocks"] == 48 + 96
+    assert [r["num_kv_blocks"] for r in info["replicas"]] == [48, 96]
+    view = RunDashboard(tmp_path)
+    view.layout()
+    assert not view.replica_row.visible
+    view.update()
+    assert view.replica_row.visible and sorted(view.replica_srcs) == [0, 1]
+    for replica, source in view.replica_srcs.items():
+        mine = [s for s in result.steps if s["replica"] == replica]
+        assert source.data["running"] == [s["num_running"] for s in mine]
+        assert source.data["kv_usage"] == [s["kv_blocks_used"] / s["kv_blocks_total"] for s in mine]
+    assert len(view.replica_batch.renderers) == 2 and len(view.replica_kv.renderers) == 2
+    columns = step_columns(result.steps, view.feed.sizes)
+    last = {s["replica"]: s for s in result.steps}   # after the last step: each replica's last state, summed
+    assert columns["running"][-1] == sum(s["num_running"] for s in last.values())
+    assert columns["kv_free"][-1] == sum(s["kv_blocks_free"] for s in last.values())
+    assert columns["max_num_seqs"][-1] == 2 * ENGINE["max_num_seqs"]
+    middle = result.steps[len(result.steps) // 2]
+    view._on_scrub("value_throttled", 1.0, middle["start_time"] + middle["duration"])
+    shown = sum(len(source.data["t"]) for source in view.replica_srcs.values())
+    assert shown == len(view.steps_src.data["t"]) < len(result.steps)
+
+
 # -- the command line ----------------------------------------------------------------------------------------------
 
 def compose_run(*overrides):
@@ -156,8 +199,8 @@ def test_the_command_line_serves_a_simulated_cluster():
      r"cluster.replica_overrides.0.num_kv_blocks"),
     (["runner=tp", "cluster.replicas=2"], r"cluster.replicas=2 needs runner=real \(replicas in Ray actors\) or "
                                           r"runner=sim"),
-    (["cluster.replicas=2", "live=web"], r"live=web watches one engine's KV blocks; it is not available with real "
-                                         r"replicas yet"),
+    (["cluster.replicas=2", "live=tui"], r"live=tui draws one engine in the terminal; with cluster.replicas=2 use "
+                                         r"live=web"),
     (["runner=sim", "cluster.replicas=2", "router.name=nope"], r"unknown router 'nope'"),
     (["runner=sim", "cluster.replicas=2", "router=least_loaded", "router.metric=bytes"],
      r"router.metric must be one of requests, tokens"),

@@ -244,3 +244,77 @@ def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(
     assert {r["replica"] for r in run.requests} == {0, 1} and set(run.metrics["per_replica"]) == {"0", "1"}
     assert run.metrics["interrupted"] and run.metrics["router"] == "least_loaded"
     assert not [p for p in ray_processes() if p.pid not in before]
+
+
+def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_process(tmp_path, tiny_model):
+    """``python -m nanovllm.serve cluster.replicas=2 router=round_robin``, driven by the openai SDK and httpx on
+    loopback: concurrent completions answer what one engine generates, spread over both replicas; a stream
+    arrives token by token from an actor; a stop string ends its request on its replica ("stop", no text past
+    it); SIGINT exits 130 with the per-replica table written, and no Ray process is left."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from helpers import cli_env, free_port, wait_for
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.harness.records import read_run
+
+    engine = LLM(model=str(tiny_model), dtype="float32", **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [out.text for out in engine.generate(PROMPTS, params, use_tqdm=False)]
+    engine.close()
+    before = {p.pid for p in ray_processes()}
+    port, run_dir = free_port(), tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanovllm.serve", "cluster.replicas=2", "router=round_robin",
+         f"model.path={tiny_model}", "engine.num_kv_blocks=128", "engine.max_model_len=512", "engine.warmup=false",
+         "engine.dtype=float32", "monitor.calibrate=false", f"server.port={port}", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, "the cluster server answers /health", timeout=300)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(complete, PROMPTS))
+        assert texts == expected
+        chunks = [c.choices[0].text for c in client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True})]
+        assert len([c for c in chunks if c]) > 1 and "".join(chunks) == expected[0]
+        stop = expected[1][len(expected[1]) // 2:][:6]   # a piece of its middle: the reply must end before it
+        stopped = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0.0,
+                                            stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+        assert stopped.finish_reason == "stop" and stopped.text == expected[1][:expected[1].index(stop)]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'vllm:request_success_total{' in metrics
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "load imbalance" in out
+    run = read_run(run_dir)
+    assert len(run.requests) == len(PROMPTS) + 2 and {r["replica"] for r in run.requests} == {0, 1}
+    assert set(run.metrics["per_replica"]) == {"0", "1"} and run.metrics["router"] == "round_robin"
+    assert {s["replica"] for s in run.steps} == {0, 1}
+    assert not [p for p in ray_processes() if p.pid not in before]

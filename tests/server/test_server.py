@@ -16,15 +16,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from helpers import wait_for
 from nanovllm import Policy, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine
@@ -88,15 +88,6 @@ def served(llm, tmp_path_factory):
     server = serve_in_thread(tmp_path_factory.mktemp("server_run"))
     yield server
     stop_served(server)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Poll ``condition`` until it holds (a bound on waiting, never an assertion on time)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.02)
 
 
 def sse_events(raw: str) -> list[Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,23 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import REPO, cli_env
-from test_server import sse_events, wait_for
+from helpers import REPO, cli_env, free_port, wait_for
+from test_server import sse_events
 
 API_KEY = "test-key"
 SMALL = ["engine.warmup=false", "monitor.calibrate=false", "engine.num_kv_blocks=128", "engine.max_model_len=512",
          "engine.dtype=float32"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, str, Path]:
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", *SMALL, f"server.port={port}",
                              f"hydra.run.dir={run_dir}", *overrides], cwd=tmp_path, env=cli_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -183,6 +183,22 @@ def test_calibration_fits_each_matmul_kernel_and_predicts_across_the_switch(tmp_
     assert model.predict(three, 0.0) == pytest.approx(0.018 + 9e-3 + 3 * 5e-4, rel=1e-3)
 
 
+def test_a_clusters_gaps_are_between_each_replicas_own_steps() -> None:
+    """Two replicas stepping at once interleave in steps.jsonl: 0.4 ms between a replica's own steps, while the
+    file's neighbours (the other replica's steps) overlap them."""
+    from nanovllm.harness.sim.calibrate import step_gaps
+
+    steps = []
+    for replica, offset in ((0, 0.0), (1, 0.005)):
+        t = offset
+        for i in range(20):
+            steps.append(dict(step=i, replica=replica, start_time=t, duration=0.01, num_running=1, num_waiting=0))
+            t += 0.01 + 4e-4
+    steps.sort(key=lambda s: s["start_time"])
+    gaps = step_gaps(steps)
+    assert len(gaps) == 38 and gaps == pytest.approx([4e-4] * 38, rel=1e-6)
+
+
 def test_calibration_measures_the_loops_time_between_steps(tmp_path) -> None:
     steps = _timed_steps(60, 8, 2e-4)
     t = 0.0

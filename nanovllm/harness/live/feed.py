@@ -63,6 +63,7 @@ class EngineSizes:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_requests: int | None = None
+    num_replicas: int = 1           # a cluster's replica count (its sizes above are totals over replicas)
 
     @classmethod
     def read(cls, run_dir: Path) -> "EngineSizes":
@@ -74,7 +75,13 @@ class EngineSizes:
             if name == CONFIG_FILE:
                 engine = data.get("engine") or {}
                 workload = data.get("workload") or {}
-                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests")}
+                replicas = (data.get("cluster") or {}).get("replicas") or 1
+                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests"),
+                        "num_replicas": replicas}
+                for key in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+                    if isinstance(data.get(key), int):
+                        data[key] *= replicas
+            data.setdefault("num_replicas", 1)
             return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
         return cls()
 
@@ -157,25 +164,35 @@ STEP_COLUMNS = ("t", "step", "running", "waiting", "preempted", "max_num_seqs", 
                 "throughput")
 
 
+_STATE_KEYS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_free")
+
+
 def step_columns(steps: Sequence[dict], sizes: EngineSizes, history: Sequence[dict] = (),
                  window: float = 2.0) -> dict[str, list]:
     """One row per step for the time-series charts. ``history``: the steps before these (for the rolling
-    throughput, output tokens per second over the last ``window`` seconds)."""
+    throughput, output tokens per second over the last ``window`` seconds). A cluster's steps (they carry
+    ``replica``) interleave replicas: the queue and KV columns are the sums of every replica's latest state."""
     mib = (sizes.bytes_per_block or 0) / 2**20
     every = list(history) + list(steps)
     ends = [step_end(s) for s in every]
     cumulative = [0]
     for s in every:
         cumulative.append(cumulative[-1] + s.get("num_sampled", s["num_decode_tokens"]))
+    latest: dict[Any, dict] = {}   # replica -> its last step's state
+    for s in history:
+        latest[s.get("replica")] = s
     columns: dict[str, list] = {name: [] for name in STEP_COLUMNS}
     for offset, s in enumerate(steps, start=len(history)):
         t = ends[offset]
         start = bisect.bisect_left(ends, t - window, 0, offset + 1)
         span = t - (ends[start - 1] if start else 0.0)
+        latest[s.get("replica")] = s
+        state = {key: sum(r.get(key, 0) for r in latest.values()) for key in _STATE_KEYS}
         row = {
-            "t": t, "step": s["step"], "running": s["num_running"], "waiting": s["num_waiting"],
+            "t": t, "step": s["step"], "running": state["num_running"], "waiting": state["num_waiting"],
             "preempted": s["num_preempted"], "max_num_seqs": sizes.max_num_seqs or 0,
-            "kv_used": s["kv_blocks_used"], "kv_cached": s.get("kv_blocks_cached", 0), "kv_free": s["kv_blocks_free"],
+            "kv_used": state["kv_blocks_used"], "kv_cached": state["kv_blocks_cached"],
+            "kv_free": state["kv_blocks_free"],
             "prefill_tokens": s["num_prefill_tokens"], "decode_seqs": s["num_decode_seqs"],
             "token_budget": sizes.max_num_batched_tokens or 0,
             "throughput": (cumulative[offset + 1] - cumulative[start]) / span if span > 0 else 0.0,
@@ -184,6 +201,25 @@ def step_columns(steps: Sequence[dict], sizes: EngineSizes, history: Sequence[di
             row[f"kv_{name}_mib"] = row[f"kv_{name}"] * mib
         for name in STEP_COLUMNS:
             columns[name].append(row[name])
+    return columns
+
+
+REPLICA_COLUMNS = ("t", "running", "waiting", "kv_usage")
+
+
+def replica_columns(steps: Sequence[dict]) -> dict[int, dict[str, list]]:
+    """Per replica (the steps' ``replica``), one row per step of its own: its running and waiting requests and
+    its KV usage (blocks used over its total) after the step. Empty for one engine's steps."""
+    columns: dict[int, dict[str, list]] = {}
+    for s in steps:
+        replica = s.get("replica")
+        if replica is None:
+            continue
+        mine = columns.setdefault(replica, {name: [] for name in REPLICA_COLUMNS})
+        total = s["kv_blocks_total"]
+        for name, value in (("t", step_end(s)), ("running", s["num_running"]), ("waiting", s["num_waiting"]),
+                            ("kv_usage", s["kv_blocks_used"] / total if total else 0.0)):
+            mine[name].append(value)
     return columns
 
 

@@ -121,8 +121,11 @@ def _start_loggers(session: LiveSession, engine: Any, num_requests: int) -> None
     config = session.config
     if config.mode == "off":
         return
-    from nanovllm.harness.live.snapshot import SnapshotLogger
+    from nanovllm.harness.live.snapshot import ClusterInfoLogger, SnapshotLogger
 
+    if hasattr(engine, "replicas"):  # a cluster: each replica's batch and KV usage come from steps.jsonl
+        session.loggers.append(NeverFails(ClusterInfoLogger(engine, num_requests)))
+        return
     session.loggers.append(NeverFails(SnapshotLogger(engine, num_requests, config.snapshot_every)))
     if config.mode == "tui":
         from nanovllm.harness.live.tui import TuiLogger

@@ -5,6 +5,10 @@ and the Gantt rows of requests still in flight need exactly that. ``SnapshotLogg
 reads the scheduler's running and waiting queues after every ``every``-th step (a walk over at most
 ``max_num_seqs`` block tables: microseconds) and appends one line to ``blocks.jsonl`` through
 ``records.RunWriter``. With ``live=off`` it is not created and the run's files are exactly as before.
+
+A cluster (``cluster.replicas`` > 1) has one block space per replica, and real replicas keep theirs in other
+processes: ``ClusterInfoLogger`` writes only ``engine.json`` (every replica's sizes), and the dashboard draws
+each replica's batch and KV usage from ``steps.jsonl``, whose records say which replica ran them.
 """
 
 from __future__ import annotations
@@ -101,3 +105,37 @@ class SnapshotLogger(RunLogger):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def cluster_info(cluster: Any, num_requests: int) -> dict[str, Any]:
+    """``engine_info`` for a cluster: the totals the aggregate charts draw against, and each replica's sizes."""
+    replicas = [replica.describe() for replica in cluster.replicas]
+    hf = cluster.hf_config if hasattr(cluster, "hf_config") else cluster.engines[0].hf_config
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return {
+        "num_replicas": len(replicas),
+        "num_kv_blocks": sum(r["num_kv_blocks"] for r in replicas),
+        "block_size": replicas[0]["block_size"],
+        "bytes_per_block": bytes_per_block(hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None) or heads,
+                                           head_dim, replicas[0]["block_size"], cluster.runner.dtype),
+        "max_num_seqs": sum(r["max_num_seqs"] for r in replicas),
+        "max_num_batched_tokens": sum(r["max_num_batched_tokens"] for r in replicas),
+        "num_requests": num_requests,
+        "replicas": replicas,
+    }
+
+
+class ClusterInfoLogger(RunLogger):
+    """Writes ``engine.json`` for a cluster at start (``cluster_info``); no block snapshots (see the module)."""
+
+    def __init__(self, cluster: Any, num_requests: int) -> None:
+        self.cluster = cluster
+        self.num_requests = num_requests
+
+    def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
+        writer = RunWriter.for_extras(run_dir)
+        try:
+            writer.write_engine_info(cluster_info(self.cluster, self.num_requests))
+        finally:
+            writer.close()

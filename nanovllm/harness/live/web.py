@@ -8,6 +8,9 @@ RUN_DIR`` runs it by hand, e.g. behind ``ssh -L PORT:127.0.0.1:PORT`` for a run 
 
 The time slider follows the run while it grows; drag it back to see the run as it was at that moment (the
 block map, the Gantt rows and the latency table are recomputed for that time), and press "follow" to return.
+
+A cluster's run (steps that carry ``replica``) adds a row of per-replica charts: each replica's running
+requests and KV usage, one line a replica; the batch and KV charts above show the sums over replicas.
 """
 
 from __future__ import annotations
@@ -38,18 +41,19 @@ from bokeh.server.server import Server
 from bokeh.transform import factor_cmap
 
 from nanovllm.harness.live.launch import free_port
-from nanovllm.harness.viz.plots import e2els, load_run, run_labels, tpots, ttfts
 from nanovllm.harness.live.feed import (
     BLOCK_COLUMNS,
     GANTT_COLUMNS,
     LATENCY_COLUMNS,
     PHASES,
+    REPLICA_COLUMNS,
     STEP_COLUMNS,
     RunFeed,
     block_map,
     check_run_dir,
     gantt_rows,
     latency_table,
+    replica_columns,
     step_columns,
     sweep_runs,
 )
@@ -87,6 +91,7 @@ class RunDashboard:
         self.slider = Slider(start=0, end=1, value=1, step=0.01, title="time (s)", width=WIDTH, disabled=True)
         self.follow_button = Button(label="follow live", width=120, button_type="primary")
         self.cursors: list[Span] = []
+        self.replica_srcs: dict[int, ColumnDataSource] = {}   # a cluster's replicas, as their steps appear
         self._shown_steps = 0
         self._rows_key: tuple = ()
         self.moment = 0.0  # the time shown while not following
@@ -99,8 +104,42 @@ class RunDashboard:
         return column(
             self.header, self.notice, row(self.slider, self.follow_button),
             row(charts[0], charts[1]), row(charts[2], charts[3]),
+            self._replica_charts(),
             row(self._gantt_chart(), column(self._block_chart(), self._latency_table())),
         )
+
+    def _replica_charts(self):
+        self.replica_batch = _time_figure("per replica: running requests", "requests")
+        self.replica_kv = _time_figure("per replica: KV cache usage (blocks used / its total)", "fraction",
+                                       y_range=(0, 1.05))
+        for fig in (self.replica_batch, self.replica_kv):
+            self._cursor(fig)
+        self.replica_row = row(self.replica_batch, self.replica_kv, visible=False)  # shown for a cluster
+        return self.replica_row
+
+    def _replica_source(self, replica: int) -> ColumnDataSource:
+        """The replica's source, with its two lines drawn the first time its steps appear."""
+        source = self.replica_srcs.get(replica)
+        if source is None:
+            source = self.replica_srcs[replica] = ColumnDataSource(_empty(REPLICA_COLUMNS))
+            color = Category10[10][replica % 10]
+            label = f"replica {replica}"
+            self.replica_batch.step("t", "running", source=source, mode="after", color=color, legend_label=label)
+            self.replica_kv.line("t", "kv_usage", source=source, color=color, legend_label=label)
+            for fig in (self.replica_batch, self.replica_kv):
+                fig.legend.location = "top_left"
+                fig.legend.background_fill_alpha = 0.6
+                fig.legend.click_policy = "hide"
+            self.replica_row.visible = True
+        return source
+
+    def _show_replicas(self, steps: list[dict], replace: bool) -> None:
+        columns = replica_columns(steps)
+        if replace:
+            for replica, source in self.replica_srcs.items():
+                source.data = columns.pop(replica, _empty(REPLICA_COLUMNS))
+        for replica, data in sorted(columns.items()):
+            self._replica_source(replica).stream(data)
 
     def _cursor(self, fig) -> None:
         span = Span(location=0, dimension="height", line_color="#888", line_dash="dashed", visible=False)
@@ -216,6 +255,7 @@ class RunDashboard:
     def _stream_steps(self, steps: list[dict]) -> None:
         history = self.feed.steps[max(0, self._shown_steps - 400):self._shown_steps]
         self.steps_src.stream(step_columns(steps, self.feed.sizes, history))
+        self._show_replicas(steps, replace=False)
         marks = [s for s in steps if s["num_preempted"]]
         if marks:
             self.preempt_src.stream({"t": [s["start_time"] + s["duration"] for s in marks],
@@ -276,6 +316,7 @@ class RunDashboard:
         self.moment = new
         steps = self.feed.steps_until(new)
         self.steps_src.data = step_columns(steps, self.feed.sizes)
+        self._show_replicas(steps, replace=True)
         marks = [s for s in steps if s["num_preempted"]]
         self.preempt_src.data = {"t": [s["start_time"] + s["duration"] for s in marks],
                                  "preempted": [s["num_preempted"] for s in marks],
@@ -327,6 +368,9 @@ class SweepDashboard:
         return column(self.header, table, row(*figs))
 
     def update(self) -> None:
+        # The plotting module imports matplotlib (its font cache is built on first import): only a sweep needs it.
+        from nanovllm.harness.viz.plots import e2els, load_run, run_labels, tpots, ttfts
+
         jobs = sweep_runs(self.sweep_dir)
         seen = tuple((p.name, (p / "metrics.json").is_file()) for p in jobs)
         if seen == self._seen:

@@ -124,11 +124,17 @@ def run_setup(run_dir: str | Path) -> dict[str, Any]:
 
 def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
     """Seconds from each step's end to the next step's start, for the steps after which the engine still had
-    requests (so the loop went straight on, not idle until an arrival); none for steps without start times."""
+    requests (so the loop went straight on, not idle until an arrival); none for steps without start times.
+    A cluster's steps (they carry ``replica``) interleave replicas: each replica's gaps are between its own
+    steps."""
+    by_replica: dict[Any, list[dict[str, Any]]] = {}
+    for step in steps:
+        by_replica.setdefault(step.get("replica"), []).append(step)
     gaps = []
-    for step, following in itertools.pairwise(steps):
-        if "start_time" in step and "start_time" in following and step["num_running"] + step["num_waiting"] > 0:
-            gaps.append(max(0.0, following["start_time"] - step["start_time"] - step["duration"]))
+    for own in by_replica.values():
+        for step, following in itertools.pairwise(own):
+            if "start_time" in step and "start_time" in following and step["num_running"] + step["num_waiting"] > 0:
+                gaps.append(max(0.0, following["start_time"] - step["start_time"] - step["duration"]))
     return gaps
 
 
