@@ -9,9 +9,10 @@ routed at its arrival time, before any step that starts after it, and an idle re
 arrival of the request it is given. So every replica's steps, and every routing decision, happen in time
 order on one timeline, as a discrete-event simulation, whatever the number of replicas.
 
-A step is computed when it starts (as the one-engine simulator does), so a request routed while a replica's step
-is in progress sees that replica as it will be at the step's end; a real router sees the last state a replica
-reported, which is older. Both are one step from the truth, in opposite directions.
+A step is computed when it starts (as the one-engine simulator does), so while a replica's step is in progress
+its engine already holds the step's outcome. A request routed then sees what a real router sees of a real replica
+(``RayCluster``): the replica as of its last step plus what was routed to it since (``LocalReplica.view``), one
+step old, as a report from a replica mid-step is.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class Cluster:
     # -- helpers ---------------------------------------------------------------------------------------------
     def _route(self, request: Request, now: float) -> int:
         """The router's choice for ``request`` among the replicas' views, checked (RouterError otherwise)."""
-        return self._choose(request, [replica.view(request) for replica in self.replicas], now)
+        return self._choose(request, [replica.view(request, now) for replica in self.replicas], now)
 
     def _choose(self, request: Request, views: Sequence[Any], now: float) -> int:
         self._note_imbalance(views)

@@ -34,6 +34,10 @@ class LocalReplica:
         self.recent_itl: float | None = None
         self._queued: dict[Request, int] = {}   # unfinished request -> its tokens not computed yet
         self._view: ReplicaView | None = None   # reused until the replica changes (a step, a new request)
+        # What a real router would see while this replica's step is in progress: its state as of its last step
+        # (the view at this step's start) and the requests routed to it since (``view``).
+        self._reported: ReplicaView | None = None
+        self._since: list[Request] = []
         self._recent: deque[tuple[float, float | None]] = deque(maxlen=RECENT_REQUESTS)  # (TTFT, ITL) seconds
 
     # -- what the cluster does to it -----------------------------------------------------------------------------
@@ -44,6 +48,8 @@ class LocalReplica:
         self.engine.add_request(request, error=error)
         if error is None:
             self._track(request)
+            if self._reported is not None:
+                self._since.append(request)
 
     def wake(self, t: float) -> None:
         """An idle replica is given a request that arrived at ``t``: a virtual clock jumps there (a wall clock
@@ -54,6 +60,7 @@ class LocalReplica:
 
     def step(self) -> StepOutput:
         """One engine step; the figures the views read follow what it did."""
+        self._reported, self._since = self._build_view(), []
         output = self.engine.step()
         self._view = None
         if output.plan is not None:
@@ -73,12 +80,33 @@ class LocalReplica:
         return self.engine.has_unfinished()
 
     # -- what a router sees --------------------------------------------------------------------------------------
-    def view(self, request: Request) -> ReplicaView:
-        """This replica as a router sees it while ``request`` is being routed (built anew only when the replica
-        changed since the last one)."""
+    def view(self, request: Request, now: float | None = None) -> ReplicaView:
+        """This replica as a router sees it while ``request`` is being routed at ``now`` (built anew only when
+        the replica changed since the last one).
+
+        A simulated step is computed when it starts, so while it is in progress (``now`` before the replica's
+        clock) the engine already holds the step's outcome, which no real router could know yet. Then the view
+        is what a real router sees of a real replica (``RayCluster``): the replica as of its last step, plus the
+        requests routed to it since, counted as waiting and their prompts as queued tokens. (Its prefix matches
+        are the cache's now.)"""
+        if now is not None and self._reported is not None and now < self.engine.clock():
+            return self._in_step_view().bind(request)
         if self._view is None:
             self._view = self._build_view()
         return self._view.bind(request)
+
+    def _in_step_view(self) -> ReplicaView:
+        reported, since = self._reported, self._since
+        assert reported is not None
+        return ReplicaView(
+            index=self.index, alive=self.alive, num_running=reported.num_running,
+            num_waiting=reported.num_waiting + len(since), num_free_blocks=reported.num_free_blocks,
+            num_total_blocks=reported.num_total_blocks, block_size=reported.block_size,
+            num_queued_tokens=reported.num_queued_tokens + sum(r.num_prompt_tokens for r in since),
+            num_decoding=reported.num_decoding, max_num_seqs=reported.max_num_seqs,
+            max_num_batched_tokens=reported.max_num_batched_tokens, recent_ttft=reported.recent_ttft,
+            recent_itl=reported.recent_itl, num_routed=self.num_routed,
+            prefix_lookup=self.engine.allocator.cached_prefix_len)
 
     def _build_view(self) -> ReplicaView:
         scheduler, allocator, config = self.engine.scheduler, self.engine.allocator, self.engine.config

@@ -63,6 +63,31 @@ def test_replicas_step_in_time_order_and_every_request_ends_once():
         assert r["first_scheduled_time"] >= r["arrival_time"] - 1e-9
 
 
+def test_a_request_routed_during_a_step_sees_the_replica_as_a_real_router_would():
+    """A simulated step is computed when it starts; a request arriving while it runs must not see its outcome.
+    Request a (96 tokens, 1 output token) starts replica 0's first step at 0 s, which ends at 0.112 s (16 ms +
+    1 ms a token) with a finished. Request b arrives at 0.05 s: replica 0 as last reported still holds a, so
+    least_loaded sends b to replica 1. Request c arrives after the step (0.5 s) and sees replica 0 empty."""
+    from nanovllm import Router
+
+    from helpers import workload_request
+
+    seen = []
+
+    class Recording(Router):
+        def route(self, request, replicas, now):
+            seen.append((request.request_id, [view.num_outstanding for view in replicas],
+                         [view.num_queued_tokens for view in replicas]))
+            return min(replicas, key=lambda view: (view.num_outstanding, view.index)).index
+
+    served = ServedCluster.simulated(ClusterConfig(replicas=2), Recording(), TOKEN_COST, None, EngineConfig(**ENGINE))
+    result = served.serve([workload_request("a", range(1, 97), 1, 0.0), workload_request("b", range(1, 9), 1, 0.05),
+                           workload_request("c", range(1, 9), 1, 0.5)])
+    assert seen[1] == ("b", [1, 0], [96, 0])   # a as it was when its step started: waiting, 96 tokens queued
+    assert seen[2] == ("c", [0, 0], [0, 0])
+    assert {r["request_id"]: r["replica"] for r in result.requests} == {"a": 0, "b": 1, "c": 0}
+
+
 def test_per_replica_figures_add_up_to_the_cluster_and_are_printed():
     served = cluster(3, "round_robin")
     result = served.serve(workload(served.engine.tokenizer))

@@ -265,9 +265,9 @@ def test_kv_cost_weighs_cache_hits_against_decode_load():
 
 
 def test_predicted_latency_sends_less_work_to_a_slower_replica():
-    # Replica 0 computes at most 32 tokens a step, the others 2048: a 256-token prompt takes it 8 steps.
+    # Replica 0 computes at most 16 tokens a step, the others 2048: a 256-token prompt takes it 16 steps.
     workload = synthetic(n=120, rate=8.0, inp=256, out=8)
-    slow = {0: {"max_num_batched_tokens": 32}}
+    slow = {0: {"max_num_batched_tokens": 16}}
     predicted = serve(served_cluster(3, "predicted_latency", overrides=slow), workload)
     blind = serve(served_cluster(3, "round_robin", overrides=slow), workload)
     assert routed(predicted)[0] < 0.6 * routed(blind)[0], (routed(predicted), routed(blind))
