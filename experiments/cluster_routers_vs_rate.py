@@ -7,7 +7,7 @@ The workload (``workload=multi_turn``): sessions of 2-6 turns, each turn re-send
 one of 8 shared system prompts of 256 tokens; user messages 48 +- 50% tokens, replies 24 +- 50%. Sessions per
 replica are fixed, so the 64-replica cluster serves 4x the 16-replica one's requests. The rate is requests/s per
 replica (x the replica count for the cluster). Every replica: the default model in bfloat16 on the shipped
-calibrated profile, ``allocator=prefix``, 256 KV blocks (4,096 tokens), 16 sequences, fcfs. Per point: cluster
+calibrated profile (named: ``PROFILE``), ``allocator=prefix``, 256 KV blocks (4,096 tokens), 16 sequences, fcfs. Per point: cluster
 p50 and p99 TTFT, output throughput, prefix-cache hit rate (cached over prompt tokens) and the mean load
 imbalance (max/mean outstanding requests at arrivals). Writes ``experiments/results/cluster_routers_vs_rate.md``
 and a plot of p99 TTFT and hit rate against rate (``.png`` beside it).
@@ -23,6 +23,7 @@ from nanovllm import ROUTERS, machine
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.cluster import ServedCluster
+from nanovllm.harness.sim.step_time import shipped_profile
 from nanovllm.harness.workload import LengthDist, MultiTurnWorkloadConfig, generate_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,10 +40,15 @@ def workload_config(sessions: int, rate: float, seed: int = 0) -> MultiTurnWorkl
         think_time_s=2.0, reply_time_per_token_s=0.05)
 
 
+# The shipped bfloat16 profile, named: a machine with a profile of its own in the cache would otherwise use that one,
+# and the table would describe another machine's replicas than the docs say.
+PROFILE = shipped_profile("bfloat16")
+
+
 def one_point(replicas: int, router: str, rate: float, sessions: int) -> dict[str, float]:
     served = ServedCluster.simulated(ClusterConfig(replicas=replicas), router,
-                                     {"name": "sim", "step_time": "calibrated"}, None, EngineConfig(**ENGINE),
-                                     allocator="prefix")
+                                     {"name": "sim", "step_time": "calibrated", "profile": str(PROFILE)}, None,
+                                     EngineConfig(**ENGINE), allocator="prefix")
     result = served.serve(generate_workload(workload_config(sessions, rate), served.engine.tokenizer))
     s = result.summary
     prompt = sum(r["num_prompt_tokens"] for r in result.requests)
