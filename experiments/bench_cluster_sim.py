@@ -6,7 +6,7 @@ arriving at once (overloaded: the waiting queues hold ~1,500 requests per replic
                                             [--rate 2000] [--out experiments/results/bench_cluster_sim.md]
 
 The workload is bench_sim.py's (prompts 128 +- 50%, outputs 16 +- 50% tokens, Poisson arrivals), the step
-times the shipped bfloat16 profile's, 64 sequences and 1,024 KV blocks per replica; nothing is written to disk
+times the shipped bfloat16 profile's (named, so that a machine's own cached profile does not replace it), 64 sequences and 1,024 KV blocks per replica; nothing is written to disk
 but the table. Wall time covers building the replicas, generating the workload and serving it, in this one
 process (``time.perf_counter``); CPU time is the process's (``time.process_time``): on a shared machine their
 ratio shows how much of the wall time the process had a core.
@@ -22,6 +22,7 @@ from nanovllm import machine
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.cluster import ServedCluster
+from nanovllm.harness.sim.step_time import shipped_profile
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def one_run(replicas: int, requests: int, rate: float, router: str) -> dict[str, float]:
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    served = ServedCluster.simulated(ClusterConfig(replicas=replicas), router,
-                                     {"name": "sim", "step_time": "calibrated"}, None,
+    runner = {"name": "sim", "step_time": "calibrated", "profile": str(shipped_profile("bfloat16"))}
+    served = ServedCluster.simulated(ClusterConfig(replicas=replicas), router, runner, None,
                                      EngineConfig(num_kv_blocks=1024, max_num_seqs=64, dtype="bfloat16"))
     workload = generate_workload(SyntheticWorkloadConfig(
         num_requests=requests, request_rate=rate, seed=0,
