@@ -247,3 +247,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float = 240.0) -> None:
+    """Wait for the server subprocess ``proc`` to answer ``GET {url}/health`` with 200; fail with its stderr if
+    it exits first."""
+    import httpx
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.communicate()[1][-3000:]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, f"the server at {url} answers /health", timeout=timeout)

@@ -257,7 +257,7 @@ def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_pr
     import httpx
     import openai
 
-    from helpers import cli_env, free_port, wait_for
+    from helpers import cli_env, free_port, wait_until_healthy
     from nanovllm import LLM, SamplingParams
     from nanovllm.harness.records import read_run
 
@@ -274,16 +274,8 @@ def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_pr
         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        wait_for(healthy, "the cluster server answers /health", timeout=300)
+        wait_until_healthy(proc, url, timeout=300)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
         model = client.models.list().data[0].id
 

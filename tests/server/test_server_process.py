@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import REPO, cli_env, free_port, wait_for
+from helpers import REPO, cli_env, free_port, wait_for, wait_until_healthy
 from test_server import sse_events
 
 API_KEY = "test-key"
@@ -31,17 +31,8 @@ def _start(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, str, Path
                              f"hydra.run.dir={run_dir}", *overrides], cwd=tmp_path, env=cli_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.communicate()[1][-3000:]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        wait_for(healthy, "the server answers /health", timeout=240)
+        wait_until_healthy(proc, url, timeout=240)
     except BaseException:
         proc.kill()
         proc.communicate()
