@@ -82,6 +82,11 @@ class Cluster:
         return self.replicas[0].engine.tokenizer
 
     @property
+    def hf_config(self) -> Any:
+        """The model's transformers config (every replica serves the same model)."""
+        return self.replicas[0].engine.hf_config
+
+    @property
     def runner(self) -> Any:
         """Replica 0's runner (every replica runs the same model): its dtype and device."""
         return self.replicas[0].engine.runner
@@ -143,8 +148,9 @@ class Cluster:
         """When the next step starts: the earliest clock among replicas with work (None: none has work)."""
         return self._ready[0][0] if self._ready else None
 
-    def step(self) -> StepOutput:
-        """Run one step of the replica whose clock is earliest; its record says which replica (``replica``)."""
+    def step(self, timeout: float | None = None) -> StepOutput:
+        """Run one step of the replica whose clock is earliest; its record says which replica (``replica``).
+        (``timeout``: as ``LLMEngine.step``, ignored: a simulated step never waits.)"""
         _, index = heapq.heappop(self._ready)
         self._in_ready[index] = False
         replica = self.replicas[index]

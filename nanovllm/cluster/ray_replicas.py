@@ -282,7 +282,7 @@ class RayCluster(Cluster):
                     index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads))
             model_dir = self._model_dir = resolve_model(config.model)
             self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.hf_config = AutoConfig.from_pretrained(model_dir)
+            self._hf_config = AutoConfig.from_pretrained(model_dir)
             infos = _gather([actor.info.remote() for actor in actors], "start")
         except BaseException:
             self._finalizer()
@@ -297,7 +297,7 @@ class RayCluster(Cluster):
         limits: dict[tuple[int, int, int], _Frontend] = {}
         for info in infos:
             key = (info["max_model_len"], info["num_kv_blocks"], info["block_size"])
-            limits.setdefault(key, _Frontend(info, self._tokenizer, self.hf_config, self._runner))
+            limits.setdefault(key, _Frontend(info, self._tokenizer, self._hf_config, self._runner))
         self._validators = list(limits.values())
 
     # -- what the loops read, as of an engine ----------------------------------------------------------------
@@ -308,6 +308,10 @@ class RayCluster(Cluster):
     @property
     def tokenizer(self) -> Any:  # type: ignore[override]
         return self._tokenizer
+
+    @property
+    def hf_config(self) -> Any:  # type: ignore[override]
+        return self._hf_config
 
     @property
     def runner(self) -> Any:  # type: ignore[override]
@@ -419,13 +423,10 @@ class RayCluster(Cluster):
     def next_ready_time(self) -> float | None:
         return time.perf_counter() if self.has_unfinished() else None
 
-    # Replicas step on their own: a serving loop that admits requests between steps (the HTTP server's) waits
-    # with ``step(timeout=...)`` so that a request for an idle replica does not wait for a busy one's step.
-    steps_concurrently = True
-
     def step(self, timeout: float | None = None) -> StepOutput | None:
         """The next step any replica reports (or a dead replica's failed requests), as one engine's; None when
-        ``timeout`` seconds pass first (only when a timeout is given)."""
+        ``timeout`` seconds pass first. Replicas step on their own, so a serving loop that admits requests
+        between steps passes a timeout: a request for an idle replica then need not wait for a busy one's step."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 

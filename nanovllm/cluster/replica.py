@@ -4,6 +4,7 @@ queued)."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 from collections import deque
 from typing import Any
@@ -96,17 +97,11 @@ class LocalReplica:
         return self._view.bind(request)
 
     def _in_step_view(self) -> ReplicaView:
-        reported, since = self._reported, self._since
-        assert reported is not None
-        return ReplicaView(
-            index=self.index, alive=self.alive, num_running=reported.num_running,
-            num_waiting=reported.num_waiting + len(since), num_free_blocks=reported.num_free_blocks,
-            num_total_blocks=reported.num_total_blocks, block_size=reported.block_size,
-            num_queued_tokens=reported.num_queued_tokens + sum(r.num_prompt_tokens for r in since),
-            num_decoding=reported.num_decoding, max_num_seqs=reported.max_num_seqs,
-            max_num_batched_tokens=reported.max_num_batched_tokens, recent_ttft=reported.recent_ttft,
-            recent_itl=reported.recent_itl, num_routed=self.num_routed,
-            prefix_lookup=self.engine.allocator.cached_prefix_len)
+        view = copy.copy(self._reported)
+        view.num_waiting += len(self._since)
+        view.num_queued_tokens += sum(r.num_prompt_tokens for r in self._since)
+        view.num_routed = self.num_routed
+        return view
 
     def _build_view(self) -> ReplicaView:
         scheduler, allocator, config = self.engine.scheduler, self.engine.allocator, self.engine.config

@@ -248,10 +248,12 @@ class LLMEngine:
         return self._num_steps
 
     # -- the step --------------------------------------------------------------------------------------------
-    def step(self) -> StepOutput:
+    def step(self, timeout: float | None = None) -> StepOutput:
         """Run one engine step: schedule, run the model over the batch, let the scheduler append the sampled
         tokens and finish requests. Returns the requests that ended in this step and the step's record.
-        Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else."""
+        Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else.
+        ``timeout`` is for engine-like drivers whose replicas step on their own (``RayCluster.step`` may return
+        None when it passes); one engine steps at once and never waits, so it ignores it."""
         try:
             return self._step()
         except (PolicyError, StepError):

@@ -229,14 +229,13 @@ class _Run:
             while pending and self.t0 + pending[0][1].arrival_time <= self.clock.now():
                 self._submit(*pending.popleft())
             if engine.has_unfinished():
-                if pending and getattr(engine, "steps_concurrently", False):
-                    # Replicas step on their own (RayCluster): wait for the next step only until the next
-                    # arrival, which is routed then, at its time, to a replica that may be idle.
-                    result = engine.step(timeout=max(0.0, self.t0 + pending[0][1].arrival_time - self.clock.now()))
-                    if result is None:
-                        continue
-                else:
-                    result = engine.step()
+                # Real replicas step on their own (RayCluster): wait for the next step only until the next
+                # arrival, which is routed then, at its time, to a replica that may be idle (None: it came first).
+                next_arrival = self.t0 + pending[0][1].arrival_time if pending else None
+                wait = None if next_arrival is None else max(0.0, next_arrival - self.clock.now())
+                result = engine.step(timeout=wait)
+                if result is None:
+                    continue
                 for request in result.finished:
                     self._ended(request_record(request, self.t0))
                     self.output_tokens += request.num_output_tokens

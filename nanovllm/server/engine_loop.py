@@ -240,14 +240,11 @@ class EngineLoop:
         return True
 
     def _step(self) -> None:
-        if getattr(self.engine, "steps_concurrently", False):
-            # Replicas step on their own (RayCluster): wait for the next step a little at a time, so that a
-            # request that arrives meanwhile reaches its (maybe idle) replica now, not after a busy one's step.
-            result = self.engine.step(timeout=CLUSTER_POLL_S)
-            if result is None:
-                return
-        else:
-            result = self.engine.step()
+        # On a cluster of real replicas, wait for the next step a little at a time, so that a request that arrives
+        # meanwhile reaches its (maybe idle) replica now, not after a busy one's step (one engine never waits).
+        result = self.engine.step(timeout=CLUSTER_POLL_S)
+        if result is None:
+            return
         step = step_record(result.record, self.t0, len(self.steps))
         step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
         self.steps.append(step)

@@ -63,7 +63,6 @@ class EngineSizes:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_requests: int | None = None
-    num_replicas: int = 1           # a cluster's replica count (its sizes above are totals over replicas)
 
     @classmethod
     def read(cls, run_dir: Path) -> "EngineSizes":
@@ -76,12 +75,10 @@ class EngineSizes:
                 engine = data.get("engine") or {}
                 workload = data.get("workload") or {}
                 replicas = (data.get("cluster") or {}).get("replicas") or 1
-                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests"),
-                        "num_replicas": replicas}
-                for key in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests")}
+                for key in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):  # a cluster's: totals
                     if isinstance(data.get(key), int):
                         data[key] *= replicas
-            data.setdefault("num_replicas", 1)
             return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
         return cls()
 

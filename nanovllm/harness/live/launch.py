@@ -123,7 +123,9 @@ def _start_loggers(session: LiveSession, engine: Any, num_requests: int) -> None
         return
     from nanovllm.harness.live.snapshot import ClusterInfoLogger, SnapshotLogger
 
-    if hasattr(engine, "replicas"):  # a cluster: each replica's batch and KV usage come from steps.jsonl
+    from nanovllm.cluster import Cluster
+
+    if isinstance(engine, Cluster):  # each replica's batch and KV usage come from steps.jsonl
         session.loggers.append(NeverFails(ClusterInfoLogger(engine, num_requests)))
         return
     session.loggers.append(NeverFails(SnapshotLogger(engine, num_requests, config.snapshot_every)))

@@ -18,6 +18,7 @@ from typing import Any
 
 import time
 
+from nanovllm.config import head_dim_of
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.kv_cache import bytes_per_block
 from nanovllm.harness.loggers import RunLogger
@@ -110,9 +111,9 @@ class SnapshotLogger(RunLogger):
 def cluster_info(cluster: Any, num_requests: int) -> dict[str, Any]:
     """``engine_info`` for a cluster: the totals the aggregate charts draw against, and each replica's sizes."""
     replicas = [replica.describe() for replica in cluster.replicas]
-    hf = cluster.hf_config if hasattr(cluster, "hf_config") else cluster.engines[0].hf_config
+    hf = cluster.hf_config
     heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    head_dim = head_dim_of(hf)
     return {
         "num_replicas": len(replicas),
         "num_kv_blocks": sum(r["num_kv_blocks"] for r in replicas),
