@@ -29,7 +29,9 @@ class LLM:
     serves on N real replicas, each an engine in its own Ray actor, behind ``router`` (a registered name, an
     instance, or ``{"name": ..., **options}``): ``generate`` returns what one engine would. A local Ray instance
     is started (and stopped by ``close()`` or at exit) unless ``cluster.address`` names one to join
-    (``nanovllm.cluster.ray_replicas``). ``step_time``: the batch-features -> seconds estimate routers that
+    (``nanovllm.cluster.ray_replicas``). ``cluster=dict(prefill_replicas=P, decode_replicas=D)``: prefill/decode
+    disaggregation (P prefill and D decode replicas, the K/V moved by ``cluster["kv_transfer"]``;
+    ``router=dict(prefill=NAME, decode=NAME)`` routes each pool). ``step_time``: the batch-features -> seconds estimate routers that
     predict latency need (``predicted_latency``)."""
 
     def __init__(
@@ -51,9 +53,15 @@ class LLM:
             from nanovllm.cluster.ray_replicas import RayCluster
             from nanovllm.router import ROUTERS
 
-            self.engine: Any = RayCluster(config, replicas, ROUTERS.build(router),
+            if replicas.disaggregated:
+                from nanovllm.cluster.disaggregated import pool_routers
+
+                routers = pool_routers(router)
+            else:
+                routers = (ROUTERS.build(router), None)
+            self.engine: Any = RayCluster(config, replicas, routers[0],
                                           dict(scheduler=scheduler, allocator=allocator, attention=attention),
-                                          plugin_paths=plugins, step_time=step_time)
+                                          plugin_paths=plugins, step_time=step_time, decode_router=routers[1])
         else:
             self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
         self.tokenizer = self.engine.tokenizer
@@ -145,7 +153,9 @@ class LLM:
             text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
             token_ids=r.output_token_ids, finish_reason=r.finish_reason, logprobs=r.logprobs,
             metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
-                                   r.num_preemptions, r.num_cached_tokens),
+                                   r.num_preemptions, r.num_cached_tokens,
+                                   r.handoff.num_bytes if r.handoff is not None else None,
+                                   r.handoff.transfer_time if r.handoff is not None else None),
         )
 
 

@@ -45,6 +45,10 @@ class RequestMetrics:
     finish_time: float | None
     num_preemptions: int
     num_cached_tokens: int
+    # Prefill/decode disaggregation (None on one engine or colocated replicas): the bytes of K/V moved from the
+    # prefill replica to the decode replica and the seconds moving them took (read, transfer, write).
+    kv_transfer_bytes: int | None = None
+    kv_transfer_time: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,6 +18,28 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
     FAILED = "failed"        # refused by the engine (``LLMEngine.add_request(request, error=...)``); ``error`` says why
     ABORTED = "aborted"      # ended early by ``LLMEngine.abort_request`` (finish_reason "abort"); ``error`` says why
+    HANDED_OFF = "handed_off"  # prefilled on a prefill replica, its K/V on the way to a decode replica (not ended)
+
+
+@dataclass(eq=False)
+class KVHandoff:
+    """Prefill/decode disaggregation (``nanovllm.cluster.disaggregated``): one request's move from the prefill
+    replica that computed its prompt (and sampled its first token) to the decode replica that generates the rest.
+
+    The prefill engine fills ``data`` (the prompt's blocks, as ``Runner.read_kv`` returns them; None when
+    simulated) and ``num_bytes``; the cluster moves it (``KVTransfer``) and stamps the times; the decode engine's
+    scheduler loads it into the blocks it allocates at admission, like any allocation, and drops ``data``."""
+
+    prefill_replica: int
+    num_tokens: int                       # tokens whose K/V moved: the prompt
+    num_bytes: int                        # bytes moved (whole blocks)
+    data: Any = None                      # the K/V on their way; None once loaded (or when simulated)
+    prefill_end_time: float | None = None   # when the prefill replica handed the request off
+    transfer_time: float = 0.0            # seconds spent moving the bytes (measured, or modelled when simulated)
+    arrival_time: float | None = None     # when it joined the decode replica's waiting queue
+    decode_start_time: float | None = None  # its first step on the decode replica
+    loaded: bool = False                  # the decode replica's cache holds it (set at admission)
+    sampler_state: Any = None             # a seeded request's generator state, between processes
 
 
 @dataclass(eq=False)
@@ -56,6 +79,15 @@ class Request:
     replica: int | None = field(default=None, init=False)   # the cluster replica a router sent it to
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
     logprobs: list[dict] | None = field(default=None, init=False, repr=False)  # one per output token if asked
+    # Prefill/decode disaggregation: end on this (prefill) engine once the first token is sampled, handing the
+    # request off with its K/V (``KVHandoff``); set by the cluster on the way in.
+    hand_off_after_prefill: bool = field(default=False, init=False)
+    handoff: KVHandoff | None = field(default=None, init=False, repr=False)
+
+    @property
+    def awaits_kv(self) -> bool:
+        """True while a handed-off request's K/V wait to be loaded on its decode replica (at admission)."""
+        return self.handoff is not None and not self.handoff.loaded
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -167,16 +167,20 @@ class Cluster:
         """The router's choice for ``request`` among the replicas' views, checked (RouterError otherwise)."""
         return self._choose(request, [replica.view(request, now) for replica in self.replicas], now)
 
-    def _choose(self, request: Request, views: Sequence[Any], now: float) -> int:
-        self._note_imbalance(views)
+    def _choose(self, request: Request, views: Sequence[Any], now: float, router: Router | None = None,
+                imbalance: list[float] | None = None) -> int:
+        """``router``'s (default: the cluster's) checked choice among ``views``; the load imbalance it found is
+        noted in ``imbalance`` (default: ``self.imbalance``)."""
+        router = self.router if router is None else router
+        self._note_imbalance(views, self.imbalance if imbalance is None else imbalance)
         try:
-            choice = self.router.route(request, views, now)
+            choice = router.route(request, views, now)
         except RouterError:
             raise
         except Exception as exc:
-            raise RouterError(f"router {self.router.registered_name!r} raised in route(): "
+            raise RouterError(f"router {router.registered_name!r} raised in route(): "
                               f"{type(exc).__name__}: {exc}") from exc
-        return check_route(self.router, choice, views)
+        return check_route(router, choice, views)
 
     def _mark_ready(self, index: int) -> None:
         replica = self.replicas[index]
@@ -184,14 +188,16 @@ class Cluster:
             heapq.heappush(self._ready, (replica.engine.clock(), index))
             self._in_ready[index] = True
 
-    def _note_imbalance(self, views: Sequence[Any]) -> None:
+    @staticmethod
+    def _note_imbalance(views: Sequence[Any], imbalance: list[float]) -> None:
         loads = [view.num_outstanding for view in views if view.alive]
         total = sum(loads)
-        self.imbalance.append(max(loads) * len(loads) / total if total else 1.0)
+        imbalance.append(max(loads) * len(loads) / total if total else 1.0)
 
-    def _ask(self, method: str, *args: Any) -> None:
+    def _ask(self, method: str, *args: Any, router: Router | None = None) -> None:
+        router = self.router if router is None else router
         try:
-            getattr(self.router, method)(*args)
+            getattr(router, method)(*args)
         except Exception as exc:
-            raise RouterError(f"router {self.router.registered_name!r} raised in {method}(): "
+            raise RouterError(f"router {router.registered_name!r} raised in {method}(): "
                               f"{type(exc).__name__}: {exc}") from exc

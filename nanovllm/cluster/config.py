@@ -15,13 +15,40 @@ class ClusterConfig:
     """``replicas``: engine replicas behind the router (1: one engine, no router). ``replica_overrides``:
     ``{replica index: {engine field: value}}``, e.g. ``{0: {num_kv_blocks: 64}}`` for a replica with a smaller
     cache; the others take the run's ``engine`` settings. ``address``: the Ray cluster real replicas join
-    (null: a local instance started and stopped with the run; ``auto``: the running one)."""
+    (null: a local instance started and stopped with the run; ``auto``: the running one).
+
+    ``prefill_replicas`` and ``decode_replicas`` (both >= 1, or both 0): prefill/decode disaggregation
+    (``nanovllm.cluster.disaggregated``): the first ``prefill_replicas`` replicas prefill each request and
+    sample its first token, the other ``decode_replicas`` decode it, its K/V moved between them by
+    ``kv_transfer`` (a registered ``KVTransfer``: a name or ``{name, **options}``); ``replicas`` is then their
+    sum (leave it 1, or give the sum)."""
 
     replicas: int = 1
     replica_overrides: Any = field(default_factory=dict)
     address: str | None = None
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    kv_transfer: Any = "shared_memory"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
 
     def __post_init__(self) -> None:
+        for name in ("prefill_replicas", "decode_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"cluster.{name} must be an integer >= 0, got {value!r}")
+        if (self.prefill_replicas > 0) != (self.decode_replicas > 0):
+            raise ValueError("prefill/decode disaggregation needs both pools: cluster.prefill_replicas and "
+                             f"cluster.decode_replicas >= 1 (got {self.prefill_replicas} and "
+                             f"{self.decode_replicas}); set both, or neither for colocated replicas")
+        if self.disaggregated:
+            total = self.prefill_replicas + self.decode_replicas
+            if self.replicas not in (1, total):
+                raise ValueError(f"cluster.replicas={self.replicas} contradicts cluster.prefill_replicas + "
+                                 f"cluster.decode_replicas = {total}; leave cluster.replicas unset")
+            self.replicas = total
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
             raise ValueError(f"cluster.replicas must be an integer >= 1, got {self.replicas!r}")
         if self.replica_overrides is None:

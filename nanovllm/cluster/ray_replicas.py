@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 from nanovllm.allocator import prefix_block_keys
 from nanovllm.cluster.cluster import Cluster
 from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.engine import LLMEngine, PluginSpec, StepOutput
@@ -65,15 +66,19 @@ class ReplicaActor:
     """One replica in its Ray actor: an engine, and the running figures a view needs (``LocalReplica``'s)."""
 
     def __init__(self, index: int, config: EngineConfig, plugins: Mapping[str, PluginSpec],
-                 plugin_paths: Sequence[str], threads: int) -> None:
+                 plugin_paths: Sequence[str], threads: int, view_index: int | None = None,
+                 kv_transfer: Any = None) -> None:
         import torch
 
+        from nanovllm.cluster.kv_transfer import KV_TRANSFERS
         from nanovllm.plugins import load_plugins
 
         torch.set_num_threads(threads)
         load_plugins(list(plugin_paths))
         self.engine = LLMEngine(config, **plugins)
-        self.replica = LocalReplica(index, self.engine)
+        self.replica = LocalReplica(index, self.engine, view_index)
+        # Prefill/decode disaggregation: how this replica sends K/V it prefilled, or receives K/V to decode.
+        self.transfer = KV_TRANSFERS.build(kv_transfer) if kv_transfer is not None else None
         self._keys: set[int] = set()
         self._sent: dict[str, int] = {}   # request id -> output tokens already reported (``progress``)
 
@@ -112,21 +117,71 @@ class ReplicaActor:
                     request = engine.make_request(spec["prompt_token_ids"], spec["sampling_params"], **fields)
                 except ValueError as exc:
                     error = str(exc)
+            if error is None and spec.get("handoff") is not None:
+                error = self._receive(request, spec)
+                if error is None:
+                    continue
             if error is not None:
                 request = engine.rejected_request(spec["prompt_token_ids"], spec["sampling_params"], **fields)
             request.replica = self.replica.index
+            request.hand_off_after_prefill = bool(spec.get("hand_off"))
             self.replica.add(request, error=error)
         if abort is not None:
             engine.abort_all(abort)
         for request_id, reason in aborts:
             engine.abort_request(request_id, reason)
         if not engine.has_unfinished():
-            return {"record": None, "finished": [], "progress": [], "state": self._state()}
+            return {"record": None, "finished": [], "progress": [], "handed_off": [], "state": self._state()}
         output = self.replica.step()
-        for request in output.finished:
+        for request in (*output.finished, *output.handed_off):
             self._sent.pop(request.request_id, None)
         return {"record": dict(output.record), "finished": [_ended(r) for r in output.finished],
-                "progress": self._progress(), "state": self._state()}
+                "progress": self._progress(), "handed_off": [self._send(r) for r in output.handed_off],
+                "state": self._state()}
+
+    def _send(self, request: Request) -> dict[str, Any]:
+        """A request this prefill replica handed off: its K/V sent (``KVTransfer.send``), its state as plain data."""
+        handoff = request.handoff
+        assert handoff is not None and self.transfer is not None
+        started = time.perf_counter()
+        try:
+            handle, error = self.transfer.send(request.request_id, handoff.data), None
+        except Exception as exc:  # noqa: BLE001 -- this request fails with the reason; the others go on
+            handle, error = None, f"kv transfer ({self.transfer.registered_name}) failed to send: {exc}"
+        handoff.transfer_time += time.perf_counter() - started
+        handoff.data = None
+        plain = _ended(request)
+        plain.update(handle=handle, send_error=error, generator_state=(
+            request.generator.get_state() if request.generator is not None else None))
+        return plain
+
+    def _receive(self, request: Request, spec: Mapping[str, Any]) -> str | None:
+        """Queue a handed-off request on this decode replica with the K/V it receives, or say why it cannot."""
+        from nanovllm.request import KVHandoff
+
+        moved = spec["handoff"]
+        if self.transfer is None:
+            return f"replica {self.replica.index} is not a decode replica (no kv_transfer)"
+        started = time.perf_counter()
+        try:
+            data = self.transfer.receive(moved["handle"])
+        except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
+            return f"kv transfer ({self.transfer.registered_name}) failed to receive: {exc}"
+        request.token_ids = list(request.prompt_token_ids) + list(spec["output_token_ids"])
+        for key in ("first_scheduled_time", "first_token_time", "num_cached_tokens", "num_preemptions",
+                    "num_recomputed_tokens", "max_computed_tokens", "logprobs"):
+            setattr(request, key, spec[key])
+        request.token_times = list(spec["token_times"])
+        if spec.get("generator_state") is not None and request.generator is not None:
+            request.generator.set_state(spec["generator_state"])
+        request.handoff = KVHandoff(prefill_replica=moved["prefill_replica"], num_tokens=moved["num_tokens"],
+                                    num_bytes=moved["num_bytes"], data=data,
+                                    prefill_end_time=moved["prefill_end_time"],
+                                    transfer_time=moved["transfer_time"] + time.perf_counter() - started)
+        request.replica = self.replica.index
+        self.replica.add_handed_off(request)
+        self._sent[request.request_id] = request.num_output_tokens   # the driver has the first token already
+        return None
 
     def _progress(self) -> list[tuple[str, list[int], list | None, int]]:
         """(id, new output tokens, their logprobs, cached prompt tokens) of each unfinished request that has
@@ -165,7 +220,15 @@ def _ended(request: Request) -> dict[str, Any]:
             "max_computed_tokens": request.max_computed_tokens,
             "first_scheduled_time": request.first_scheduled_time, "first_token_time": request.first_token_time,
             "finish_time": request.finish_time, "token_times": request.token_times,
-            "finish_reason": request.finish_reason, "error": request.error, "logprobs": request.logprobs}
+            "finish_reason": request.finish_reason, "error": request.error, "logprobs": request.logprobs,
+            "handoff": _handoff_plain(request.handoff)}
+
+
+def _handoff_plain(handoff: Any) -> dict[str, Any] | None:
+    if handoff is None:
+        return None
+    return {key: getattr(handoff, key) for key in ("prefill_replica", "num_tokens", "num_bytes", "prefill_end_time",
+                                                   "transfer_time", "arrival_time", "decode_start_time", "loaded")}
 
 
 class _Frontend:
@@ -192,8 +255,10 @@ class RemoteReplica:
     """The driver's side of one actor: its last reported state, what was routed to it since, its in-flight
     call and the requests it holds (by id)."""
 
-    def __init__(self, index: int, actor: Any, info: Mapping[str, Any], offset: float) -> None:
+    def __init__(self, index: int, actor: Any, info: Mapping[str, Any], offset: float,
+                 view_index: int | None = None) -> None:
         self.index, self.actor, self.info, self.offset = index, actor, info, offset
+        self.view_index = index if view_index is None else view_index   # its position in its pool's views
         self.alive = True
         self.num_routed = 0
         self.state: dict[str, Any] = dict(info["state"])
@@ -218,7 +283,7 @@ class RemoteReplica:
             state, config = self.state, self.info["describe"]
             transit = self.sending + [r for r, error in self.unsent if error is None]
             self._view = ReplicaView(
-                index=self.index, alive=self.alive, num_running=state["num_running"],
+                index=self.view_index, alive=self.alive, num_running=state["num_running"],
                 num_waiting=state["num_waiting"] + len(transit), num_free_blocks=state["num_free_blocks"],
                 num_total_blocks=state["num_total_blocks"], block_size=config["block_size"],
                 num_queued_tokens=state["num_queued_tokens"] + sum(r.num_prompt_tokens for r in transit),
@@ -238,10 +303,29 @@ class RemoteReplica:
 
 
 def _plain(request: Request, error: str | None, offset: float) -> dict[str, Any]:
-    return {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids),
-            "sampling_params": request.sampling_params, "arrival_time": request.arrival_time + offset,
-            "priority": request.priority, "client_id": request.client_id, "slo_ttft": request.slo_ttft,
-            "slo_e2el": request.slo_e2el, "session_id": request.session_id, "error": error}
+    plain = {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids),
+             "sampling_params": request.sampling_params, "arrival_time": request.arrival_time + offset,
+             "priority": request.priority, "client_id": request.client_id, "slo_ttft": request.slo_ttft,
+             "slo_e2el": request.slo_e2el, "session_id": request.session_id, "error": error,
+             "hand_off": request.hand_off_after_prefill, "handoff": None}
+    handoff = request.handoff
+    if handoff is not None and not handoff.loaded:   # to a decode replica: the request so far and its K/V
+        plain["handoff"] = {"handle": handoff.data, "prefill_replica": handoff.prefill_replica,
+                            "num_tokens": handoff.num_tokens, "num_bytes": handoff.num_bytes,
+                            "transfer_time": handoff.transfer_time,
+                            "prefill_end_time": _shift(handoff.prefill_end_time, offset)}
+        plain.update(output_token_ids=request.output_token_ids, token_times=[t + offset for t in request.token_times],
+                     first_scheduled_time=_shift(request.first_scheduled_time, offset),
+                     first_token_time=_shift(request.first_token_time, offset),
+                     num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+                     num_recomputed_tokens=request.num_recomputed_tokens,
+                     max_computed_tokens=request.max_computed_tokens, logprobs=request.logprobs,
+                     generator_state=handoff.sampler_state)
+    return plain
+
+
+def _shift(t: float | None, offset: float) -> float | None:
+    return None if t is None else t + offset
 
 
 class RayCluster(Cluster):
@@ -249,7 +333,9 @@ class RayCluster(Cluster):
 
     def __init__(self, config: EngineConfig, cluster: ClusterConfig, router: Router,
                  plugins: Mapping[str, PluginSpec] | None = None, plugin_paths: Sequence[str] = (),
-                 step_time: StepTimeEstimate | None = None) -> None:
+                 step_time: StepTimeEstimate | None = None, decode_router: Router | None = None) -> None:
+        """``router`` routes every request (with ``cluster.prefill_replicas``: the prefill pool's, and
+        ``decode_router`` the decode pool's; ``nanovllm.cluster.disaggregated.pool_routers`` builds both)."""
         if cluster.address is None:
             # A local instance serves this machine only: its daemons and workers on the loopback address
             # (Ray otherwise advertises the machine's outward address). Read when ray is first imported.
@@ -261,9 +347,24 @@ class RayCluster(Cluster):
         from nanovllm.models.loader import resolve_model
 
         self.router = router
-        if step_time is not None:
-            router.bind_step_time(step_time)
+        self.num_prefill = cluster.prefill_replicas   # 0: colocated replicas
+        self.transfer: KVTransfer | None = None
+        self.decode_router = decode_router
+        if self.num_prefill:
+            if decode_router is None or decode_router is router:
+                raise ValueError("a disaggregated RayCluster needs a decode_router of its own (pool_routers)")
+            self.transfer = KV_TRANSFERS.build(cluster.kv_transfer)
+            if not self.transfer.moves_between_processes:
+                raise ValueError(f"kv_transfer {self.transfer.registered_name!r} works within one process only; "
+                                 "real replicas are processes: use kv_transfer=shared_memory or ray")
+            if config.tensor_parallel_size > 1:
+                raise ValueError("prefill/decode disaggregation reads K/V out of one process's cache: "
+                                 "tensor_parallel_size must be 1")
+        for each in (router, decode_router):
+            if step_time is not None and each is not None:
+                each.bind_step_time(step_time)
         self.imbalance: list[float] = []
+        self.decode_imbalance: list[float] = []
         self._reports: deque[StepOutput] = deque()
         self._last_keys: tuple[Request | None, list[int]] = (None, [])
         self._started = _start_ray(cluster.address, cluster.replicas)
@@ -279,7 +380,8 @@ class RayCluster(Cluster):
             for index in range(cluster.replicas):
                 actors.append(actor_class.options(num_cpus=threads, max_restarts=0, max_task_retries=0,
                                                   runtime_env={"env_vars": env}).remote(
-                    index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads))
+                    index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads,
+                    self._view_index(index), cluster.kv_transfer if self.num_prefill else None))
             model_dir = self._model_dir = resolve_model(config.model)
             self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self._hf_config = AutoConfig.from_pretrained(model_dir)
@@ -288,7 +390,8 @@ class RayCluster(Cluster):
             self._finalizer()
             raise
         node = ray.get_runtime_context().get_node_id()
-        self.replicas = [RemoteReplica(index, actor, info, 0.0 if info["node_id"] == node else _offset(actor))
+        self.replicas = [RemoteReplica(index, actor, info, 0.0 if info["node_id"] == node else _offset(actor),
+                                       self._view_index(index))
                          for index, (actor, info) in enumerate(zip(actors, infos))]
         self._runner = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch_dtype(config.dtype),
                                              model=None, clock=time.perf_counter)
@@ -299,6 +402,16 @@ class RayCluster(Cluster):
             key = (info["max_model_len"], info["num_kv_blocks"], info["block_size"])
             limits.setdefault(key, _Frontend(info, self._tokenizer, self._hf_config, self._runner))
         self._validators = list(limits.values())
+
+    def _view_index(self, index: int) -> int:
+        """Replica ``index``'s position in its pool (the decode pool's views count from 0)."""
+        return index - self.num_prefill if self.num_prefill and index >= self.num_prefill else index
+
+    def pool_of(self, index: int) -> str | None:
+        """"prefill" or "decode" (None: colocated replicas)."""
+        if not self.num_prefill:
+            return None
+        return "prefill" if index < self.num_prefill else "decode"
 
     # -- what the loops read, as of an engine ----------------------------------------------------------------
     @property
@@ -355,6 +468,7 @@ class RayCluster(Cluster):
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: Request, error: str | None = None) -> None:
         now = request.arrival_time
+        request.hand_off_after_prefill = bool(self.num_prefill)
         index = self._route(request, now)
         replica = self.replicas[index]
         request.replica = index
@@ -416,8 +530,47 @@ class RayCluster(Cluster):
         return matched * replica.info["block_size"]
 
     def _route(self, request: Request, now: float) -> int:
-        views = [replica.view(request, self._prefix_match) for replica in self.replicas]
+        """The router's choice (with disaggregation: the prefill router's, among the prefill replicas)."""
+        pool = self.replicas[:self.num_prefill] if self.num_prefill else self.replicas
+        views = [replica.view(request, self._prefix_match) for replica in pool]
         return self._choose(request, views, now)
+
+    def _hand_off(self, prefill: RemoteReplica, plain: Mapping[str, Any], now: float) -> Request | None:
+        """A request ``prefill`` handed off: follow it in the driver, route it to a decode replica and queue it
+        there with its K/V's handle. Returns it when it cannot go on (its send failed: it ends failed here)."""
+        from nanovllm.request import KVHandoff
+
+        request = prefill.held.pop(plain["request_id"])
+        _finish(request, plain, prefill.offset)
+        request.status = RequestStatus.HANDED_OFF
+        moved = plain["handoff"]
+        request.handoff = KVHandoff(prefill_replica=prefill.index, num_tokens=moved["num_tokens"],
+                                    num_bytes=moved["num_bytes"], data=plain["handle"],
+                                    prefill_end_time=_shift(moved["prefill_end_time"], -prefill.offset),
+                                    transfer_time=moved["transfer_time"], sampler_state=plain["generator_state"])
+        self._ask("on_finish", request, prefill.view_index, now)
+        if plain["send_error"] is not None:
+            request.status, request.error, request.finish_time = RequestStatus.FAILED, plain["send_error"], now
+            return request
+        pool = self.replicas[self.num_prefill:]
+        if not any(replica.alive for replica in pool):
+            if self.transfer is not None and plain["handle"] is not None:
+                self.transfer.discard(plain["handle"])
+            request.status, request.finish_time = RequestStatus.FAILED, now
+            request.error = "no live decode replica is left to hand the request off to"
+            return request
+        views = [replica.view(request, self._prefix_match) for replica in pool]
+        local = self._choose(request, views, now, self.decode_router, self.decode_imbalance)
+        decode = pool[local]
+        request.replica = decode.index
+        decode.num_routed += 1
+        decode.held[request.request_id] = request
+        decode.unsent.append((request, None))
+        decode._view = None
+        self._ask("on_arrival", request, local, now, router=self.decode_router)
+        if decode.in_flight is None and decode.alive:
+            decode.send()
+        return None
 
     # -- the step --------------------------------------------------------------------------------------------
     def next_ready_time(self) -> float | None:
@@ -477,8 +630,13 @@ class RayCluster(Cluster):
             _finish(request, plain, offset)
             finished.append(request)
         now = time.perf_counter()
+        router = self.decode_router if self.pool_of(replica.index) == "decode" else self.router
         for request in finished:
-            self._ask("on_finish", request, replica.index, now)
+            self._ask("on_finish", request, replica.view_index, now, router=router)
+        for plain in result.get("handed_off", []):
+            failed = self._hand_off(replica, plain, now)
+            if failed is not None:
+                finished.append(failed)
         record = dict(result["record"])
         record.update(start_time=record["start_time"] - offset, replica=replica.index)
         return StepOutput(finished, record)  # type: ignore[arg-type]
@@ -492,8 +650,13 @@ class RayCluster(Cluster):
         replica.unsent, replica.sending = [], []
         for request in failed:
             request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
+            handoff = request.handoff
+            if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
+                self.transfer.discard(handoff.data)   # K/V sent to it and never received: free them
+                handoff.data = None
+        router = self.decode_router if self.pool_of(replica.index) == "decode" else self.router
         for request in failed:
-            self._ask("on_finish", request, replica.index, now)
+            self._ask("on_finish", request, replica.view_index, now, router=router)
         state = replica.state
         record = StepRecord(
             step=0, start_time=now, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0,
@@ -537,6 +700,11 @@ def _finish(request: Request, plain: Mapping[str, Any], offset: float) -> None:
     request.first_token_time = back(plain["first_token_time"])
     request.finish_time = back(plain["finish_time"])
     request.token_times = [t - offset for t in plain["token_times"]]
+    moved = plain.get("handoff")
+    if moved is not None and request.handoff is not None:   # decoded here after a hand-off: its figures
+        handoff = request.handoff
+        handoff.transfer_time, handoff.loaded, handoff.data = moved["transfer_time"], moved["loaded"], None
+        handoff.arrival_time, handoff.decode_start_time = back(moved["arrival_time"]), back(moved["decode_start_time"])
 
 
 # -- Ray ----------------------------------------------------------------------------------------------------------

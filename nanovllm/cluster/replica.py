@@ -24,8 +24,9 @@ class LocalReplica:
     computed yet; it is updated from each step's plan (the scheduled, preempted and ended requests are the only
     ones whose count can change in a step), never by scanning the queues."""
 
-    def __init__(self, index: int, engine: LLMEngine) -> None:
+    def __init__(self, index: int, engine: LLMEngine, view_index: int | None = None) -> None:
         self.index = index
+        self.view_index = index if view_index is None else view_index   # its position among the views it is in
         self.engine = engine
         self.alive = True
         self.num_routed = 0
@@ -40,6 +41,7 @@ class LocalReplica:
         self._reported: ReplicaView | None = None
         self._since: list[Request] = []
         self._recent: deque[tuple[float, float | None]] = deque(maxlen=RECENT_REQUESTS)  # (TTFT, ITL) seconds
+        self.num_incoming = 0   # handed-off requests routed here whose K/V are still on the way (disaggregation)
 
     # -- what the cluster does to it -----------------------------------------------------------------------------
     def add(self, request: Request, error: str | None = None) -> None:
@@ -51,6 +53,22 @@ class LocalReplica:
             self._track(request)
             if self._reported is not None:
                 self._since.append(request)
+
+    def expect(self) -> None:
+        """A decode router chose this replica for a handed-off request whose K/V are on the way: its views
+        count it as waiting from now on."""
+        self.num_incoming += 1
+        self._view = None
+
+    def add_handed_off(self, request: Request) -> None:
+        """The K/V of a request this replica was chosen for arrived: it joins the engine's waiting queue."""
+        self.num_incoming = max(0, self.num_incoming - 1)   # (a Ray actor's copy is never told to expect)
+        self.num_routed += 1
+        self._view = None
+        self.engine.add_handed_off(request)
+        self._track(request)
+        if self._reported is not None:
+            self._since.append(request)
 
     def wake(self, t: float) -> None:
         """An idle replica is given a request that arrived at ``t``: a virtual clock jumps there (a wall clock
@@ -69,6 +87,10 @@ class LocalReplica:
                 self._track(request)
             for request in output.plan.preempted:
                 self._track(request)
+        for request in output.handed_off:   # prefilled here, decoded elsewhere: its TTFT is this replica's
+            self._forget(request)
+            self._recent.append((request.first_token_time - request.arrival_time, None))  # type: ignore[operator]
+            self._update_recent()
         for request in output.finished:
             self._forget(request)
             if request.first_token_time is not None:
@@ -98,18 +120,18 @@ class LocalReplica:
 
     def _in_step_view(self) -> ReplicaView:
         view = copy.copy(self._reported)
-        view.num_waiting += len(self._since)
-        view.num_queued_tokens += sum(r.num_prompt_tokens for r in self._since)
+        view.num_waiting += len(self._since) + self.num_incoming
+        view.num_queued_tokens += sum(_tokens_to_compute(r) for r in self._since) + self.num_incoming
         view.num_routed = self.num_routed
         return view
 
     def _build_view(self) -> ReplicaView:
         scheduler, allocator, config = self.engine.scheduler, self.engine.allocator, self.engine.config
         return ReplicaView(
-            index=self.index, alive=self.alive, num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting), num_free_blocks=allocator.num_free_blocks(),
+            index=self.view_index, alive=self.alive, num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + self.num_incoming, num_free_blocks=allocator.num_free_blocks(),
             num_total_blocks=allocator.num_blocks, block_size=allocator.block_size,
-            num_queued_tokens=self.num_queued_tokens,
+            num_queued_tokens=self.num_queued_tokens + self.num_incoming,
             num_decoding=self.num_decoding,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             recent_ttft=self.recent_ttft, recent_itl=self.recent_itl,
@@ -127,7 +149,7 @@ class LocalReplica:
     def _track(self, request: Request) -> None:
         if request.is_finished:
             return
-        uncomputed = request.num_tokens - request.num_computed_tokens
+        uncomputed = _tokens_to_compute(request)
         self.num_queued_tokens += uncomputed - self._queued.get(request, 0)
         self._queued[request] = uncomputed
 
@@ -138,6 +160,12 @@ class LocalReplica:
 
     def _forget(self, request: Request) -> None:
         self.num_queued_tokens -= self._queued.pop(request, 0)
+
+
+def _tokens_to_compute(request: Request) -> int:
+    """Tokens ``request`` still needs computed here (a handed-off one awaiting its K/V: only those past them)."""
+    done = request.handoff.num_tokens if request.awaits_kv else request.num_computed_tokens  # type: ignore[union-attr]
+    return request.num_tokens - done
 
 
 def _mean_itl(request: Request) -> float | None:

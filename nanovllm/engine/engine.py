@@ -5,8 +5,10 @@ history of its own: whoever drives it (``LLM``, the serving loop, the simulator)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,7 +27,7 @@ from nanovllm.engine.warmup import warm_up
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
-from nanovllm.request import Request
+from nanovllm.request import KVHandoff, Request, RequestStatus
 from nanovllm.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ class StepOutput:
     finished: list[Request]
     record: StepRecord
     plan: SchedulerOutput | None = None   # what the scheduler planned: the batch and the step's preemptions
+    # Prefill/decode disaggregation: requests this (prefill) engine prefilled and let go, each with its
+    # ``handoff`` (K/V read from the cache, blocks freed), for the cluster to move to a decode replica.
+    handed_off: list[Request] = dataclasses.field(default_factory=list)
 
 
 class LLMEngine:
@@ -101,6 +106,7 @@ class LLMEngine:
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
                                       runner.dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
+        self.kv_block_bytes = block_bytes
         scale = runner.head_dim ** -0.5
         backend: AttentionBackend = ATTENTION_BACKENDS.build(
             attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
@@ -201,6 +207,35 @@ class LLMEngine:
             request.sampling_params.validate(max_logprobs=self.max_logprobs)  # a Request built by hand, too
             self.scheduler.add(request, self.clock())
 
+    def add_handed_off(self, request: Request) -> None:
+        """Prefill/decode disaggregation: queue ``request``, prefilled on another engine and carrying its K/V in
+        ``request.handoff``, to decode here. It waits like any request; at admission the scheduler allocates its
+        blocks (prefix-cache hits first) and the step loads the K/V into them instead of computing the prompt.
+        K/V of another geometry (model, dtype, block size) fail the request with the reason; the others go on."""
+        handoff = request.handoff
+        error = None
+        if handoff is None or handoff.loaded:
+            raise ValueError(f"request {request.request_id}: add_handed_off needs a request with K/V to load")
+        if not 0 < handoff.num_tokens < request.num_tokens:
+            error = (f"kv transfer: {handoff.num_tokens} tokens of K/V for a request of {request.num_tokens} "
+                     "tokens (expected its prompt)")
+        else:
+            error = self.runner.check_kv(handoff.data, self.allocator.blocks_for(handoff.num_tokens))
+        if error is None and self.allocator.blocks_for(request.num_prompt_tokens + request.max_tokens) > \
+                self.num_kv_blocks:
+            error = (f"kv transfer: prompt + max_tokens need more than this decode replica's "
+                     f"num_kv_blocks={self.num_kv_blocks}")
+        request.status = RequestStatus.WAITING
+        request.hand_off_after_prefill = False
+        request.num_computed_tokens = 0
+        request.block_table = []
+        handoff.arrival_time = self.clock()
+        if error is not None:
+            handoff.data = None
+            self.scheduler.reject(request, error, self.clock())
+            return
+        self.scheduler.add(request, self.clock())
+
     def rejected_request(self, prompt: str | list, sampling_params: SamplingParams, **fields: Any) -> Request:
         """A ``Request`` carrying what is known of a prompt that ``make_request`` refused, to pass to
         ``add_request(request, error=...)`` (its token ids are kept only when they are a plain list)."""
@@ -280,12 +315,36 @@ class LLMEngine:
     def _step(self) -> StepOutput:
         start = self.clock()
         out = self.scheduler.schedule(start)
+        for request, first_block in out.kv_loads:   # K/V prefilled elsewhere, into the blocks just allocated
+            handoff = request.handoff
+            last_block = self.allocator.blocks_for(handoff.num_tokens)  # type: ignore[union-attr]
+            if handoff.data is not None:  # type: ignore[union-attr]
+                started = time.perf_counter()
+                self.runner.write_kv(request.block_table[first_block:last_block], handoff.data,  # type: ignore
+                                     first_block)
+                handoff.transfer_time += time.perf_counter() - started  # type: ignore[union-attr]
+                handoff.data = None  # type: ignore[union-attr]
         layout = _BatchLayout.of(out.scheduled)
         next_tokens, next_logprobs = self.runner.execute(out.scheduled) if out.scheduled else ([], [])
         finished = self.scheduler.update_from_output(out, next_tokens, self.clock(), self.max_model_len,
                                                      next_logprobs)
+        handed_off = self.scheduler.take_handed_off()
+        for request in handed_off:
+            self._read_kv_for_handoff(request)
         num_sampled = sum(token is not None for token in next_tokens)
-        return StepOutput(finished, self._step_record(start, out, layout, num_sampled), out)
+        return StepOutput(finished, self._step_record(start, out, layout, num_sampled), out, handed_off)
+
+    def _read_kv_for_handoff(self, request: Request) -> None:
+        """A prefilled request leaves this engine: its prompt's blocks are read into ``request.handoff`` (what a
+        ``KVTransfer`` moves) and freed here."""
+        num_blocks = self.allocator.blocks_for(request.num_prompt_tokens)
+        started = time.perf_counter()
+        data = self.runner.read_kv(request.block_table[:num_blocks])
+        request.handoff = KVHandoff(
+            prefill_replica=request.replica if request.replica is not None else 0,
+            num_tokens=request.num_prompt_tokens, num_bytes=num_blocks * self.kv_block_bytes, data=data,
+            prefill_end_time=self.clock(), transfer_time=time.perf_counter() - started if data is not None else 0.0)
+        self.scheduler.release(request)
 
     def _step_record(self, start: float, out: SchedulerOutput, layout: "_BatchLayout",
                      num_sampled: int) -> StepRecord:

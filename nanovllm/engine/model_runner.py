@@ -58,6 +58,29 @@ class ModelRunner(Runner):
             hidden_size=self.hf_config.hidden_size, dtype=self.dtype, device=self.device,
         )
 
+    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The K/V of ``block_ids``: a [layers, 2, len(block_ids), block_size, kv_heads, head_dim] copy."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, index)  # type: ignore[union-attr]
+
+    def write_kv(self, block_ids: list[int], data: torch.Tensor, first_block: int) -> None:
+        """Blocks ``first_block:`` of ``data`` into ``block_ids`` of the cache."""
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, self.dtype)
+        self.kv_cache.index_copy_(2, index, src)  # type: ignore[union-attr]
+
+    def check_kv(self, data: object, num_blocks: int) -> str | None:
+        cache = self.kv_cache
+        if not isinstance(data, torch.Tensor):
+            return f"kv transfer: expected a tensor of K/V, got {type(data).__name__}"
+        expected = (cache.shape[0], 2, num_blocks, *cache.shape[3:])  # type: ignore[union-attr]
+        if tuple(data.shape) != expected or data.dtype != self.dtype:
+            return (f"kv transfer: K/V of shape {tuple(data.shape)} and dtype {data.dtype} do not fit this "
+                    f"replica's cache (expected {expected}, {self.dtype}): another model, dtype or block size")
+        return None
+
     def _prepare(self, scheduled: list[tuple[Request, int]]):
         """Flat tensors for the step, and which scheduled requests sample (their chunk reaches the newest
         token) with the flat row of their last token."""

@@ -93,6 +93,25 @@ class Runner(abc.ABC):
     def close(self) -> None:
         """Release what the runner holds beyond memory (worker processes, connections); idempotent."""
 
+    # -- prefill/decode disaggregation: the K/V of a request's blocks, out of one engine and into another ------
+    def read_kv(self, block_ids: list[int]) -> Any:
+        """A copy of the K/V in ``block_ids``, in order (called when a prefilled request leaves a prefill
+        replica, before its blocks are freed); None for a runner without a KV tensor (simulated). A runner
+        whose cache lives elsewhere (``tp``: in its workers) cannot hand K/V off."""
+        raise ValueError(f"runner {self.registered_name!r} cannot read K/V out of its cache, so it cannot serve "
+                         "in a prefill/decode disaggregated cluster (use runner real or sim)")
+
+    def write_kv(self, block_ids: list[int], data: Any, first_block: int) -> None:
+        """Write blocks ``first_block:`` of ``data`` (a ``read_kv`` result of another replica) into
+        ``block_ids`` (called in the decode replica's step that admits the request, before the model runs)."""
+        raise ValueError(f"runner {self.registered_name!r} cannot load K/V into its cache (prefill/decode "
+                         "disaggregation needs runner real or sim)")
+
+    def check_kv(self, data: Any, num_blocks: int) -> str | None:
+        """Why ``data`` (handed to this replica) cannot be loaded for ``num_blocks`` blocks, or None if it can
+        (another model, dtype or block size): the request then fails with this reason."""
+        return None
+
 
 RUNNERS: Registry[Runner] = Registry(
     "runner", base=Runner, engine_args=("context",),

@@ -31,6 +31,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0      # prompt tokens served from the prefix cache at this step's admissions
     num_recomputed_tokens: int = 0      # tokens computed again after a preemption (set by update_from_output)
+    # Admitted requests whose prompt K/V came from a prefill replica, with the first block to load (the ones
+    # before it were prefix-cache hits here): the engine loads them before the step runs.
+    kv_loads: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,7 @@ class Scheduler:
         self.waiting: WaitingQueue = waiting_queue_for(policy, self._ask)
         self.running: list[Request] = []
         self._rejected: list[Request] = []   # failed on arrival or aborted; reported by the next update_from_output
+        self._handed_off: list[Request] = []  # prefilled for a decode replica, blocks held until the engine read them
         policy.bind_prefix_lookup(allocator.cached_prefix_len)
 
     # -- queue management ------------------------------------------------------------------------------------
@@ -135,7 +139,28 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason, now)
                 finished.append(request)
+            elif request.hand_off_after_prefill and request.num_output_tokens == 1:
+                self._hand_off(request, now)
         return finished
+
+    def _hand_off(self, request: Request, now: float) -> None:
+        """Prefill/decode disaggregation: ``request`` (on a prefill replica) has its first token; it leaves this
+        engine for a decode replica. Its blocks stay allocated until the engine has read its K/V
+        (``take_handed_off``), then return to the allocator (a prefix cache keeps the prompt's)."""
+        request.status = RequestStatus.HANDED_OFF
+        self.running.remove(request)
+        self._handed_off.append(request)
+        self._ask("on_finish", request, now)
+
+    def take_handed_off(self) -> list[Request]:
+        """The requests handed off since the last call, blocks still held (the engine reads their K/V, then
+        calls ``release``)."""
+        handed, self._handed_off = self._handed_off, []
+        return handed
+
+    def release(self, request: Request) -> None:
+        """Free a handed-off request's blocks once its K/V were read."""
+        self.allocator.free(request)
 
     def _finish(self, request: Request, reason: str | None, now: float,
                 status: RequestStatus = RequestStatus.FINISHED, error: str | None = None) -> None:
@@ -252,22 +277,34 @@ class Scheduler:
             allowed = self._ask("should_expand_batch", request, self._view(out, budget), now)
             if not allowed and self.running:  # a veto over an empty batch is ignored: the engine never stalls
                 break
+            loads_kv = request.awaits_kv   # its prompt's K/V came from a prefill replica: loaded, not computed
             if not request.block_table:
                 cached = self.allocator.match_prefix(request)
                 request.num_computed_tokens = cached
-                request.num_cached_tokens = cached
+                if not loads_kv:   # a handed-off request keeps its prefill replica's count
+                    request.num_cached_tokens = cached
             num_new = request.num_uncomputed_tokens
+            if loads_kv:   # blocks for every token; compute only those past the loaded K/V (the first output)
+                num_new = request.num_tokens - request.handoff.num_tokens  # type: ignore[union-attr]
             if num_new > budget and not self.enable_chunked_prefill:
                 self._undo_prefix_match(request)
                 break
             num_new = min(num_new, budget)
+            to_allocate = request.num_uncomputed_tokens if loads_kv else num_new
             # An empty batch always admits its head request (validation guarantees it fits the whole cache).
             reserve = self.watermark_blocks if self.running else 0
-            if not self.allocator.can_allocate(request, num_new, reserve=reserve):
+            if not self.allocator.can_allocate(request, to_allocate, reserve=reserve):
                 self._undo_prefix_match(request)
                 break
-            self.allocator.allocate(request, num_new)
-            out.num_prefix_hit_tokens += request.num_cached_tokens
+            self.allocator.allocate(request, to_allocate)
+            if loads_kv:
+                handoff = request.handoff
+                out.kv_loads.append((request, request.num_computed_tokens // self.allocator.block_size))
+                out.num_prefix_hit_tokens += request.num_computed_tokens
+                request.num_computed_tokens = handoff.num_tokens  # type: ignore[union-attr]
+                handoff.loaded, handoff.decode_start_time = True, now  # type: ignore[union-attr]
+            else:
+                out.num_prefix_hit_tokens += request.num_cached_tokens
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -78,6 +78,13 @@ class SimulatedRunner(Runner):
         """Only the geometry: the allocator manages block ids; there is no tensor to fill."""
         self.num_blocks, self.block_size = num_blocks, block_size
 
+    def read_kv(self, block_ids: list[int]) -> None:
+        """No K/V to read: a simulated hand-off moves only a byte count (``KVHandoff.num_bytes``)."""
+        return None
+
+    def write_kv(self, block_ids: list[int], data: Any, first_block: int) -> None:
+        """Nothing to write (the allocator's block ids are the simulated cache)."""
+
     def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[list[int | None], list[None]]:
         """Advance the clock by the predicted step time; a stand-in token for every row that samples (and no
         logprobs: there is no distribution to report), as ``ModelRunner.execute`` returns them."""

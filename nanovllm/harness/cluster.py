@@ -25,11 +25,14 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from nanovllm.cluster import Cluster
 from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.disaggregated import DisaggregatedCluster, pool_router_specs, pool_routers
+from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import PluginSpec
 from nanovllm.harness.formatting import format_value
 from nanovllm.harness.records import RequestRecord
 from nanovllm.harness.serving import ServedEngine
+from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.simulate import Simulation
 from nanovllm.router import ROUTERS
 
@@ -51,8 +54,16 @@ class ServedCluster(ServedEngine):
         simulations = [first] + [first.replica(cluster.engine_config(config, index), **plugins)
                                  for index in range(1, cluster.replicas)]
         model = simulations[0].model
-        engine = Cluster([sim.engine for sim in simulations], ROUTERS.build(router),
-                         step_time=lambda features: float(model.predict(features, 0.0)))
+        step_time = lambda features: float(model.predict(features, 0.0))  # noqa: E731
+        engines = [sim.engine for sim in simulations]
+        if cluster.disaggregated:
+            prefill_router, decode_router = pool_routers(router)
+            transfer = simulated_transfer(cluster.kv_transfer, hardware)
+            engine: Cluster = DisaggregatedCluster(engines[:cluster.prefill_replicas],
+                                                   engines[cluster.prefill_replicas:], prefill_router,
+                                                   decode_router, transfer, step_time=step_time)
+        else:
+            engine = Cluster(engines, ROUTERS.build(_colocated(router)), step_time=step_time)
         return cls(engine, engine.clock, simulations[0].cost, simulations)
 
     @classmethod
@@ -65,8 +76,12 @@ class ServedCluster(ServedEngine):
         from nanovllm.harness.monitor import ModelCost
         from nanovllm.harness.serving import WallClock
 
-        engine = RayCluster(config, cluster, ROUTERS.build(router), plugins, plugin_paths=plugin_paths,
-                            step_time=_machine_step_time(config))
+        if cluster.disaggregated:
+            prefill_router, decode_router = pool_routers(router)
+        else:
+            prefill_router, decode_router = ROUTERS.build(_colocated(router)), None
+        engine = RayCluster(config, cluster, prefill_router, plugins, plugin_paths=plugin_paths,
+                            step_time=_machine_step_time(config), decode_router=decode_router)
         return cls(engine, WallClock(), ModelCost.from_hf_config(engine.hf_config, torch_dtype(config.dtype)), [])
 
     @property
@@ -98,11 +113,34 @@ class ServedCluster(ServedEngine):
 
     def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         imbalance = self.cluster.imbalance
-        return {
+        table = per_replica(records, steps, len(self.cluster.replicas))
+        extras = {
             "load_imbalance_mean": statistics.fmean(imbalance) if imbalance else None,
             "load_imbalance_max": max(imbalance) if imbalance else None,
-            "per_replica": per_replica(records, steps, len(self.cluster.replicas)),
+            "per_replica": table,
         }
+        num_prefill = getattr(self.cluster, "num_prefill", 0)
+        if num_prefill:
+            extras["disaggregation"] = disaggregation_summary(records, table, num_prefill,
+                                                              getattr(self.cluster, "decode_imbalance", []))
+        return extras
+
+
+def _colocated(router: PluginSpec) -> PluginSpec:
+    """A router spec without the pool keys (they mean something only with disaggregation)."""
+    return pool_router_specs(router)[0]
+
+
+def simulated_transfer(spec: PluginSpec, hardware: Mapping[str, Any] | None) -> KVTransfer:
+    """The ``KVTransfer`` a simulated cluster models K/V moves with. A link preset (``kv_transfer=nvlink``,
+    ``infiniband``, ``ethernet``: name ``link``) is used as it is; a real transfer's figures (measured on this
+    machine) give way to the simulated hardware's own link (``hardware.kv_link_bandwidth``/``_latency``) when
+    a hardware profile names one, since this machine's shared memory says nothing about a GPU's."""
+    transfer = KV_TRANSFERS.build(spec)
+    link = Hardware.from_config(hardware) if hardware is not None else None
+    if transfer.moves_between_processes and link is not None and link.kv_link_bandwidth is not None:
+        transfer.bandwidth, transfer.latency = link.kv_link_bandwidth, link.kv_link_latency or 0.0
+    return transfer
 
 
 def _machine_step_time(config: EngineConfig) -> Any:
@@ -120,15 +158,55 @@ def _machine_step_time(config: EngineConfig) -> Any:
     return lambda features: float(model.predict(features, 0.0))
 
 
+def disaggregation_summary(records: Sequence[RequestRecord], table: Mapping[str, Mapping[str, Any]],
+                           num_prefill: int, decode_imbalance: Sequence[float]) -> dict[str, Any]:
+    """What a disaggregated run adds to ``metrics.json``: TTFT split into queueing (arrival to the first
+    prefill step) and prefill (to the first token, sampled on the prefill replica); the K/V transfer (bytes,
+    seconds) and the wait on the decode replica before its first step there (``decode_queue``); each pool's
+    busy fraction and the decode router's load imbalance. Times in ms: mean and p50/p99 over the requests
+    that were handed off."""
+    import numpy as np
+
+    def stats(values: list[float], name: str) -> dict[str, float | None]:
+        array = np.asarray(values, dtype=float) * 1000.0
+        return {f"{name}_mean_ms": float(array.mean()) if array.size else None,
+                f"{name}_p50_ms": float(np.percentile(array, 50)) if array.size else None,
+                f"{name}_p99_ms": float(np.percentile(array, 99)) if array.size else None}
+
+    moved = [r for r in records if r["kv_transfer_bytes"] is not None]
+    started = [r for r in records if r["first_scheduled_time"] is not None and r["prefill_replica"] is not None]
+    sampled = [r for r in started if r["first_token_time"] is not None]
+    queued = [r for r in moved if r["decode_start_time"] is not None and r["kv_arrival_time"] is not None]
+    busy = {pool: [row["busy_fraction"] for index, row in table.items() if (int(index) < num_prefill) ==
+                   (pool == "prefill")] for pool in ("prefill", "decode")}
+    return {
+        "prefill_replicas": num_prefill, "decode_replicas": len(table) - num_prefill,
+        "handed_off": len(moved),
+        "kv_transfer_bytes_total": sum(r["kv_transfer_bytes"] for r in moved),  # type: ignore[misc]
+        "kv_transfer_bytes_mean": statistics.fmean(r["kv_transfer_bytes"] for r in moved) if moved else None,
+        **stats([r["kv_transfer_time"] for r in moved], "kv_transfer_time"),  # type: ignore[misc]
+        **stats([r["first_scheduled_time"] - r["arrival_time"] for r in started], "ttft_queue"),  # type: ignore
+        **stats([r["first_token_time"] - r["first_scheduled_time"] for r in sampled], "ttft_prefill"),  # type: ignore
+        **stats([r["decode_start_time"] - r["kv_arrival_time"] for r in queued], "decode_queue"),  # type: ignore
+        "prefill_pool_busy": statistics.fmean(busy["prefill"]) if busy["prefill"] else None,
+        "decode_pool_busy": statistics.fmean(busy["decode"]) if busy["decode"] else None,
+        "decode_load_imbalance_mean": statistics.fmean(decode_imbalance) if decode_imbalance else None,
+    }
+
+
 def per_replica(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],
                 num_replicas: int) -> dict[str, dict[str, Any]]:
-    """Per replica (keyed by its index as a string): its requests, cache hits, preemptions, KV usage and load."""
+    """Per replica (keyed by its index as a string): its requests, cache hits, preemptions, KV usage and load.
+    With disaggregation a request counts on its prefill replica and on its decode replica."""
     duration = max((r["finish_time"] or 0.0 for r in records), default=0.0) or 1.0
     by_replica: dict[int, list[RequestRecord]] = {i: [] for i in range(num_replicas)}
     steps_of: dict[int, list[dict[str, Any]]] = {i: [] for i in range(num_replicas)}
     for record in records:
         if record["replica"] is not None:
             by_replica[record["replica"]].append(record)
+        prefill = record.get("prefill_replica")
+        if prefill is not None and prefill != record["replica"]:
+            by_replica[prefill].append(record)
     for step in steps:
         steps_of[step["replica"]].append(step)
     table: dict[str, dict[str, Any]] = {}

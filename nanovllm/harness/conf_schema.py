@@ -70,6 +70,7 @@ class RunConfig:
     hardware: Any = None        # a hardware description (conf/hardware/) for runner=sim step_time=analytical
     router: Any = MISSING       # {name: <registered router>, **its options}: which replica serves a request
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas, per-replica overrides, Ray address
+    kv_transfer: Any = MISSING  # {name: <registered KVTransfer>, bandwidth, latency, ...}: prefill -> decode K/V
     engine: EngineSchema = field(default_factory=EngineSchema)  # type: ignore[valid-type]
     seed: int = 0
     temperature: float = 0.0    # 0 = greedy

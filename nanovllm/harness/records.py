@@ -48,6 +48,13 @@ class RequestRecord(TypedDict):
     slo_e2el: float | None              # its own end-to-end target in seconds (workload.e2el_slo_ms)
     session_id: str | None              # its conversation (multi-turn workloads), None: none
     replica: int | None                 # the cluster replica that served it (cluster.replicas > 1), else None
+    # Prefill/decode disaggregation (None otherwise): where it was prefilled, the K/V it moved (bytes; seconds to
+    # read, move and write them), when they joined the decode replica (``replica``) and when it first ran there.
+    prefill_replica: int | None
+    kv_transfer_bytes: int | None
+    kv_transfer_time: float | None
+    kv_arrival_time: float | None
+    decode_start_time: float | None
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -56,6 +63,7 @@ def request_record(request: Request, t0: float) -> RequestRecord:
     def rel(t: float | None) -> float | None:
         return None if t is None else t - t0
 
+    handoff = request.handoff
     return RequestRecord(
         request_id=request.request_id,
         client_id=request.client_id,
@@ -76,6 +84,11 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         slo_e2el=request.slo_e2el,
         session_id=request.session_id,
         replica=request.replica,
+        prefill_replica=handoff.prefill_replica if handoff is not None else None,
+        kv_transfer_bytes=handoff.num_bytes if handoff is not None else None,
+        kv_transfer_time=handoff.transfer_time if handoff is not None else None,
+        kv_arrival_time=rel(handoff.arrival_time) if handoff is not None else None,
+        decode_start_time=rel(handoff.decode_start_time) if handoff is not None else None,
     )
 
 

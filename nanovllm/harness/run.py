@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
 from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.kv_transfer import KV_TRANSFERS
 from nanovllm.config import EngineConfig
 from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
@@ -93,7 +94,7 @@ def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
     """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
     spec = registry.check(dict(node), where)
     check_option_types(registry.get(spec["name"]), node, where)
-    if registry.kind in ("policy", "allocator", "logger", "router"):
+    if registry.kind in ("policy", "allocator", "logger", "router", "kv_transfer"):
         # Their constructors validate option values (an eviction or predictor name, a W&B mode); a throwaway
         # instance (a one-block allocator; a logger not yet started) reports a bad value before the model loads.
         registry.build(spec, *([1] * len(registry.engine_args)))
@@ -198,14 +199,37 @@ def check_config(cfg: DictConfig) -> _Checked:
         hardware=hardware,
         live=LiveConfig(**cfg.live),
         cluster=cluster,
-        router=plugin_spec(ROUTERS, cfg.router, "router"),
+        router=_check_router(cfg.router, cluster),
     )
+
+
+def _check_router(node: DictConfig, cluster: ClusterConfig) -> dict[str, Any]:
+    """The router node, checked; with disaggregation its ``prefill`` and ``decode`` pool routers too (each a
+    name or a mapping; null: the node's own router)."""
+    spec = {key: value for key, value in node.items() if key not in ("prefill", "decode")}
+    checked = plugin_spec(ROUTERS, OmegaConf.create(spec), "router")
+    for pool in ("prefill", "decode"):
+        value = node.get(pool)
+        if value is None:
+            continue
+        if not cluster.disaggregated:
+            raise ValueError(f"router.{pool} routes a pool of prefill/decode disaggregation: set "
+                             "cluster.prefill_replicas and cluster.decode_replicas, or drop it")
+        pool_node = OmegaConf.create({"name": value} if isinstance(value, str) else
+                                     OmegaConf.to_container(value, resolve=True))
+        checked[pool] = plugin_spec(ROUTERS, pool_node, f"router.{pool}")
+    return checked
 
 
 def _check_cluster(cfg: DictConfig, engine: EngineConfig, runner: dict[str, Any]) -> ClusterConfig:
     """The ``cluster`` node: a replica count, overrides that make valid engine settings, and a runner that
     can serve replicas (each replica's settings are checked now, before anything loads)."""
-    cluster = ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
+    node = OmegaConf.to_container(cfg.cluster, resolve=True)
+    if node.get("kv_transfer", "shared_memory") != "shared_memory":
+        raise ValueError("cluster.kv_transfer is the Python API's spelling; on the command line pick "
+                         "kv_transfer=NAME (conf/kv_transfer/) and set kv_transfer.<option>=...")
+    node["kv_transfer"] = plugin_spec(KV_TRANSFERS, cfg.kv_transfer, "kv_transfer")
+    cluster = ClusterConfig(**node)
     for index in cluster.replica_overrides:
         cluster.engine_config(engine, index)
     if cluster.replicas > 1 and runner["name"] not in ("sim", "real"):

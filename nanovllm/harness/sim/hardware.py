@@ -23,6 +23,10 @@ class Hardware:
     flops_efficiency: float = 0.6       # fraction of peak FLOP/s that real matmuls reach
     bandwidth_efficiency: float = 0.8   # fraction of peak bandwidth that real kernels reach
     step_overhead: float = 0.0          # seconds per step regardless of the batch
+    # Prefill/decode disaggregation: the link K/V cross between a prefill and a decode replica (bytes/s, s);
+    # a simulated cluster uses it when kv_transfer names no bandwidth of its own.
+    kv_link_bandwidth: float | None = None
+    kv_link_latency: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("memory_bandwidth", "memory_bytes"):

@@ -1,0 +1,184 @@
+"""The KV-transfer seam of prefill/decode disaggregation: how one request's prompt K/V (``Runner.read_kv``'s
+tensor: [layers, 2, blocks, block_size, kv_heads, head_dim], the request's blocks only) gets from the process of
+the prefill replica that computed it to the process of the decode replica that generates the rest.
+
+What the cluster calls, and when (``nanovllm.cluster.disaggregated``):
+
+1. ``send(request_id, data)``: in the prefill replica's process, right after the step that sampled the
+   request's first token read its blocks (and freed them there). Returns a small picklable handle that travels
+   to the decode replica with the request.
+2. ``receive(handle)``: in the decode replica's process, when the request arrives there; returns the tensor
+   (a copy the sender's side no longer needs). It raises ``KVTransferError`` when the K/V cannot be had (the
+   sender died, the segment is gone): that request fails with the reason, the others go on.
+3. ``discard(handle)``: instead of ``receive``, for a request that ended in between (aborted, its decode replica
+   died): free what ``send`` holds.
+4. ``modelled_time(num_bytes)``: in a simulated cluster, instead of moving anything: ``latency +
+   num_bytes / bandwidth`` seconds (the link's figures: measured on this machine for the real transfers, or a
+   preset such as ``nvlink``, ``infiniband``, ``ethernet``; ``conf/kv_transfer/``).
+
+Built-ins: ``shared_memory`` (a file in ``/dev/shm`` per request: one copy in, one copy out; the default),
+``ray`` (Ray's object store: ``ray.put`` in the prefill actor, ``ray.get`` in the decode actor), ``local`` (one
+process: the tensor is handed over as is) and ``link`` (simulated only: a named link's figures). Measured side by
+side on this machine in ``experiments/bench_kv_transfer.py``; docs/disaggregation.md says why shared memory is
+the default.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nanovllm.registry import Registry
+
+
+class KVTransferError(RuntimeError):
+    """A request's K/V could not be moved (its request fails with this message; the others go on)."""
+
+
+class KVTransfer(abc.ABC):
+    """Moves a request's K/V between replica processes; see the module docstring for when each method runs.
+
+    ``bandwidth`` (bytes/s) and ``latency`` (s): the link a simulated cluster models this transfer with."""
+
+    registered_name: str = "custom"
+    moves_between_processes: bool = True   # False: only within one process (``local``, ``link``)
+
+    def __init__(self, bandwidth: float | None = None, latency: float | None = None) -> None:
+        if bandwidth is not None and not bandwidth > 0:
+            raise ValueError(f"kv_transfer.bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+        if latency is not None and not latency >= 0:
+            raise ValueError(f"kv_transfer.latency must be >= 0 s, got {latency!r}")
+        self.bandwidth = bandwidth
+        self.latency = latency
+
+    @abc.abstractmethod
+    def send(self, request_id: str, data: torch.Tensor) -> Any:
+        """In the prefill replica's process: make ``data`` available to another process; a picklable handle."""
+
+    @abc.abstractmethod
+    def receive(self, handle: Any) -> torch.Tensor:
+        """In the decode replica's process: the tensor ``send`` was given (``KVTransferError`` if it is lost)."""
+
+    def discard(self, handle: Any) -> None:
+        """Free what ``send`` holds for a request that will not be received."""
+
+    def modelled_time(self, num_bytes: int) -> float:
+        """Seconds a simulated transfer of ``num_bytes`` takes on this transfer's link."""
+        if self.bandwidth is None:
+            raise ValueError(f"kv_transfer {self.registered_name!r} has no bandwidth to simulate with: set "
+                             "kv_transfer.bandwidth (bytes/s) and kv_transfer.latency (s), or pick a link preset "
+                             "(kv_transfer=nvlink, infiniband, ethernet)")
+        return (self.latency or 0.0) + num_bytes / self.bandwidth
+
+
+KV_TRANSFERS: Registry[KVTransfer] = Registry("kv_transfer", base=KVTransfer,
+                                              builtin_packages=("nanovllm.cluster.kv_transfer",))
+
+
+def register_kv_transfer(name: str) -> Callable[[type[KVTransfer]], type[KVTransfer]]:
+    """Class decorator registering a ``KVTransfer`` subclass under ``name`` (``kv_transfer=<name>``)."""
+    return KV_TRANSFERS.register(name)
+
+
+@register_kv_transfer("local")
+class LocalTransfer(KVTransfer):
+    """One process (an in-process cluster): the tensor itself is the handle; nothing is copied."""
+
+    moves_between_processes = False
+
+    def send(self, request_id: str, data: torch.Tensor) -> Any:
+        return data
+
+    def receive(self, handle: Any) -> torch.Tensor:
+        return handle
+
+
+@register_kv_transfer("link")
+class SimulatedLink(LocalTransfer):
+    """A link a simulated cluster models (``bandwidth``, ``latency``); in one process it hands tensors over as
+    ``local`` does. The presets in ``conf/kv_transfer/`` (nvlink, infiniband, ethernet) are this class."""
+
+
+@register_kv_transfer("shared_memory")
+class SharedMemoryTransfer(KVTransfer):
+    """A file in shared memory (``directory``, ``/dev/shm`` where there is one) per request: the prefill process
+    maps it and copies the K/V in; the decode process reads it into its own memory and unlinks it. Processes on
+    one machine only."""
+
+    def __init__(self, bandwidth: float | None = None, latency: float | None = None,
+                 directory: str | None = None) -> None:
+        super().__init__(bandwidth, latency)
+        shm = Path("/dev/shm")
+        self.directory = Path(directory) if directory else (shm if shm.is_dir() else Path(tempfile.gettempdir()))
+        self._ids = itertools.count()
+
+    def send(self, request_id: str, data: torch.Tensor) -> Any:
+        path = self.directory / f"nanovllm-kv-{os.getpid()}-{next(self._ids)}"
+        try:
+            mapped = torch.from_file(str(path), shared=True, size=data.numel(), dtype=data.dtype)
+            mapped.copy_(data.reshape(-1))
+            del mapped
+        except (OSError, RuntimeError) as exc:
+            path.unlink(missing_ok=True)
+            raise KVTransferError(f"kv transfer (shared_memory): writing {path} failed: {exc}") from exc
+        return {"path": str(path), "shape": tuple(data.shape), "dtype": str(data.dtype).removeprefix("torch.")}
+
+    def receive(self, handle: Any) -> torch.Tensor:
+        path = Path(handle["path"])
+        shape, dtype = handle["shape"], getattr(torch, handle["dtype"])
+        numel = 1
+        for size in shape:
+            numel *= size
+        try:
+            if path.stat().st_size != numel * torch.empty((), dtype=dtype).element_size():
+                raise KVTransferError(f"kv transfer (shared_memory): {path} holds {path.stat().st_size} bytes, "
+                                      f"not the {numel} elements of {dtype} that were sent")
+            data = torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
+        except FileNotFoundError:
+            raise KVTransferError(f"kv transfer (shared_memory): {path} is gone (its sender died or it was "
+                                  "discarded)") from None
+        finally:
+            path.unlink(missing_ok=True)
+        return data
+
+    def discard(self, handle: Any) -> None:
+        Path(handle["path"]).unlink(missing_ok=True)
+
+
+@register_kv_transfer("ray")
+class RayObjectStoreTransfer(KVTransfer):
+    """Ray's object store: ``ray.put`` in the prefill actor (owned by it), ``ray.get`` in the decode actor (a
+    zero-copy read of shared memory on one node; pulled over the network from another). The object is lost if
+    its owner (the prefill replica) dies first: the request then fails with Ray's reason."""
+
+    def send(self, request_id: str, data: torch.Tensor) -> Any:
+        import ray
+
+        # numpy has no bfloat16: the bytes travel as int16 (same size) and are viewed back on arrival.
+        dtype = str(data.dtype).removeprefix("torch.")
+        array = (data.view(torch.int16) if data.dtype == torch.bfloat16 else data).numpy()
+        return {"ref": [ray.put(array)], "dtype": dtype}   # in a list: Ray must not resolve it on the way
+
+    def receive(self, handle: Any) -> torch.Tensor:
+        import ray
+        from ray.exceptions import RayError
+
+        try:
+            array = ray.get(handle["ref"][0], timeout=60)
+        except RayError as exc:
+            raise KVTransferError(f"kv transfer (ray): the object is lost: {type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+        data = torch.from_numpy(array.copy())   # the store's buffer is read-only and freed with the ref
+        return data.view(torch.bfloat16) if handle["dtype"] == "bfloat16" else data
+
+    def discard(self, handle: Any) -> None:
+        handle["ref"].clear()   # the last reference: the store frees the object
+
+
+__all__ = ["KV_TRANSFERS", "KVTransfer", "KVTransferError", "register_kv_transfer"]
