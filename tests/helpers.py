@@ -263,3 +263,21 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float = 240.0)
             return False
 
     wait_for(healthy, f"the server at {url} answers /health", timeout=timeout)
+
+
+def serve_with_live_loggers(served: Any, workload: Sequence[Any], run_dir: Path) -> Any:
+    """Serve ``workload`` with the jsonl logger and ``live=web``'s loggers writing into ``run_dir`` (without
+    starting the dashboard process: a test builds the Bokeh document from the files itself)."""
+    from nanovllm.harness.live.config import LiveConfig
+    from nanovllm.harness.live.launch import LiveSession
+    from nanovllm.harness.loggers import JsonlLogger
+
+    live = LiveSession(LiveConfig(mode="web"), run_dir)
+    loggers = [JsonlLogger(), *live.attach(served.engine, len(workload))]
+    for run_logger in loggers:
+        run_logger.start(run_dir, {}, group=None, name="t")
+    try:
+        return served.serve(workload, loggers=loggers)
+    finally:
+        for run_logger in loggers:
+            run_logger.finish()

@@ -156,11 +156,14 @@ class Cluster:
         replica = self.replicas[index]
         output = replica.step()
         output.record["replica"] = index   # type: ignore[typeddict-unknown-key]
-        now = replica.engine.clock()
-        for request in output.finished:
-            self._ask("on_finish", request, index, now)
+        self._stepped(replica, output, replica.engine.clock())
         self._mark_ready(index)
         return output
+
+    def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
+        """After ``replica``'s step: the router hears of the requests that ended there."""
+        for request in output.finished:
+            self._ask("on_finish", request, replica.view_index, now)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _route(self, request: Request, now: float) -> int:

@@ -111,20 +111,17 @@ class DisaggregatedCluster(Cluster):
         while self._transit and (not self._ready or self._transit[0][0] <= self._ready[0][0]):
             t, _, request, index = heapq.heappop(self._transit)
             self._deliver(request, index, t)
-        _, index = heapq.heappop(self._ready)
-        self._in_ready[index] = False
-        replica = self.replicas[index]
-        output = replica.step()
-        output.record["replica"] = index   # type: ignore[typeddict-unknown-key]
-        now = replica.engine.clock()
-        router = self.router if index < self.num_prefill else self.decode_router
+        return super().step(timeout)
+
+    def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
+        """Each pool's router hears of the requests that ended on its replicas; a prefill replica's handed-off
+        requests end there (its router's ``on_finish``) and go on to a decode replica."""
+        router = self.router if replica.index < self.num_prefill else self.decode_router
         for request in output.finished:
             self._ask("on_finish", request, replica.view_index, now, router=router)
         for request in output.handed_off:
             self._ask("on_finish", request, replica.view_index, now)
-            self._hand_off(request, index, now)
-        self._mark_ready(index)
-        return output
+            self._hand_off(request, replica.index, now)
 
     def _hand_off(self, request: Request, prefill_index: int, now: float) -> None:
         """Route a prefilled request to a decode replica and start moving its K/V there."""

@@ -346,7 +346,8 @@ class Scheduler:
         if request.block_table:
             self.allocator.free(request)
         request.num_computed_tokens = 0
-        request.num_cached_tokens = 0
+        if not request.awaits_kv:   # a handed-off request keeps its prefill replica's count
+            request.num_cached_tokens = 0
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _sort(self, requests: list[Request], now: float) -> None:

@@ -93,9 +93,18 @@ class ServedCluster(ServedEngine):
         """What ``metrics.json`` gains: the replicas' (simulated, with which step-time model; or the machine real
         ones ran on) and the cluster's shape: replica count, router, each replica's settings."""
         where = self.simulations[0].annotations if self.simulations else super().annotations
-        return {**where, "cluster_replicas": len(self.cluster.replicas),
-                "router": self.cluster.router.registered_name,
-                "replica_settings": [replica.describe() for replica in self.cluster.replicas]}
+        cluster = self.cluster
+        settings = [replica.describe() for replica in cluster.replicas]
+        extra: dict[str, Any] = {}
+        if getattr(cluster, "num_prefill", 0):   # disaggregated: each replica's pool, both routers, the transfer
+            for setting in settings:
+                setting["pool"] = cluster.pool_of(setting["replica"])  # type: ignore[attr-defined]
+            extra = {"prefill_replicas": cluster.num_prefill,  # type: ignore[attr-defined]
+                     "decode_replicas": len(cluster.replicas) - cluster.num_prefill,  # type: ignore[attr-defined]
+                     "router_decode": cluster.decode_router.registered_name,  # type: ignore[attr-defined]
+                     "kv_transfer": cluster.transfer.registered_name}  # type: ignore[attr-defined]
+        return {**where, "cluster_replicas": len(cluster.replicas), "router": cluster.router.registered_name,
+                **extra, "replica_settings": settings}
 
     def monitor_config(self, configured: Any) -> Any:
         return self.simulations[0].monitor_config(configured) if self.simulations else configured

@@ -147,21 +147,12 @@ def test_the_live_dashboard_draws_every_replicas_batch_and_kv_usage(tmp_path):
     """``live=web`` on a cluster: the live loggers write every replica's sizes to ``engine.json``; the dashboard
     (the real Bokeh document, fed from the run's files) draws one line per replica from ``steps.jsonl`` and its
     batch and KV charts show the sums of the replicas' latest states."""
-    from nanovllm.harness.live.config import LiveConfig
+    from helpers import serve_with_live_loggers
     from nanovllm.harness.live.feed import step_columns
-    from nanovllm.harness.live.launch import LiveSession
     from nanovllm.harness.live.web import RunDashboard
 
     served = cluster(2, "round_robin", overrides={1: {"num_kv_blocks": 96}})
-    live = LiveSession(LiveConfig(mode="web"), tmp_path)   # its loggers, without starting the dashboard process
-    loggers = [JsonlLogger(), *live.attach(served.engine, 40)]
-    for run_logger in loggers:
-        run_logger.start(tmp_path, {}, group=None, name="t")
-    try:
-        result = served.serve(workload(served.engine.tokenizer, n=40), loggers=loggers)
-    finally:
-        for run_logger in loggers:
-            run_logger.finish()
+    result = serve_with_live_loggers(served, workload(served.engine.tokenizer, n=40), tmp_path)
     info = json.loads((tmp_path / "engine.json").read_text())
     assert info["num_replicas"] == 2 and info["num_kv_blocks"] == 48 + 96
     assert [r["num_kv_blocks"] for r in info["replicas"]] == [48, 96]

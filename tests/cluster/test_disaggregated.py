@@ -164,6 +164,8 @@ def test_the_summary_splits_ttft_and_counts_each_pools_work():
     assert 0 < split["prefill_pool_busy"] <= 1 and 0 < split["decode_pool_busy"] <= 1
     table = result.summary["per_replica"]
     assert table["0"]["requests"] == 40 == table["1"]["requests"] + table["2"]["requests"]
+    assert [s["pool"] for s in result.summary["replica_settings"]] == ["prefill", "decode", "decode"]
+    assert result.summary["kv_transfer"] == "link" and result.summary["router_decode"] == "round_robin"
 
 
 def test_shared_memory_moves_the_bytes_and_leaves_no_file(tmp_path):
@@ -226,3 +228,21 @@ def test_bad_disaggregation_options_fail_before_anything_loads_naming_the_field(
 def test_a_simulated_link_without_figures_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"has no bandwidth to simulate with: set kv_transfer.bandwidth"):
         simulated(transfer={"name": "link"})
+
+
+def test_the_live_dashboard_draws_both_pools_replicas(tmp_path):
+    """``live=web`` on a disaggregated cluster: every replica of both pools gets its line from ``steps.jsonl``."""
+    import json
+
+    from helpers import serve_with_live_loggers
+    from nanovllm.harness.live.web import RunDashboard
+
+    served = simulated(prefill=1, decode=2)
+    result = serve_with_live_loggers(served, workload(served.engine.tokenizer, n=30), tmp_path)
+    assert json.loads((tmp_path / "engine.json").read_text())["num_replicas"] == 3
+    view = RunDashboard(tmp_path)
+    view.layout()
+    view.update()
+    assert sorted(view.replica_srcs) == [0, 1, 2]
+    for replica, source in view.replica_srcs.items():
+        assert source.data["running"] == [s["num_running"] for s in result.steps if s["replica"] == replica]

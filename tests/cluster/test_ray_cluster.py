@@ -247,11 +247,14 @@ def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(
     assert not [p for p in ray_processes() if p.pid not in before]
 
 
-def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_process(tmp_path, tiny_model):
-    """``python -m nanovllm.serve cluster.replicas=2 router=round_robin``, driven by the openai SDK and httpx on
-    loopback: concurrent completions answer what one engine generates, spread over both replicas; a stream
-    arrives token by token from an actor; a stop string ends its request on its replica ("stop", no text past
-    it); SIGINT exits 130 with the per-replica table written, and no Ray process is left."""
+@pytest.mark.parametrize("shape", [["cluster.replicas=2"], ["cluster.prefill_replicas=1", "cluster.decode_replicas=1"]],
+                         ids=["colocated", "disaggregated"])
+def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_process(tmp_path, tiny_model, shape):
+    """``python -m nanovllm.serve cluster.replicas=2 router=round_robin`` (and with a prefill and a decode
+    replica), driven by the openai SDK and httpx on loopback: concurrent completions answer what one engine
+    generates, spread over both replicas; a stream arrives token by token from the actors; a stop string ends its
+    request on its replica ("stop", no text past it); SIGINT exits 130 with the per-replica table written, and
+    no Ray process is left."""
     import concurrent.futures
 
     import httpx
@@ -268,7 +271,7 @@ def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_pr
     before = {p.pid for p in ray_processes()}
     port, run_dir = free_port(), tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm.serve", "cluster.replicas=2", "router=round_robin",
+        [sys.executable, "-m", "nanovllm.serve", *shape, "router=round_robin",
          f"model.path={tiny_model}", "engine.num_kv_blocks=128", "engine.max_model_len=512", "engine.warmup=false",
          "engine.dtype=float32", "monitor.calibrate=false", f"server.port={port}", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -307,7 +310,13 @@ def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_pr
     assert proc.returncode == 130, err[-3000:]
     assert "load imbalance" in out
     run = read_run(run_dir)
-    assert len(run.requests) == len(PROMPTS) + 2 and {r["replica"] for r in run.requests} == {0, 1}
+    assert len(run.requests) == len(PROMPTS) + 2
+    if len(shape) == 1:
+        assert {r["replica"] for r in run.requests} == {0, 1}
+    else:   # prefilled on replica 0, decoded on replica 1, the K/V moved for every one
+        assert {(r["prefill_replica"], r["replica"]) for r in run.requests} == {(0, 1)}
+        assert all(r["kv_transfer_bytes"] > 0 for r in run.requests)
+        assert run.metrics["disaggregation"]["handed_off"] == len(PROMPTS) + 2
     assert set(run.metrics["per_replica"]) == {"0", "1"} and run.metrics["router"] == "round_robin"
     assert {s["replica"] for s in run.steps} == {0, 1}
     assert not [p for p in ray_processes() if p.pid not in before]

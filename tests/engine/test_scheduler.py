@@ -566,3 +566,44 @@ def test_no_admission_in_a_step_that_preempted_for_memory():
     assert small in scheduler.waiting and all(r is not small for r, _ in out.scheduled)
     assert scheduler.allocator.num_free_blocks() >= 1      # it would have fit
     assert any(r is small for r, _ in run_step(scheduler, 30.0)[0].scheduled)
+
+
+# -- prefill/decode disaggregation: the hand-off and the load --------------------------------------------------
+
+def test_a_request_to_hand_off_leaves_at_its_first_token_with_its_blocks_until_released():
+    from helpers import bare_scheduler, block_tokens, make_request, run_step
+    from nanovllm.request import RequestStatus
+
+    scheduler = bare_scheduler(allocator="prefix", num_blocks=16)
+    request = make_request("r", block_tokens(1, 2), max_tokens=8)
+    request.hand_off_after_prefill = True
+    scheduler.add(request, 0.0)
+    _, finished = run_step(scheduler, 0.0)
+    assert finished == [] and not scheduler.running and not scheduler.has_unfinished()
+    assert request.status is RequestStatus.HANDED_OFF and request.num_output_tokens == 1
+    (handed,) = scheduler.take_handed_off()
+    assert handed is request and len(request.block_table) == 3   # held until the engine read the K/V
+    free = scheduler.allocator.num_free_blocks()
+    scheduler.release(request)
+    assert scheduler.allocator.num_free_blocks() == free + 3 and scheduler.take_handed_off() == []
+    assert scheduler.allocator.cached_prefix_len(make_request("s", block_tokens(1, 2))) == 8   # the prompt stays
+
+
+def test_a_handed_off_request_is_admitted_with_every_block_and_computes_only_its_newest_token():
+    from helpers import bare_scheduler, block_tokens, make_request, run_step
+    from nanovllm.request import KVHandoff
+
+    scheduler = bare_scheduler(allocator="prefix", num_blocks=16)
+    warm = make_request("warm", block_tokens(1, 7), max_tokens=1)   # caches block 1 on this (decode) side
+    scheduler.add(warm, 0.0)
+    run_step(scheduler, 0.0)
+    request = make_request("r", block_tokens(1, 2), max_tokens=8)
+    request.token_ids.append(42)                                    # the first token, sampled on the prefill side
+    request.num_cached_tokens = 4                                   # what the prefill side's cache served
+    request.handoff = KVHandoff(prefill_replica=0, num_tokens=9, num_bytes=0, arrival_time=1.0)
+    scheduler.add(request, 1.0)
+    out, _ = run_step(scheduler, 1.0)
+    assert out.scheduled == [(request, 1)] and out.kv_loads == [(request, 1)]   # block 0 was a hit here
+    assert len(request.block_table) == 3 and request.handoff.loaded and request.handoff.decode_start_time == 1.0
+    assert request.num_computed_tokens == 10 and request.num_cached_tokens == 4 and request.num_output_tokens == 2
+    assert out.num_prefix_hit_tokens == 4 and request.num_recomputed_tokens == 0

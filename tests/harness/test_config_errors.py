@@ -160,6 +160,8 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["router.name=nope"], ["unknown router 'nope'", "round_robin"]),
     (["router=least_loaded", "router.metric=bytes"], ["router.metric", "requests, tokens"]),
     (["router=consistent_hash", "router.virtual_nodes=0"], ["router.virtual_nodes", ">= 1"]),
+    (["kv_transfer.name=nope"], ["unknown kv_transfer 'nope'", "shared_memory"]),
+    (["kv_transfer=nvlink", "kv_transfer.latency=-1"], ["kv_transfer.latency", ">= 0"]),
     (["cluster.replicas=abc"], ["cluster.replicas", "Integer"]),
     (["cluster.replicas=0"], ["cluster.replicas", ">= 1"]),
     (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={7: {max_num_seqs: 2}}"],
