@@ -256,4 +256,14 @@ def format_per_replica(summary: Mapping[str, Any]) -> str:
     imbalance = (f"load imbalance (max/mean outstanding at arrivals): mean "
                  f"{format_value(summary.get('load_imbalance_mean'), '.3f')}, max "
                  f"{format_value(summary.get('load_imbalance_max'), '.3f')}")
+    split = summary.get("disaggregation")
+    if split:   # prefill/decode pools: where the first token's time went, the transfer, each pool's load
+        imbalance += (f"\ndisaggregated ({split['prefill_replicas']} prefill + {split['decode_replicas']} decode): "
+                      f"p50 TTFT queue {format_value(split['ttft_queue_p50_ms'], '.1f')} ms + prefill "
+                      f"{format_value(split['ttft_prefill_p50_ms'], '.1f')} ms; KV transfer p50 "
+                      f"{format_value(split['kv_transfer_time_p50_ms'], '.2f')} ms, "
+                      f"{format_value((split['kv_transfer_bytes_mean'] or 0) / 1e6, '.2f')} MB a request; decode "
+                      f"queue p50 {format_value(split['decode_queue_p50_ms'], '.1f')} ms; busy prefill "
+                      f"{format_value(split['prefill_pool_busy'], '.2f')} / decode "
+                      f"{format_value(split['decode_pool_busy'], '.2f')}")
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], imbalance])

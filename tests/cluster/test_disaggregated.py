@@ -166,6 +166,9 @@ def test_the_summary_splits_ttft_and_counts_each_pools_work():
     assert table["0"]["requests"] == 40 == table["1"]["requests"] + table["2"]["requests"]
     assert [s["pool"] for s in result.summary["replica_settings"]] == ["prefill", "decode", "decode"]
     assert result.summary["kv_transfer"] == "link" and result.summary["router_decode"] == "round_robin"
+    from nanovllm.harness.cluster import format_per_replica
+
+    assert "disaggregated (1 prefill + 2 decode): p50 TTFT queue" in format_per_replica(result.summary)
 
 
 def test_shared_memory_moves_the_bytes_and_leaves_no_file(tmp_path):
