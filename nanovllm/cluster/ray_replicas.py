@@ -407,6 +407,10 @@ class RayCluster(Cluster):
         """Replica ``index``'s position in its pool (the decode pool's views count from 0)."""
         return index - self.num_prefill if self.num_prefill and index >= self.num_prefill else index
 
+    def _router_of(self, replica: RemoteReplica) -> Router:
+        """The router of ``replica``'s pool (the cluster's one router when replicas are colocated)."""
+        return self.decode_router if self.pool_of(replica.index) == "decode" else self.router  # type: ignore
+
     def pool_of(self, index: int) -> str | None:
         """"prefill" or "decode" (None: colocated replicas)."""
         if not self.num_prefill:
@@ -630,7 +634,7 @@ class RayCluster(Cluster):
             _finish(request, plain, offset)
             finished.append(request)
         now = time.perf_counter()
-        router = self.decode_router if self.pool_of(replica.index) == "decode" else self.router
+        router = self._router_of(replica)
         for request in finished:
             self._ask("on_finish", request, replica.view_index, now, router=router)
         for plain in result.get("handed_off", []):
@@ -654,7 +658,7 @@ class RayCluster(Cluster):
             if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
                 self.transfer.discard(handoff.data)   # K/V sent to it and never received: free them
                 handoff.data = None
-        router = self.decode_router if self.pool_of(replica.index) == "decode" else self.router
+        router = self._router_of(replica)
         for request in failed:
             self._ask("on_finish", request, replica.view_index, now, router=router)
         state = replica.state
