@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "gguf")  # nanovllm/models/quantized.py
 CPU_DTYPES = ("float32", "bfloat16")
 
 
@@ -32,10 +33,15 @@ class EngineConfig:
     warmup: bool = True                         # run each representative batch shape once before serving
                                                 # (engine/warmup.py); False: cold-start numbers
     max_logprobs: int = 20                      # the most top logprobs a request may ask for (vLLM's cap)
+    quantization: str | None = None             # weights: None (dense, in dtype), "int8" (W8A8: per-channel
+                                                # weights, per-token activations) or "gguf" (the .gguf file's own
+                                                # Q8_0/Q4_0/Q4_1 blocks); CPU, one rank; implies the fast path
 
     @property
     def fast_path(self) -> bool:
         """Whether the model runs with the fast weight layouts (see ``fuse_projections``)."""
+        if self.quantization is not None:
+            return True
         return self.fuse_projections if self.fuse_projections is not None else self.dtype != "float32"
 
     def __post_init__(self) -> None:
@@ -64,8 +70,23 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be true, false or None, got {self.fuse_projections!r}")
+        if self.quantization is not None:
+            self._validate_quantization()
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+
+    def _validate_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.device != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs nano-vllm's CPU kernels; device must be 'cpu', "
+                             f"got {self.device!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"quantization={self.quantization!r} runs on one rank; tensor_parallel_size must be 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.fuse_projections is False:
+            raise ValueError(f"quantization={self.quantization!r} runs fused projections; fuse_projections must be "
+                             "true or None, got False")
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":

@@ -33,7 +33,7 @@ from nanovllm import machine
 from nanovllm.paths import kernel_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "bindings.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp", "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
@@ -91,8 +91,8 @@ def _build(name: str, build: str, build_dir: Path) -> None:
 @functools.cache
 def load(level: str | None = None) -> ModuleType:
     """The compiled kernels for ISA ``level`` (None: the level in force, ``machine.selected_isa()``), built on
-    first use. The module also carries ``isa`` (its build's level) and ``gemv_bf16_op`` (the GEMV as a torch
-    operator, which profiles count as a linear). Raises ``ValueError`` for a level the CPU lacks and
+    first use. The module also carries ``isa`` (its build's level) and ``gemv_bf16_op`` and ``quant_linear_op`` (the
+    GEMV and the quantized GEMM as torch operators, which profiles count as linears). Raises ``ValueError`` for a level the CPU lacks and
     ``RuntimeError`` saying what is missing if the build fails."""
     level = machine.check_isa(level, "isa") if level is not None else machine.selected_isa()
     build = kernel_build(level)
@@ -112,7 +112,9 @@ def load(level: str | None = None) -> ModuleType:
             "(pip install ninja). attention='torch' with dtype='float32' runs without them."
         ) from exc
     module.isa = build
-    module.gemv_bf16_op = getattr(torch.ops, f"nanovllm_{build}").gemv_bf16
+    ops = getattr(torch.ops, f"nanovllm_{build}")
+    module.gemv_bf16_op = ops.gemv_bf16
+    module.quant_linear_op = ops.quant_linear
     return module
 
 

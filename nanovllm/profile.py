@@ -11,7 +11,9 @@ https://ui.perfetto.dev).
 
     python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
                                [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
-                               [--fuse-projections auto|true|false]
+                               [--fuse-projections auto|true|false] [--quantization int8|gguf]
+
+After the table it prints which kernel (and ISA) each linear layer runs at each batch size.
 
 The running sequences have distinct prompts (no prefix cache), so a decode step reads as much KV cache as real
 traffic does: with one shared prompt every sequence would read the same few cached blocks from the CPU's caches
@@ -35,7 +37,8 @@ from nanovllm.kernels import ISA_CFLAGS
 
 # Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
 LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise",
-                        *(f"nanovllm_{build}::gemv_bf16" for build in ISA_CFLAGS)})  # each kernel build's op
+                        *(f"nanovllm_{build}::{op}" for build in ISA_CFLAGS  # each kernel build's ops
+                          for op in ("gemv_bf16", "quant_linear"))})
 SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
 
 
@@ -103,10 +106,53 @@ def breakdown(events, steps: int) -> dict[str, float]:
 
 
 def linear_modules(model: nn.Module) -> list[nn.Module]:
-    """Every module that is one matmul of the decoder layers (nn.Linear or a prepacked linear)."""
+    """Every module that is one matmul of the decoder layers (nn.Linear, a prepacked or a quantized linear)."""
     from nanovllm.models.fast_path import PackedLinear
+    from nanovllm.models.quantized import QuantLinear
 
-    return [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    return [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear, QuantLinear))]
+
+
+def kernel_of(linear: nn.Module, rows: int) -> str:
+    """Which kernel, at which ISA, runs ``linear`` on ``rows`` rows: the choice each layer makes per call."""
+    from nanovllm import machine
+    from nanovllm.models.fast_path import PackedLinear
+    from nanovllm.models.quantized import QuantLinear
+
+    if isinstance(linear, QuantLinear):
+        return linear.kernel_name()
+    if isinstance(linear, PackedLinear):
+        if linear.kernels is not None and rows <= linear.GEMV_MAX_ROWS:
+            return f"nano-vllm gemv_bf16 ({linear.kernels.isa})"
+        return f"oneDNN prepacked GEMM (ISA up to {machine.selected_isa()})"
+    return f"torch F.linear (ATen {torch.backends.cpu.get_cpu_capability()})"
+
+
+def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The linears of the first decoder layer and the LM head, by name: every layer repeats the first's choice."""
+    layer = model.layers[0]
+    names = [("qkv_proj", "self_attn.qkv_proj"), ("q_proj", "self_attn.q_proj"), ("k_proj", "self_attn.k_proj"),
+             ("v_proj", "self_attn.v_proj"), ("o_proj", "self_attn.o_proj"), ("gate_up_proj", "mlp.gate_up_proj"),
+             ("gate_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj"), ("down_proj", "mlp.down_proj")]
+    found = []
+    for label, path in names:
+        owner, _, attr = path.partition(".")
+        module = getattr(getattr(layer, owner), attr, None)
+        if module is not None:
+            found.append((label, module))
+    head = model.lm_head_chunks[0] if model.lm_head_chunks is not None else model.lm_head
+    found.append(("lm_head", head))
+    return found
+
+
+def format_kernels(model: nn.Module, batch_sizes: list[int]) -> str:
+    """A table: each linear's shape and the kernel it runs at each decode batch size."""
+    lines = ["| linear | shape (out x in) | " + " | ".join(f"{b} rows" for b in batch_sizes) + " |",
+             "|" + "---|" * (2 + len(batch_sizes))]
+    for label, module in named_linears(model):
+        out_f, in_f = module.out_features, module.in_features
+        lines.append(f"| {label} | {out_f} x {in_f} | " + " | ".join(kernel_of(module, b) for b in batch_sizes) + " |")
+    return "\n".join(lines)
 
 
 def gemm_floor(model: nn.Module, rows: int, sampled: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
@@ -240,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--fuse-projections", choices=("auto", "true", "false"), default="auto",
                         help="the fast path's fused, prepacked weights and fused kernels (auto: unless float32)")
+    parser.add_argument("--quantization", choices=("int8", "gguf"), default=None,
+                        help="quantized weights (int8 W8A8, or the GGUF file's own blocks)")
     parser.add_argument("--batch-sizes", default="1,16,64,256", help="running sequences per decode step")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each running sequence")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips the prefill step")
@@ -266,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def make_llm(**options):
             return LLM(model=args.model, dtype=args.dtype, attention=args.attention, num_kv_blocks=blocks,
-                       fuse_projections=fuse, **options)
+                       fuse_projections=fuse, quantization=args.quantization, **options)
 
         rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
+        kernels_table = format_kernels(make_llm().engine.runner.model, batch_sizes)
         if args.prefill_tokens:
             rows.append(profile_prefill(make_llm, args.prefill_tokens, args.steps, trace_dir))
         peak = measure_peak_flops(torch_dtype(args.dtype), "cpu") / 1e9
@@ -276,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, attention={args.attention}, "
-          f"fuse_projections={args.fuse_projections}, "
+          f"fuse_projections={args.fuse_projections}, quantization={args.quantization}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
     print(format_table(rows, peak))
+    print("Kernels per linear (every decoder layer runs the first's):")
+    print(kernels_table)
     print(f"Chrome traces: {trace_dir}/")
     return 0
 

@@ -9,6 +9,10 @@ The reference configuration is checked against the exact standard, every other o
 (``--standard`` overrides). The check a user runs before trusting any timing on a new model or plugin.
 
     python -m nanovllm.validate [--model PATH] [--prompts FILE] [--max-tokens N] [--dtype bfloat16] ...
+    python -m nanovllm.validate --quantization int8|gguf [--dtype bfloat16] ...
+
+A third standard holds quantized weights (``--quantization``): perplexity on a held-out text within a stated
+margin of the dense path's, with greedy agreement against the dense path reported.
 
 FILE holds one prompt per line (``.txt``) or a JSON list of strings or chat conversations (``.json``).
 Exits non-zero when a prompt fails the standard.
@@ -231,6 +235,112 @@ def validate_output(
                             max((s["num_prefill_tokens"] + s["num_decode_tokens"] for s in steps), default=0))
 
 
+HELD_OUT_TEXT = Path(__file__).with_name("data") / "held_out.txt"
+# The quantized standard: perplexity on the held-out text at most this much above the dense path's (relative),
+# measured on SmolLM2-135M's 523 held-out tokens (docs/quantization.md): int8 W8A8 (one activation scale per
+# token) costs +4.0% in float32 and +2.8% in bfloat16; GGUF Q4_1 run on its own blocks (activations in int8 per
+# 32 values, as llama.cpp runs them) +0.3% / +0.2%, both against the dense weights of the same file. Each margin
+# sits a little above its cost.
+QUANTIZED_PPL_MARGIN = {"int8": 0.05, "gguf": 0.01}
+
+
+@dataclass
+class QuantizedReport:
+    """A quantized path against the dense one (same model file, same activation dtype): perplexity on the
+    held-out text, which the standard bounds, and the greedy agreement on the prompts, which it reports."""
+
+    quantization: str
+    perplexity: float
+    dense_perplexity: float
+    results: list[PromptAgreement]  # ours = quantized, reference = dense, with both sides' top-5
+
+    @property
+    def margin(self) -> float:
+        return QUANTIZED_PPL_MARGIN[self.quantization]
+
+    @property
+    def perplexity_ratio(self) -> float:
+        return self.perplexity / self.dense_perplexity
+
+    @property
+    def passed(self) -> bool:
+        return self.perplexity_ratio <= 1 + self.margin
+
+    @property
+    def token_agreement(self) -> float:
+        """The share of generated tokens before the first divergence from the dense path, over all prompts."""
+        total = sum(max(len(r.ours), len(r.reference)) for r in self.results)
+        return sum(r.matching_prefix for r in self.results) / max(total, 1)
+
+
+def sequence_perplexity(llm, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids`` under ``llm``'s model, teacher-forced in one prefill
+    through its own attention backend and KV cache (blocks from 0: call it on an engine that holds no request)."""
+    import torch
+
+    from nanovllm.attention.base import AttentionMetadata
+
+    runner = llm.engine.runner
+    block_size = runner.block_size
+    num_blocks = -(-len(token_ids) // block_size)
+    if llm.engine.scheduler.running or llm.engine.scheduler.waiting:
+        raise RuntimeError("sequence_perplexity needs an idle engine: it writes the KV cache from block 0")
+    if num_blocks > runner.kv_cache.shape[2]:
+        raise ValueError(f"the text ({len(token_ids)} tokens) needs {num_blocks} KV blocks; the engine has "
+                         f"{runner.kv_cache.shape[2]}")
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    meta = AttentionMetadata(query_lens=[len(token_ids)], seq_lens=[len(token_ids)],
+                             block_tables=[list(range(num_blocks))],
+                             slot_mapping=torch.arange(len(token_ids), dtype=torch.long), block_size=block_size)
+    with torch.inference_mode():
+        runner.backend.plan(meta)
+        hidden = runner.model(ids, torch.arange(len(token_ids)), runner.backend)
+        logits = runner.model.compute_logits(hidden[:-1]).float()
+        nll = torch.nn.functional.cross_entropy(logits, ids[1:])
+    return math.exp(nll.item())
+
+
+def validate_quantized(quantization: str, model: str | None = None, prompts: str | Path | None = None,
+                       max_tokens: int = 32, dtype: str = "bfloat16", text: str | Path | None = None,
+                       **llm_options) -> QuantizedReport:
+    """The quantized standard: ``quantization``'s perplexity on the held-out text (``text``, default
+    ``nanovllm/data/held_out.txt``) within ``QUANTIZED_PPL_MARGIN`` of the dense path's in the same ``dtype``,
+    and its greedy tokens on the prompts compared with the dense path's (agreement reported, with vLLM's top-5
+    closeness at the first divergence)."""
+    from nanovllm import LLM, SamplingParams
+
+    if quantization not in QUANTIZED_PPL_MARGIN:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZED_PPL_MARGIN)}, got {quantization!r}")
+    reports = {}
+    for name, quant in (("dense", None), ("quantized", quantization)):
+        llm = LLM(model=model, dtype=dtype, quantization=quant, **llm_options)
+        ids = llm.tokenizer.encode(Path(text or HELD_OUT_TEXT).read_text())
+        ppl = sequence_perplexity(llm, ids)
+        pairs = load_prompts(prompts, llm.tokenizer)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOP_K)
+        outputs = llm.generate([p for _, p in pairs], params, use_tqdm=False)
+        tops = [[{t for t, lp in entry.items() if lp.rank <= TOP_K} for entry in o.logprobs] for o in outputs]
+        reports[name] = (ppl, pairs, [o.token_ids for o in outputs], tops)
+        del llm
+    (dense_ppl, pairs, dense_tokens, dense_tops), (ppl, _, tokens, quant_tops) = reports["dense"], reports["quantized"]
+    results = [PromptAgreement(label, ours, ref, our_top, ref_top) for (label, _), ours, ref, our_top, ref_top
+               in zip(pairs, tokens, dense_tokens, quant_tops, dense_tops)]
+    return QuantizedReport(quantization, ppl, dense_ppl, results)
+
+
+def print_quantized(report: QuantizedReport) -> None:
+    print(f"standard: quantized ({report.quantization}): held-out perplexity at most "
+          f"{100 * report.margin:.1f}% above the dense path's")
+    print(f"perplexity {report.perplexity:.3f} vs dense {report.dense_perplexity:.3f}: "
+          f"{100 * (report.perplexity_ratio - 1):+.2f}% ({'OK' if report.passed else 'FAIL'})")
+    for i, r in enumerate(report.results):
+        status = "OK  " if r.identical else "NEAR" if r.close else "DIFF"
+        print(f"{status} prompt {i}: {r.matching_prefix}/{max(len(r.ours), len(r.reference))} tokens agree with "
+              f"the dense path  {r.prompt[:60]!r}")
+    print(f"greedy agreement with the dense path: {100 * report.token_agreement:.1f}% of tokens before the first "
+          f"divergence; {sum(r.close for r in report.results)}/{len(report.results)} prompts close (top-{TOP_K})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M)")
@@ -247,8 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="small values force preemption")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="small values chunk prefills")
+    parser.add_argument("--quantization", choices=tuple(QUANTIZED_PPL_MARGIN), default=None,
+                        help="check quantized weights against the dense path (the quantized standard)")
     args = parser.parse_args(argv)
     fuse = {"auto": None, "true": True, "false": False}[args.fuse_projections]
+    if args.quantization is not None:
+        try:
+            quantized = validate_quantized(args.quantization, args.model, args.prompts, args.max_tokens,
+                                           dtype=args.dtype, attention=args.attention, block_size=args.block_size)
+        except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print_quantized(quantized)
+        return 0 if quantized.passed else 1
     try:
         report = validate_output(
             args.model, args.prompts, args.max_tokens, dtype=args.dtype, standard=args.standard,

@@ -11,6 +11,9 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
 std::tuple<torch::Tensor, torch::Tensor> greedy_sample(torch::Tensor logits);
 bool gemv_available();
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                           c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t format);
+std::string quant_gemm_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
@@ -20,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "In-place rotary embedding of q and k (CPU)");
   m.def("gemv_available", &gemv_available, "Whether gemv_bf16 was built (AVX-512 BF16 CPUs)");
   m.def("gemv_bf16", &gemv_bf16, "x W^T + b for a few bfloat16 rows, bound by reading W once (CPU)");
+  m.def("quant_linear", &quant_linear, "x W^T + b over int8 / GGUF Q8_0 / Q4 weights, x quantized to int8 (CPU)");
+  m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx2 or scalar)");
   m.def("greedy_sample", &greedy_sample, "Per-row argmax and NaN/+inf flag of logits in one read (CPU)");
 }

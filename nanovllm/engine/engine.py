@@ -81,7 +81,7 @@ class LLMEngine:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available() and loads_model:
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = resolve_model(config.model, weights=config.quantization != "gguf")
         self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(
             self.model_dir, trust_remote_code=False)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(

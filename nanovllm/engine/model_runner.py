@@ -10,7 +10,7 @@ from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from nanovllm.engine.kv_cache import allocate_kv_cache
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
-from nanovllm.models.loader import load_model
+from nanovllm.models.loader import gguf_source, load_model
 from nanovllm.outputs import Logprob
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler, top_logprobs
@@ -30,7 +30,9 @@ class ModelRunner(Runner):
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.hf_config = hf_config
-        self.model = load_model(hf_config, context.model_dir, self.dtype, self.device, config.fast_path)
+        gguf = gguf_source(config.model) if config.quantization == "gguf" else None
+        self.model = load_model(hf_config, context.model_dir, self.dtype, self.device, config.fast_path,
+                                config.quantization, gguf)
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.models.quantized import QuantLinear
+
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the concatenation of ``linears``' outputs (same input)."""
@@ -71,10 +73,15 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def prepack(module: nn.Module, names: tuple[str, ...], kernels=None) -> None:
+def prepack(module: nn.Module, names: tuple[str, ...], kernels=None, quantization: str | None = None) -> None:
     """Replace ``module.<name>`` linears by ``PackedLinear`` where the CPU supports it (``kernels``: the compiled
-    CPU kernels, for the few-row GEMV; None leaves every row count to oneDNN)."""
+    CPU kernels, for the few-row GEMV; None leaves every row count to oneDNN), or, with ``quantization="int8"``,
+    by int8 ``QuantLinear``s (W8A8, ``nanovllm.models.quantized``)."""
     for name in names:
         linear = getattr(module, name)
-        if isinstance(linear, nn.Linear) and can_prepack(linear.weight):
+        if not isinstance(linear, nn.Linear):
+            continue
+        if quantization == "int8":
+            setattr(module, name, QuantLinear.from_dense_int8(linear.weight, linear.bias, kernels))
+        elif can_prepack(linear.weight):
             setattr(module, name, PackedLinear(linear.weight, linear.bias, kernels=kernels))

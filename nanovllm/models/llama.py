@@ -20,6 +20,7 @@ from nanovllm.attention.base import AttentionBackend
 from nanovllm.config import attention_biases, head_dim_of
 from nanovllm.kernels import load as load_kernels
 from nanovllm.models.fast_path import PackedLinear, can_prepack, fuse_linears, prepack
+from nanovllm.models.quantized import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -106,10 +107,10 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # set by use_fast_path()
         self.kernels = None  # the fused rotary kernel, set by use_fast_path() on CPU
 
-    def use_fast_path(self, kernels) -> None:
+    def use_fast_path(self, kernels, quantization: str | None = None) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
-        prepack(self, ("qkv_proj", "o_proj"), kernels)
+        prepack(self, ("qkv_proj", "o_proj"), kernels, quantization)
         self.kernels = kernels
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -141,10 +142,10 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # set by use_fast_path()
         self.kernels = None  # the fused silu-and-mul kernel, set by use_fast_path() on CPU
 
-    def use_fast_path(self, kernels=None) -> None:
+    def use_fast_path(self, kernels=None, quantization: str | None = None) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
-        prepack(self, ("gate_up_proj", "down_proj"), kernels)
+        prepack(self, ("gate_up_proj", "down_proj"), kernels, quantization)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,19 +209,23 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = None  # fused C++ kernels (RMSNorm, rotary), set by use_fast_path() on CPU
         self.fast_path = False
 
-    def use_fast_path(self) -> "LlamaForCausalLM":
-        """Switch to the fast layouts (fused projections; prepacked weights on CPU). Call after the
-        weights are loaded and cast; irreversible."""
+    def use_fast_path(self, quantization: str | None = None) -> "LlamaForCausalLM":
+        """Switch to the fast layouts (fused projections; prepacked weights on CPU; with
+        ``quantization="int8"``, int8 W8A8 linears and LM head). Call after the weights are loaded and cast;
+        irreversible."""
         on_cpu = self.lm_head.weight.device.type == "cpu"
         kernels = load_kernels() if on_cpu else None
         for layer in self.layers:
-            layer.self_attn.use_fast_path(kernels)
-            layer.mlp.use_fast_path(kernels)
+            layer.self_attn.use_fast_path(kernels, quantization)
+            layer.mlp.use_fast_path(kernels, quantization)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.norm.kernels = kernels
         self.kernels = kernels
         weight = self.lm_head.weight
-        if can_prepack(weight):
+        if quantization == "int8":
+            # One layer for the whole head: the int8 kernel streams any number of rows (no chunking to help).
+            self.lm_head_chunks = nn.ModuleList([QuantLinear.from_dense_int8(weight, None, kernels)])
+        elif can_prepack(weight):
             self.lm_head_chunks = nn.ModuleList(PackedLinear(w, kernels=kernels)
                                                      for w in weight.detach().split(self.LOGITS_CHUNK))
         self.fast_path = True

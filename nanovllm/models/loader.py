@@ -173,8 +173,10 @@ def cached_weights_problem(out_dir: Path) -> str | None:
     return None
 
 
-def resolve_model(model: str | os.PathLike | None = None) -> Path:
-    """Return a local HF directory (config + tokenizer + safetensors) for ``model``, converting GGUF if needed."""
+def resolve_model(model: str | os.PathLike | None = None, weights: bool = True) -> Path:
+    """Return a local HF directory (config + tokenizer + safetensors) for ``model``, converting GGUF if needed.
+    ``weights=False`` (``quantization="gguf"``, which reads the GGUF's blocks itself) needs only the config and
+    tokenizer: a GGUF with no dense conversion cached gets a directory of just those, not the conversion."""
     if model is None or str(model) == "":
         gguf = default_gguf_path()
     else:
@@ -191,6 +193,10 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
                 "(no model hub is reached)"
             )
     out = _gguf_cache_dir(gguf)
+    if not weights:
+        if (out / "config.json").is_file():
+            return out
+        return _metadata_dir(gguf, out.with_name(out.name + "-metadata"))
     if (out / "config.json").is_file():
         problem = cached_weights_problem(out)
         if problem is None:
@@ -199,6 +205,34 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
                        out, problem, gguf)
     out.parent.mkdir(parents=True, exist_ok=True)
     _convert_gguf(gguf, out)
+    return out
+
+
+def _metadata_dir(gguf: Path, out: Path) -> Path:
+    """A GGUF's config, generation config and tokenizer as an HF directory, cached (atomic rename)."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    _check_gguf_magic(gguf)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    except Exception as exc:  # the gguf reader fails in many ways on a damaged file; name the file
+        raise ValueError(f"model={str(gguf)!r} cannot be read as GGUF (truncated or malformed?): "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process wrote it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -236,15 +270,35 @@ def load_weights(model, model_dir: Path) -> None:
 _LOADED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
 
-def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = False):
+def gguf_source(model: str | os.PathLike | None) -> Path:
+    """The GGUF file ``model`` names (None: the default model's); ``ValueError`` for an HF directory, which has
+    no GGUF blocks to run (``quantization="gguf"``)."""
+    if model is None or str(model) == "":
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ValueError(f"quantization='gguf' runs a .gguf file's own blocks; model={str(model)!r} is not a .gguf file "
+                     "(quantization='int8' quantizes the weights of any model)")
+
+
+def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = False,
+               quantization: str | None = None, gguf: Path | None = None):
     """Our model for ``hf_config`` with the weights of ``model_dir``, in ``dtype`` on ``device`` (cached);
-    ``fast_path`` switches it to fused, prepacked weight layouts (``LlamaForCausalLM.use_fast_path``)."""
+    ``fast_path`` switches it to fused, prepacked weight layouts (``LlamaForCausalLM.use_fast_path``);
+    ``quantization="int8"`` quantizes those at load, ``"gguf"`` builds the model from the blocks of ``gguf``
+    instead (``nanovllm.models.quantized``)."""
     import torch
 
     from nanovllm.models.llama import LlamaForCausalLM
 
-    key = (str(Path(model_dir).resolve()), str(dtype), str(device), fast_path)
+    key = (str(Path(model_dir).resolve()), str(dtype), str(device), fast_path, quantization)
     model = _LOADED.get(key)
+    if model is None and quantization == "gguf":
+        from nanovllm.models.quantized import build_gguf_model
+
+        model = build_gguf_model(hf_config, gguf, dtype, max_positions_of(hf_config))
+        _LOADED[key] = model
     if model is None:
         max_positions = max_positions_of(hf_config)
         with torch.device(device):
@@ -252,6 +306,6 @@ def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = Fals
         load_weights(model, model_dir)
         model = model.to(dtype).eval().requires_grad_(False)
         if fast_path:
-            model.use_fast_path()
+            model.use_fast_path(quantization)
         _LOADED[key] = model
     return model

@@ -1,0 +1,137 @@
+"""Quantized weights side by side: nano-vllm's dense paths and its int8 and GGUF paths in one process, and
+llama.cpp at batch 1 on the same GGUF file (its own virtualenv, same threads).
+
+Rows (``--paths``): ``bfloat16`` and ``float32-fast`` (the dense fast paths), ``int8`` / ``int8-bf16`` (W8A8 int8
+weights, float32 / bfloat16 activations), ``gguf`` / ``gguf-bf16`` (the default model's own Q4_1 blocks, its
+embedding and LM head Q8_0). Each runs the same chat prompts (greedy, EOS ignored, ``--max-tokens`` each) for
+tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as ``bench_vs_hf.py`` measures
+it). Also: load time (engine construction, model files already cached), the bytes of weight data one decode
+step reads, and how many outputs equal the bfloat16 path's. llama.cpp (``llama_cpp_peer.py``) runs the batch-1
+measurement on the GGUF file the gguf rows read:
+
+    python -m venv ~/llama-venv && ~/llama-venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
+    python experiments/bench_quantized.py [--num-prompts 32] [--max-tokens 64] [--paths ...]
+                                          [--llama-python ~/llama-venv/bin/python] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_hf import batch1_decode_ms, chat_prompts, run_nanovllm  # noqa: E402
+
+from nanovllm import LLM, machine  # noqa: E402
+from nanovllm.models.loader import default_gguf_path  # noqa: E402
+from nanovllm.profile import linear_modules  # noqa: E402
+
+PATHS = {
+    "bfloat16": dict(dtype="bfloat16"),
+    "float32-fast": dict(dtype="float32", fuse_projections=True),
+    "int8": dict(dtype="float32", quantization="int8"),
+    "int8-bf16": dict(dtype="bfloat16", quantization="int8"),
+    "gguf": dict(dtype="float32", quantization="gguf"),
+    "gguf-bf16": dict(dtype="bfloat16", quantization="gguf"),
+}
+PEER = Path(__file__).resolve().parent / "llama_cpp_peer.py"
+RESULT_PREFIX = "nano-vllm-bench-result: "
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weight data a decode step reads: every linear of the decoder layers and the LM head."""
+    def size(module) -> int:
+        if hasattr(module, "num_bytes"):
+            return module.num_bytes
+        weight = getattr(module, "weight", None)
+        if weight is None:  # a oneDNN-prepacked linear: its packed tensor
+            weight = module.packed
+        return weight.numel() * weight.element_size()
+
+    heads = model.lm_head_chunks if model.lm_head_chunks is not None else [model.lm_head]
+    return sum(size(m) for m in linear_modules(model)) + sum(size(h) for h in heads)
+
+
+def bench_path(path: str, num_prompts: int, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    llm = LLM(num_kv_blocks=2048, max_model_len=2048, **PATHS[path])
+    load_s = time.perf_counter() - start
+    prompts = chat_prompts(llm, num_prompts)
+    run_nanovllm(llm, prompts[:2], 4)  # warm-up
+    seconds, outputs = run_nanovllm(llm, prompts, max_tokens)
+    b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
+    return {"path": path, **PATHS[path], "tok_s": num_prompts * max_tokens / seconds, "batch1_ms_per_token": b1,
+            "load_s": load_s, "weight_bytes": weight_bytes(llm.engine.runner.model), "outputs": outputs,
+            "prompts": prompts}
+
+
+def run_llama_cpp(python: str, prompt: list[int], max_tokens: int, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"gguf": str(default_gguf_path()), "prompt": prompt, "max_tokens": max_tokens,
+                   "threads": threads, "repeats": 2}, f)
+    try:
+        done = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    finally:
+        os.unlink(f.name)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"error: llama.cpp ({python}) failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated rows: {', '.join(PATHS)}")
+    parser.add_argument("--llama-python", default=None, help="the python of a virtualenv with llama-cpp-python")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = [p for p in paths if p not in PATHS]
+    if not paths or unknown:
+        parser.error(f"--paths must list some of {', '.join(PATHS)}, got {args.paths!r}")
+    if args.llama_python and not Path(args.llama_python).exists():
+        parser.error(f"--llama-python: {args.llama_python} does not exist")
+    threads = torch.get_num_threads()
+    info = machine.describe(threads)
+    print(machine.header(info=info), flush=True)
+    results = [bench_path(p, args.num_prompts, args.max_tokens) for p in paths]
+    peer = run_llama_cpp(args.llama_python, results[0]["prompts"][0], args.max_tokens, threads) \
+        if args.llama_python else None
+    by_path = {r["path"]: r for r in results}
+    reference = by_path.get("bfloat16")
+    print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), {threads} threads,"
+          " one process" + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
+    print("| path | activations | tok/s | vs bfloat16 | vs float32-fast | batch-1 ms/token | vs llama.cpp batch 1 "
+          "| load s | weight MB read per step | outputs = bfloat16's |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        vs = {name: (f"{r['tok_s'] / by_path[name]['tok_s']:.2f}x" if name in by_path else "-")
+              for name in ("bfloat16", "float32-fast")}
+        vs_peer = f"{peer['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x faster" if peer else "-"
+        same = (f"{sum(a == b for a, b in zip(r['outputs'], reference['outputs']))}/{args.num_prompts}"
+                if reference else "-")
+        print(f"| {r['path']} | {r['dtype']} | {r['tok_s']:.1f} | {vs['bfloat16']} | {vs['float32-fast']} | "
+              f"{r['batch1_ms_per_token']:.2f} | {vs_peer} | {r['load_s']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {same} |")
+    if peer:
+        print(f"llama.cpp batch 1 on {default_gguf_path().name}: {peer['batch1_ms_per_token']:.2f} ms/token")
+    if args.json:
+        for r in results:
+            del r["outputs"], r["prompts"]
+        with open(args.json, "w") as f:
+            json.dump({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "threads": threads,
+                       "machine": info, "results": results, "llama_cpp": peer}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+// Linear layers over quantized weights: y = x W^T (+ b), W in 8 or 4 bits, x quantized to int8 on the fly.
+//
+// Three weight formats (QuantFormat below), all with K a multiple of 32:
+//   int8    W8A8: int8 [N, K] with one float32 scale per output channel (vLLM's int8 weights); x gets dynamic
+//           scales per token and group of 32 values (one scale per token cost 3-4% perplexity on SmolLM2, a
+//           group of 32 ~0: docs/quantization.md), the channel's scale applied once at the end.
+//   q8_0    GGUF's Q8_0 blocks: int8 [N, K] and one fp16 scale per 32 weights (w = d * q).
+//   q4      GGUF's Q4_1 (and Q4_0, as Q4_1 with m = -8 d) blocks: 4-bit codes packed two to a byte [N, K / 2]
+//           in GGUF's order (byte j of a block: element j in the low nibble, element j + 16 in the high one),
+//           an fp16 scale d and offset m per 32 weights (w = d * q + m).
+// x is quantized as llama.cpp does for the GGUF blocks (its Q8_1): per 32 values, int8 codes, a scale
+// d_x = max|x| / 127 and s_x = d_x * sum(codes), so a block's contribution is d_w d_x sum(q p) + m_w s_x, the
+// sum in integers.
+//
+// Why integers: on AVX2 one vpmaddubsw does 32 8-bit multiply-adds where an FMA does 8 float32 ones, so the
+// layer is bound by reading its (4x or 8x smaller) weights at any small batch, not by arithmetic. The unpacking
+// happens in registers: no dequantized copy of a weight ever exists. Work is split over tiles of output
+// features; a tile's weights stay in L1 while every row of x passes over them, so W is read from memory once.
+//
+// Vector paths: AVX2 (the avx2 build and every AVX-512 build, which include AVX2); portable loops elsewhere
+// (the scalar build). Both compute the same integer sums; only the float rounding of the block sums' order
+// differs.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // weights per block (GGUF's QK8_0 / QK4_1), values per activation block
+enum QuantFormat : int64_t { kInt8 = 0, kQ8_0 = 1, kQ4 = 2 };
+constexpr int64_t kTile = 8;  // output features per work item
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// ---- activations -> int8 -----------------------------------------------------------------------------------
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline int hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// max |x| over n values (n a multiple of 32).
+template <typename T>
+inline float abs_max(const T* x, int64_t n) {
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x + i)));
+  return hmax8(m);
+#else
+  float m = 0.f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(to_float(x[i])));
+  return m;
+#endif
+}
+
+// 32 values to int8 codes round(x * inv) (round half to even, both paths); returns the codes' sum.
+template <typename T>
+inline int quantize32(const T* x, float inv, int8_t* q) {
+#if defined(__AVX2__)
+  const __m256 mul = _mm256_set1_ps(inv);
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x), mul));
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8), mul));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 16), mul));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 24), mul));
+  const int sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+  // Two saturating packs interleave the four 8-lane groups per 128-bit half; one permute restores the order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return sum;
+#else
+  int sum = 0;
+  for (int i = 0; i < QK; ++i) {
+    const int v = static_cast<int>(std::nearbyint(to_float(x[i]) * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+#endif
+}
+
+// Per row, per 32 values: int8 codes, their scale d and s = d * sum(codes) (the Q4 offsets' share).
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
+  const int64_t nb = k / QK;
+#pragma omp parallel for if (rows > 8)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * k;
+    int8_t* qr = q + r * k;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float amax = abs_max(xr + b * QK, QK);
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      d[r * nb + b] = scale;
+      s[r * nb + b] = scale * static_cast<float>(quantize32(xr + b * QK, inv, qr + b * QK));
+    }
+  }
+}
+
+// ---- one weight row . a group of activation rows -----------------------------------------------------------
+//
+// Each weight block is unpacked once and then multiplied with up to kGroup rows of x, so the unpacking and the
+// weight scales are paid once per group; the group's accumulators stay in registers.
+
+constexpr int kGroup = 4;
+
+#if defined(__AVX2__)
+// 32 unsigned x 32 signed bytes -> 8 int32 sums of four products each.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+// int8 codes against x's: sum over blocks of d_w d_x (w . x); wd: the row's block scales as float32 (Q8_0), or
+// null for int8 per channel (d_w = 1 here; the caller multiplies by the channel's scale).
+template <int R>
+inline void dot_q8_0(const int8_t* w, const float* wd, const int8_t* x, int64_t k, const float* xd, int64_t nb,
+                     float* out) {
+#if defined(__AVX2__)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = load32(w + b * QK);
+    const __m256i wabs = _mm256_sign_epi8(wv, wv);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(wabs, _mm256_sign_epi8(load32(x + r * k + b * QK), wv)));
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(wd != nullptr ? wd[b] * xd[r * nb + b] : xd[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < QK; ++i) sum += static_cast<int32_t>(w[b * QK + i]) * x[r * k + b * QK + i];
+      acc += static_cast<float>(sum) * (wd != nullptr ? wd[b] * xd[r * nb + b] : xd[r * nb + b]);
+    }
+    out[r] = acc;
+  }
+#endif
+}
+
+// Q4 (Q4_1, Q4_0): sum over blocks of d_w d_x (q . x) + m_w s_x; wd, wm: the row's scales and offsets as float32.
+template <int R>
+inline void dot_q4(const uint8_t* w, const float* wd, const float* wm, const int8_t* x, int64_t k, const float* xd,
+                   const float* xs, int64_t nb, float* out) {
+  for (int r = 0; r < R; ++r) {  // the offsets' share: a plain dot product over the blocks
+    float offsets = 0.f;
+#pragma omp simd reduction(+ : offsets)
+    for (int64_t b = 0; b < nb; ++b) offsets += wm[b] * xs[r * nb + b];
+    out[r] = offsets;
+  }
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * QK / 2));
+    // Low nibbles are elements 0..15 of the block, high nibbles 16..31: one 256-bit register in element order.
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(codes, load32(x + r * k + b * QK)));
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(wd[b] * xd[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] += hsum8(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = w + b * QK / 2;
+      const int8_t* xb = x + r * k + b * QK;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < QK / 2; ++j) sum += (wb[j] & 0x0F) * xb[j] + (wb[j] >> 4) * xb[j + QK / 2];
+      acc += static_cast<float>(sum) * (wd[b] * xd[r * nb + b]);
+    }
+    out[r] += acc;
+  }
+#endif
+}
+
+// float32 copies of n float16 values (the scales of one tile of weight rows, converted once per tile).
+inline void halves_to_floats(const at::Half* h, int64_t n, float* f) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) f[i] = half_to_float(h[i]);
+}
+
+struct Weights {
+  QuantFormat format;
+  const void* codes;
+  const void* scales;  // float32 [N] (int8) or float16 [N, nb]
+  const at::Half* mins;
+};
+
+// R rows of x (starting at row r0) against weight row j; out[r] for r < R.
+template <int R>
+inline void dot_rows(const Weights& wt, int64_t j, int64_t tile_row, const float* wd, const float* wm,
+                     const int8_t* xq, const float* xd, const float* xs, int64_t r0, int64_t k, float* out) {
+  const int64_t nb = k / QK;
+  if (wt.format == kInt8) {
+    dot_q8_0<R>(static_cast<const int8_t*>(wt.codes) + j * k, nullptr, xq + r0 * k, k, xd + r0 * nb, nb, out);
+    for (int r = 0; r < R; ++r) out[r] *= static_cast<const float*>(wt.scales)[j];
+  } else if (wt.format == kQ8_0) {
+    dot_q8_0<R>(static_cast<const int8_t*>(wt.codes) + j * k, wd + tile_row * nb, xq + r0 * k, k, xd + r0 * nb, nb,
+                out);
+  } else {
+    dot_q4<R>(static_cast<const uint8_t*>(wt.codes) + j * k / 2, wd + tile_row * nb, wm + tile_row * nb,
+              xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, nb, out);
+  }
+}
+
+template <typename T>
+void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* bias, T* y, const int8_t* xq,
+                const float* xd, const float* xs) {
+  const int64_t nb = k / QK;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const bool blocked = wt.format != kInt8;
+#pragma omp parallel
+  {
+    // This thread's float32 copy of a tile's block scales and offsets.
+    std::vector<float> wd(blocked ? kTile * nb : 0), wm(wt.format == kQ4 ? kTile * nb : 0);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t first = t * kTile, last = std::min(n, first + kTile);
+      if (blocked) halves_to_floats(static_cast<const at::Half*>(wt.scales) + first * nb, (last - first) * nb, wd.data());
+      if (wt.format == kQ4) halves_to_floats(wt.mins + first * nb, (last - first) * nb, wm.data());
+      float out[kGroup];
+      for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
+        const int64_t group = std::min<int64_t>(kGroup, rows - r0);
+        for (int64_t j = first; j < last; ++j) {
+          switch (group) {
+            case 4: dot_rows<4>(wt, j, j - first, wd.data(), wm.data(), xq, xd, xs, r0, k, out); break;
+            case 3: dot_rows<3>(wt, j, j - first, wd.data(), wm.data(), xq, xd, xs, r0, k, out); break;
+            case 2: dot_rows<2>(wt, j, j - first, wd.data(), wm.data(), xq, xd, xs, r0, k, out); break;
+            default: dot_rows<1>(wt, j, j - first, wd.data(), wm.data(), xq, xd, xs, r0, k, out); break;
+          }
+          for (int64_t r = 0; r < group; ++r)
+            y[(r0 + r) * n + j] = static_cast<T>(bias != nullptr ? out[r] + to_float(bias[j]) : out[r]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Which vector path this build's quantized GEMM runs (the profile prints it beside each linear).
+std::string quant_gemm_isa() {
+#if defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// x [rows, K] float32 or bfloat16; qweight int8 [N, K] (int8, q8_0) or uint8 [N, K / 2] (q4); scales float32
+// [N] (int8) or float16 [N, K / 32]; mins float16 [N, K / 32] (q4 only); bias [N] in x's dtype or None.
+// Returns [rows, N] in x's dtype.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                           c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t format) {
+  TORCH_CHECK(format == kInt8 || format == kQ8_0 || format == kQ4, "quant_linear: unknown format ", format);
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0), nb = k / QK;
+  TORCH_CHECK(k % QK == 0, "quant_linear: K (", k, ") must be a multiple of 32");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "quant_linear: weights must be contiguous");
+  if (format == kQ4) {
+    TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && qweight.size(1) * 2 == k, "quant_linear: q4 codes [N, K/2] uint8");
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == torch::kHalf && mins->is_contiguous() &&
+                    mins->numel() == n * nb, "quant_linear: q4 needs float16 mins [N, K/32]");
+  } else {
+    TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.size(1) == k, "quant_linear: int8 codes [N, K]");
+  }
+  if (format == kInt8) {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == n, "quant_linear: int8 scales float32 [N]");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.numel() == n * nb, "quant_linear: float16 scales [N, K/32]");
+  }
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "quant_linear: bias [N] in x's dtype");
+    bias_c = bias->contiguous();
+  }
+  auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto xd = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  auto xs = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({rows, n}, x.options());
+  const Weights weights{static_cast<QuantFormat>(format), qweight.data_ptr(), scales.data_ptr(),
+                        format == kQ4 ? mins->data_ptr<at::Half>() : nullptr};
+  AT_DISPATCH_SWITCH(x.scalar_type(), "quant_linear",
+      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+        quantize_rows(x.data_ptr<float>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                      xs.data_ptr<float>());
+        quant_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                   xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+        using T = c10::BFloat16;
+        quantize_rows(x.data_ptr<T>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                      xs.data_ptr<float>());
+        quant_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
+                   xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+      }));
+  return y;
+}
+
+// A torch operator too (torch.ops.<build namespace>.quant_linear), so profiles count it as a linear layer.
+#ifndef NANOVLLM_OPS
+#define NANOVLLM_OPS nanovllm
+#endif
+TORCH_LIBRARY_FRAGMENT(NANOVLLM_OPS, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int format) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) { m.impl("quant_linear", &quant_linear); }

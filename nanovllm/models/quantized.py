@@ -1,0 +1,348 @@
+"""Quantized weights: ``quantization="int8"`` (W8A8) and ``quantization="gguf"`` (the GGUF file's own blocks).
+
+Both run nano-vllm's quantized GEMM (``nanovllm/csrc/quant_gemm.cpp``), which reads the packed weights and
+unpacks them in registers, the activations quantized to int8 on the fly; no dequantized copy of a weight is ever
+made. Activations, norms, attention and the KV cache stay in the engine's ``dtype``.
+
+- ``int8``: W8A8 made at load from the dense weights: symmetric int8 per output channel (scale = max |w| / 127
+  of the row, vLLM's int8 weights), activations with dynamic scales per token and group of 32 values (one scale
+  per token, vLLM's default, cost SmolLM2 3-4% perplexity; groups of 32 cost ~0 for one float multiply-add
+  per 32 products). Every linear layer, the LM head included (on this model a fifth of the weights).
+- ``gguf``: the blocks of a GGUF file as they are stored: Q8_0, Q4_0 and Q4_1 (the default model is Q4_1, its
+  embedding Q8_0), activations per 32 values as llama.cpp quantizes them for these blocks. The model is built
+  straight from the file (memory-mapped; the blocks are only split into code, scale and offset arrays) without the
+  dense conversion, so it loads in a fraction of the time and memory. Tensor types other than those (K-quants and
+  the like) are refused by name: ``quantization=None`` runs any GGUF, dequantized.
+
+The accuracy these cost is measured against the dense bf16 path by ``python -m nanovllm.validate
+--quantization ...`` (perplexity on held-out text and greedy agreement; the margins in ``QUANTIZED_PPL_MARGIN``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8", "gguf")
+BLOCK = 32                                     # weights per GGUF block, activation values per scale
+# The kernel's weight formats (QuantFormat in quant_gemm.cpp); Q4_0 runs as Q4_1 with offset m = -8 d.
+FORMAT_IDS = {"int8": 0, "q8_0": 1, "q4_1": 2, "q4_0": 2}
+GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")     # the quantized GGUF tensor types quantization="gguf" runs
+GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+class QuantLinear(nn.Module):
+    """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run by the kernels'
+    ``quant_linear`` op on every row count. Built at load (``from_dense_int8``, ``from_gguf``); the engine only
+    calls ``forward``."""
+
+    def __init__(self, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, in_features: int, kernels) -> None:
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"quantized linears need in_features divisible by {BLOCK}, got {in_features}")
+        self.fmt = fmt
+        self.format_id = FORMAT_IDS[fmt]
+        self.qweight, self.scales, self.mins, self.bias = qweight, scales, mins, bias
+        self.in_features, self.out_features = in_features, qweight.shape[0]
+        self.kernels = kernels
+
+    @classmethod
+    def from_dense_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "QuantLinear":
+        """Symmetric per-output-channel int8 of a dense ``weight`` [N, K] (vLLM's W8A8 weight scheme)."""
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1) / 127.0
+        codes = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls("int8", codes.contiguous(), scale.contiguous(), None, _bias(bias, weight.dtype), w.shape[1],
+                   kernels)
+
+    @classmethod
+    def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear":
+        """One layer computing the concatenation of ``parts``' outputs (same input, same format): the fused
+        q/k/v and gate/up projections. Quantized rows are independent, so this is a concatenation of rows."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.in_features != first.in_features for p in parts):
+            raise ValueError("quantized projections fused into one must share their format and input width")
+        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+        biases = [p.bias for p in parts]
+        if any(b is not None for b in biases):
+            biases = [b if b is not None else torch.zeros(p.out_features, dtype=first_dtype(biases))
+                      for b, p in zip(biases, parts)]
+            bias = torch.cat(biases)
+        else:
+            bias = None
+        return cls(first.fmt, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), mins,
+                   bias, first.in_features, first.kernels)
+
+    def to_activation_dtype(self, dtype: torch.dtype) -> None:
+        """Cast the bias to the model's activation dtype (the kernel adds it in that dtype)."""
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        # Through the dispatcher (the kernels' library registers it) so profiles count it as a linear.
+        y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] these codes stand for (tests and the reference comparison; never on the
+        serving path)."""
+        return dequantize(self.fmt, self.qweight, self.scales, self.mins)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of weight data (codes, scales, offsets) a forward pass reads."""
+        parts = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def kernel_name(self) -> str:
+        """What runs this layer, for the profile: the format and the kernel build's vector path."""
+        return f"quant_linear {self.fmt} int8-dot ({self.kernels.quant_gemm_isa()})"
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def first_dtype(tensors: list[torch.Tensor | None]) -> torch.dtype:
+    return next(t.dtype for t in tensors if t is not None)
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().to(dtype).contiguous()
+
+
+def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """float32 [N, K] of quantized codes in one of the kernel's formats."""
+    if fmt == "int8":
+        return qweight.float() * scales.float()[:, None]
+    n = qweight.shape[0]
+    if fmt == "q8_0":
+        codes = qweight.float().reshape(n, -1, BLOCK)
+    else:  # q4_0 / q4_1: per block of 16 bytes, low nibbles are elements 0..15, high nibbles 16..31
+        packed = qweight.reshape(n, -1, BLOCK // 2)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    w = codes * scales.float().reshape(n, -1, 1)
+    if mins is not None:
+        w = w + mins.float().reshape(n, -1, 1)
+    return w.reshape(n, -1)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in its GGUF blocks: the rows a step looks up are dequantized, nothing else."""
+
+    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        mins = None if t.mins is None else t.mins.index_select(0, ids)
+        return dequantize(t.fmt, t.qweight.index_select(0, ids), t.scales.index_select(0, ids), mins).to(self.dtype)
+
+
+# ---- GGUF -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class GGUFTensor:
+    name: str
+    kind: str                  # GGML type name: Q4_1, F32, ...
+    shape: tuple[int, ...]     # GGUF's order: the fastest-varying dimension (K of a weight) first
+    data: np.ndarray           # its bytes in the file (memory-mapped, uint8), or the values of a dense type
+
+
+# GGUF metadata value types (the GGUF spec) -> struct format; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_DENSE_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
+    """The scalar metadata and the tensors of a GGUF file, the tensors memory-mapped. Array metadata (the
+    tokenizer's vocabulary: ~100k strings here) is skipped, not decoded: gguf-py's reader decodes every value
+    and takes seconds on it, longer than building the whole model."""
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"model={str(path)!r} is not a GGUF file")
+    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+    pos = 24
+
+    def read(fmt: str):
+        nonlocal pos
+        value = struct.unpack_from("<" + fmt, buf, pos)[0]
+        pos += struct.calcsize("<" + fmt)
+        return value
+
+    def read_string() -> str:
+        nonlocal pos
+        size = read("Q")
+        pos += size
+        return bytes(buf[pos - size:pos]).decode("utf-8", "replace")
+
+    def skip_value(kind: int) -> object:
+        nonlocal pos
+        if kind == 8:
+            return read_string()
+        if kind == 9:
+            element, count = read("I"), read("Q")
+            if element in _SCALARS:
+                pos += count * struct.calcsize("<" + _SCALARS[element])
+            else:
+                for _ in range(count):
+                    skip_value(element)
+            return None
+        return read(_SCALARS[kind])
+
+    metadata: dict[str, object] = {}
+    for _ in range(num_kv):
+        key = read_string()
+        metadata[key] = skip_value(read("I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = read_string()
+        dims = tuple(read("Q") for _ in range(read("I")))
+        infos.append((name, dims, GGMLQuantizationType(read("I")), read("Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-pos // alignment) * alignment
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(dims))
+        data = raw[start + offset:start + offset + count // block * block_bytes]
+        if qtype.name in _DENSE_NUMPY:
+            data = data.view(_DENSE_NUMPY[qtype.name])
+        tensors[name] = GGUFTensor(name, qtype.name, dims, data)
+    del version
+    return metadata, tensors
+
+
+class GGUFWeights:
+    """The tensors of one GGUF file, read through a memory map: ``linear(name)`` gives a ``QuantLinear`` over a
+    quantized tensor's blocks, ``dense(name)`` a float tensor."""
+
+    def __init__(self, path: Path, hf_config, kernels) -> None:
+        self.path = Path(path)
+        metadata, self.tensors = read_gguf(self.path)
+        self.architecture = str(metadata.get("general.architecture", ""))
+        self.hf_config = hf_config
+        self.kernels = kernels
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def check_types(self) -> None:
+        """Refuse, by tensor name and type, a file with blocks the kernel does not run."""
+        for name, tensor in self.tensors.items():
+            kind = tensor.kind
+            if kind not in GGUF_BLOCK_TYPES + GGUF_DENSE_TYPES:
+                raise ValueError(
+                    f"quantization='gguf' runs {', '.join(GGUF_BLOCK_TYPES)} blocks (and dense tensors); "
+                    f"{self.path.name}'s tensor {name!r} is {kind}: use quantization=None, which dequantizes any GGUF")
+
+    def dense(self, name: str) -> torch.Tensor:
+        """A dense tensor (norm weights, biases) as float32, in transformers' shape."""
+        tensor = self.tensors[name]
+        kind = tensor.kind
+        if kind in GGUF_BLOCK_TYPES:
+            return self.linear(name).dequantize()
+        data = np.asarray(tensor.data)
+        if kind == "BF16":
+            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+    def linear(self, name: str, bias: str | None = None) -> QuantLinear:
+        """A ``QuantLinear`` over the blocks of tensor ``name`` ([N, K] as transformers has it: GGUF's q and k
+        rows of Llama models are re-ordered back, as transformers' own GGUF reader does)."""
+        tensor = self.tensors[name]
+        kind = tensor.kind
+        if kind not in GGUF_BLOCK_TYPES:
+            raise ValueError(f"tensor {name!r} is {kind}, not one of the quantized types {GGUF_BLOCK_TYPES}")
+        k, n = (int(d) for d in tensor.shape[:2])
+        raw = np.asarray(tensor.data).reshape(n, k // BLOCK, -1)
+        rows = self._row_order(name, n)
+        if rows is not None:
+            raw = raw[rows]
+        scale = _half(raw[:, :, 0:2])
+        if kind == "Q8_0":
+            fmt, codes, mins = "q8_0", raw[:, :, 2:].reshape(n, k).view(np.int8), None
+        elif kind == "Q4_1":
+            fmt, codes, mins = "q4_1", raw[:, :, 4:].reshape(n, k // 2), _half(raw[:, :, 2:4])
+        else:  # Q4_0: w = d (q - 8), i.e. Q4_1 with m = -8 d (exact in float16: a power of two)
+            fmt, codes, mins = "q4_0", raw[:, :, 2:].reshape(n, k // 2), scale * -8
+        bias_tensor = self.dense(bias) if bias is not None and self.has(bias) else None
+        return QuantLinear(fmt, torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
+                           None if mins is None else torch.from_numpy(mins), bias_tensor, k, self.kernels)
+
+    def _row_order(self, name: str, n: int) -> np.ndarray | None:
+        """llama.cpp's converter interleaves the rows of each head of Llama q and k for its RoPE layout;
+        transformers reverses that on load (LlamaTensorProcessor), and so do we, on row indices."""
+        if self.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
+            return None
+        heads = self.hf_config.num_attention_heads if ".attn_q." in name else self.hf_config.num_key_value_heads
+        return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """float16 values from their little-endian byte pairs [..., 2]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].copy()
+
+
+def build_gguf_model(hf_config, gguf_path: Path, dtype: torch.dtype, max_positions: int):
+    """The Llama-family model of ``gguf_path`` on CPU, its linears over the file's own blocks, norms and
+    biases dense in ``dtype``, in the fast path's layout (fused q/k/v and gate/up, the CPU kernels)."""
+    from nanovllm.kernels import load as load_kernels
+    from nanovllm.models.llama import LlamaForCausalLM, RotaryEmbedding
+    from nanovllm.config import head_dim_of
+
+    kernels = load_kernels()
+    weights = GGUFWeights(gguf_path, hf_config, kernels)
+    weights.check_types()
+    with torch.device("meta"):  # the dense weights are never allocated
+        model = LlamaForCausalLM(hf_config, max_positions=max_positions)
+    model.rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_positions)
+    model.rotary.cos, model.rotary.sin = model.rotary.cos.to(dtype), model.rotary.sin.to(dtype)
+
+    def norm(module, name: str) -> None:
+        module.weight = nn.Parameter(weights.dense(name).to(dtype), requires_grad=False)
+        module.kernels = kernels
+
+    def linears(*names: str) -> QuantLinear:
+        parts = [weights.linear(f"{name}.weight", f"{name}.bias") for name in names]
+        layer = parts[0] if len(parts) == 1 else QuantLinear.concat(parts)
+        layer.to_activation_dtype(dtype)
+        return layer
+
+    for i, layer in enumerate(model.layers):
+        blk = f"blk.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = linears(f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v")
+        attn.o_proj = linears(f"{blk}.attn_output")
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        if attn.qk_norm:
+            norm(attn.q_norm, f"{blk}.attn_q_norm.weight")
+            norm(attn.k_norm, f"{blk}.attn_k_norm.weight")
+        attn.kernels = kernels
+        mlp.gate_up_proj = linears(f"{blk}.ffn_gate", f"{blk}.ffn_up")
+        mlp.down_proj = linears(f"{blk}.ffn_down")
+        del mlp.gate_proj, mlp.up_proj
+        mlp.kernels = kernels
+        norm(layer.input_layernorm, f"{blk}.attn_norm.weight")
+        norm(layer.post_attention_layernorm, f"{blk}.ffn_norm.weight")
+    norm(model.norm, "output_norm.weight")
+    embedding = weights.linear("token_embd.weight")
+    model.embed_tokens = QuantEmbedding(embedding, dtype)
+    head = weights.linear("output.weight") if weights.has("output.weight") else embedding
+    model.lm_head = head
+    model.lm_head_chunks = nn.ModuleList([head])
+    model.kernels = kernels
+    model.fast_path = True
+    return model.eval().requires_grad_(False)

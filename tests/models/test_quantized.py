@@ -1,0 +1,231 @@
+"""Quantized weights (``quantization="int8"`` / ``"gguf"``): the kernel against an integer emulation in torch on
+every kernel build this CPU runs, the GGUF blocks against gguf-py's own dequantization and transformers' row
+order, the config's refusals, and (slow) the engine on the default model against the quantized standard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm.config import EngineConfig
+from nanovllm.models.quantized import FORMAT_IDS, GGUFWeights, QuantLinear, dequantize
+
+
+def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies by: x rounded to int8 codes times their scale, per token and 32 values."""
+    rows, k = x.shape
+    groups = x.float().reshape(rows, -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # 127 / amax as the kernel divides (torch's scalar / tensor multiplies by the reciprocal: a rounding apart)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / 127)).reshape(rows, k)
+
+
+def _random_weights(fmt: str, n: int, k: int, generator: torch.Generator) -> QuantLinear:
+    if fmt == "int8":
+        return QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, None)
+    nb = k // 32
+    scales = (torch.rand(n, nb, generator=generator) * 0.02 + 1e-3).half()
+    if fmt == "q8_0":
+        codes = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        return QuantLinear(fmt, codes, scales, None, None, k, None)
+    codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
+    mins = (torch.randn(n, nb, generator=generator) * 0.02).half()
+    return QuantLinear(fmt, codes, scales, mins, None, k, None)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dtype, rows):
+    generator = torch.Generator().manual_seed(rows)
+    n, k = 21, 96  # a partial tile of output features, three blocks
+    layer = _random_weights(fmt, n, k, generator)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    y = compiled.quant_linear(x, layer.qweight, layer.scales, layer.mins, bias, FORMAT_IDS[fmt])
+    reference = _quantize_activations(x) @ layer.dequantize().T + bias.float()
+    assert y.dtype == dtype and y.shape == (rows, n)
+    # float32: only the order of float additions differs; bfloat16: one rounding of the output.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (y.float() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+def test_quant_linear_refuses_shapes_and_dtypes_it_cannot_run(compiled):
+    layer = _random_weights("q4_1", 8, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        compiled.quant_linear(torch.randn(2, 48), layer.qweight, layer.scales, layer.mins, None, 2)
+    with pytest.raises(RuntimeError, match="q4 needs float16 mins"):
+        compiled.quant_linear(torch.randn(2, 64), layer.qweight, layer.scales, None, None, 2)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        compiled.quant_linear(torch.randn(2, 64).half(), layer.qweight, layer.scales, layer.mins, None, 2)
+
+
+def test_int8_weights_are_within_half_a_step_of_the_dense_ones():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    layer = QuantLinear.from_dense_int8(weight, None, None)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert layer.qweight.dtype == torch.int8 and layer.scales.shape == (64,)
+    assert ((layer.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+    assert layer.num_bytes == 64 * 128 + 64 * 4
+
+
+def test_fusing_quantized_projections_concatenates_their_rows():
+    generator = torch.Generator().manual_seed(2)
+    parts = [_random_weights("q4_1", n, 64, generator) for n in (8, 4, 4)]
+    fused = QuantLinear.concat(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    with pytest.raises(ValueError, match="share their format"):
+        QuantLinear.concat([parts[0], _random_weights("q8_0", 4, 64, generator)])
+
+
+def _write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]], architecture: str = "qwen2") -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for name, (array, kind) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            data = array
+        elif kind in ("Q8_0", "Q4_0", "Q4_1"):
+            data = gguf.quants.quantize(array, qtype)
+        else:  # a type gguf-py cannot quantize: its blocks' bytes, zero (only the type is read)
+            data = np.zeros(gguf.quants.quant_shape_to_byte_shape(array.shape, qtype), dtype=np.uint8)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+class _Config:
+    num_attention_heads = 4
+    num_key_value_heads = 2
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_each_gguf_block_type_reads_as_gguf_py_dequantizes_it(tmp_path, kind):
+    import gguf
+
+    weight = np.random.default_rng(3).standard_normal((24, 64)).astype(np.float32)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, {"blk.0.ffn_down.weight": (weight, kind), "blk.0.ffn_down.bias": (weight[:, 0].copy(), "F32")})
+    weights = GGUFWeights(path, _Config(), None)
+    layer = weights.linear("blk.0.ffn_down.weight", "blk.0.ffn_down.bias")
+    expected = gguf.quants.dequantize(gguf.quants.quantize(weight, gguf.GGMLQuantizationType[kind]),
+                                      gguf.GGMLQuantizationType[kind])
+    assert layer.fmt == kind.lower() and layer.out_features == 24 and layer.in_features == 64
+    assert np.allclose(layer.dequantize().numpy(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(layer.bias, torch.from_numpy(weight[:, 0]))
+    # 4.5-5 bits per weight (Q4) or 8.5 (Q8_0), as in the file: the blocks are split, never widened.
+    bits = layer.num_bytes * 8 / weight.size
+    assert bits == {"Q8_0": 8.5, "Q4_0": 5.0, "Q4_1": 5.0}[kind]
+
+
+def test_llama_q_and_k_rows_are_put_back_in_transformers_order(tmp_path):
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    weight = np.random.default_rng(4).standard_normal((32, 64)).astype(np.float32)
+    path = tmp_path / "llama.gguf"
+    _write_gguf(path, {"blk.0.attn_q.weight": (weight, "Q8_0"), "blk.0.attn_k.weight": (weight[:16], "Q8_0"),
+                       "blk.0.attn_v.weight": (weight[:16], "Q8_0")}, architecture="llama")
+    weights = GGUFWeights(path, _Config(), None)
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    for name, rows in (("attn_q", 32), ("attn_k", 16), ("attn_v", 16)):
+        gguf_order = GGUFWeights(path, _Config(), None)
+        gguf_order.architecture = "qwen2"  # no reordering: the file's own rows
+        plain = gguf_order.linear(f"blk.0.{name}.weight").dequantize().numpy()
+        expected = processor.process(plain, f"blk.0.{name}.weight").weights
+        assert np.array_equal(weights.linear(f"blk.0.{name}.weight").dequantize().numpy(), expected)
+        if name != "attn_v":
+            assert not np.array_equal(expected, plain)  # the reordering really happened
+
+
+def test_a_gguf_with_blocks_the_kernel_does_not_run_is_refused_by_tensor(tmp_path):
+    weight = np.random.default_rng(5).standard_normal((8, 256)).astype(np.float32)
+    path = tmp_path / "k_quant.gguf"
+    _write_gguf(path, {"blk.0.ffn_up.weight": (weight, "Q6_K")})
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' is Q6_K: use quantization=None"):
+        GGUFWeights(path, _Config(), None).check_types()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"quantization": "int4"}, "quantization must be None or one of int8, gguf"),
+    ({"quantization": "int8", "device": "cuda"}, "device must be 'cpu'"),
+    ({"quantization": "gguf", "tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+    ({"quantization": "int8", "fuse_projections": False}, "fuse_projections must be true or None"),
+])
+def test_bad_quantization_options_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_quantization_implies_the_fast_path_even_in_float32():
+    assert EngineConfig(quantization="int8").fast_path and not EngineConfig().fast_path
+
+
+def test_gguf_quantization_needs_a_gguf_file(tmp_path):
+    from nanovllm.models.loader import gguf_source
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        gguf_source(tmp_path)
+    assert gguf_source(None).suffix == ".gguf"
+
+
+def test_dequantize_unpacks_low_nibbles_first():
+    codes = torch.tensor([[0x21] * 16], dtype=torch.uint8)  # low nibble 1, high nibble 2
+    w = dequantize("q4_1", codes, torch.ones(1, 1).half(), torch.zeros(1, 1).half())
+    assert w[0, :16].tolist() == [1.0] * 16 and w[0, 16:].tolist() == [2.0] * 16
+
+
+# ---- the engine on the default model (slow) ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.profile import format_kernels, linear_modules
+
+    quantized = LLM(quantization="gguf", num_kv_blocks=64, max_model_len=512)
+    model = quantized.engine.runner.model
+    tensors = [*model.parameters(), *model.buffers()]
+    assert not any(t.is_meta for t in tensors)
+    assert all(isinstance(m, QuantLinear) for m in linear_modules(model))
+    assert {m.fmt for m in linear_modules(model)} == {"q4_1"} and model.lm_head_chunks[0].fmt == "q8_0"
+    weight_bytes = sum(m.num_bytes for m in linear_modules(model)) + model.lm_head_chunks[0].num_bytes
+    dense_bytes = sum(p.numel() * 4 for p in llm.engine.runner.model.parameters())
+    assert weight_bytes < 0.25 * dense_bytes  # 4-5 bits a weight against float32's 32
+    table = format_kernels(model, [1, 16])
+    assert "quant_linear q4_1 int8-dot" in table and "quant_linear q8_0" in table
+    out = quantized.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
+                             use_tqdm=False)[0]
+    assert len(out.token_ids) == 8 and "Paris" in out.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_quantized_weights_meet_the_quantized_standard(llm, parity_prompts, quantization):
+    from nanovllm.validate import validate_quantized
+
+    report = validate_quantized(quantization, prompts=None, max_tokens=16, dtype="float32",
+                                num_kv_blocks=96, max_model_len=1024)
+    assert report.passed, (report.perplexity, report.dense_perplexity)
+    assert report.perplexity != report.dense_perplexity  # the quantized path really ran
+    assert report.token_agreement > 0.5
+
+
+@pytest.mark.slow
+def test_a_gguf_run_needs_only_the_files_config_and_tokenizer_not_its_dense_conversion(tmp_path):
+    from transformers import AutoTokenizer
+
+    from nanovllm.models.loader import _gguf_cache_dir, _metadata_dir, default_gguf_path, resolve_model
+
+    gguf = default_gguf_path()
+    metadata = _metadata_dir(gguf, tmp_path / "metadata")
+    assert (metadata / "config.json").is_file() and not list(metadata.glob("*.safetensors"))
+    text = "<|im_start|>user\nThe capital of France is<|im_end|>"
+    dense = resolve_model(gguf)
+    assert AutoTokenizer.from_pretrained(metadata).encode(text) == AutoTokenizer.from_pretrained(dense).encode(text)
+    # With the dense conversion already cached, a gguf run takes that directory (same config and tokenizer).
+    assert resolve_model(gguf, weights=False) == _gguf_cache_dir(gguf) == dense
