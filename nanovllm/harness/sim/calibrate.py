@@ -113,13 +113,15 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
 
 def run_setup(run_dir: str | Path) -> dict[str, Any]:
     """What a profile depends on besides the batch, from the run's ``config.json``: the model (None: the
-    default one), ``dtype`` and attention backend; {} for a run without a config (written from Python)."""
+    default one), ``dtype``, attention backend and ``kv_cache_dtype``; {} for a run without a config (written
+    from Python)."""
     config = read_config(run_dir) or {}
     if not config:
         return {}
     engine = config.get("engine") or {}
     return {"model": (config.get("model") or {}).get("path"), "dtype": engine.get("dtype"),
-            "attention": (config.get("attention") or {}).get("name"), "device": engine.get("device", "cpu")}
+            "attention": (config.get("attention") or {}).get("name"), "device": engine.get("device", "cpu"),
+            "kv_cache_dtype": engine.get("kv_cache_dtype", "auto")}
 
 
 def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
@@ -200,7 +202,7 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         raise ValueError(f"calibration: the runs use different engine.dtype ({', '.join(dtypes)}); a profile "
                          "describes one dtype, so calibrate each from its own runs")
     metadata: dict[str, Any] = {}
-    for key in ("model", "dtype", "attention"):
+    for key in ("model", "dtype", "attention", "kv_cache_dtype"):
         values = {setup.get(key) for setup in setups}
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
