@@ -11,7 +11,7 @@ https://ui.perfetto.dev).
 
     python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
                                [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
-                               [--fuse-projections auto|true|false]
+                               [--fuse-projections auto|true|false] [--kv-cache-dtype auto|int8|fp8_e4m3]
 
 The running sequences have distinct prompts (no prefix cache), so a decode step reads as much KV cache as real
 traffic does: with one shared prompt every sequence would read the same few cached blocks from the CPU's caches
@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--fuse-projections", choices=("auto", "true", "false"), default="auto",
                         help="the fast path's fused, prepacked weights and fused kernels (auto: unless float32)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3"), default="auto",
+                        help="the KV cache's dtype (EngineConfig.kv_cache_dtype; auto: the model dtype)")
     parser.add_argument("--batch-sizes", default="1,16,64,256", help="running sequences per decode step")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each running sequence")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips the prefill step")
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def make_llm(**options):
             return LLM(model=args.model, dtype=args.dtype, attention=args.attention, num_kv_blocks=blocks,
-                       fuse_projections=fuse, **options)
+                       fuse_projections=fuse, kv_cache_dtype=args.kv_cache_dtype, **options)
 
         rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
         if args.prefill_tokens:
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, attention={args.attention}, "
-          f"fuse_projections={args.fuse_projections}, "
+          f"fuse_projections={args.fuse_projections}, kv_cache_dtype={args.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
     print(format_table(rows, peak))
     print(f"Chrome traces: {trace_dir}/")

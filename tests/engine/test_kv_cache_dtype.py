@@ -115,3 +115,13 @@ def test_the_simulator_admits_about_twice_the_tokens_and_preempts_less_with_8bit
     assert peak["int8"] >= 1.8 * peak["auto"], peak
     assert running["int8"] >= 1.6 * running["auto"], running
     assert results["int8"].summary["num_preemptions"] < results["auto"].summary["num_preemptions"]
+
+
+def test_a_calibrated_profile_of_the_model_dtype_cache_says_so_for_an_8bit_run(tmp_path, monkeypatch):
+    from nanovllm.harness.sim import this_machine
+    from nanovllm.harness.sim.step_time import CalibratedStepTime
+
+    monkeypatch.setenv(this_machine.PROFILES_ENV, str(tmp_path))  # the shipped profile, not a cached one
+    assert CalibratedStepTime(dtype="float32").kv_cache_warning() is None
+    warning = CalibratedStepTime(dtype="float32", kv_cache_dtype="int8").kv_cache_warning()
+    assert warning is not None and "engine.kv_cache_dtype=auto, this run uses int8" in warning

@@ -202,10 +202,16 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         raise ValueError(f"calibration: the runs use different engine.dtype ({', '.join(dtypes)}); a profile "
                          "describes one dtype, so calibrate each from its own runs")
     metadata: dict[str, Any] = {}
-    for key in ("model", "dtype", "attention", "kv_cache_dtype"):
+    kv_cache_dtypes = sorted({str(setup.get("kv_cache_dtype") or "auto") for setup in setups if setup})
+    if len(kv_cache_dtypes) > 1:
+        raise ValueError(f"calibration: the runs use different engine.kv_cache_dtype ({', '.join(kv_cache_dtypes)}); "
+                         "a profile describes one cache's step times, so calibrate each from its own runs")
+    for key in ("model", "dtype", "attention"):
         values = {setup.get(key) for setup in setups}
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
+    if kv_cache_dtypes and kv_cache_dtypes[0] != "auto":  # an 8-bit cache's profile says so; auto stays implicit
+        metadata["kv_cache_dtype"] = kv_cache_dtypes[0]
     runs = [str(Path(r)) for r in run_dirs]
     metadata["machine"] = profile_machine(machines, previous=_previous_machine(out, runs))
     metadata.update(runs=runs, command=command or "")
