@@ -21,6 +21,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None            # None: from kv_cache_memory, else kv_cache_fraction
     kv_cache_memory: int | None = None          # bytes for the KV cache
     kv_cache_fraction: float = 0.1              # of the memory free after loading the model
+    kv_cache_dtype: str = "auto"                # auto: the model dtype; int8 / fp8_e4m3: 8-bit K/V with a float32
+                                                # scale per token and KV head (nanovllm/attention/kv_quant.py)
     max_num_seqs: int = 128                     # running requests at most
     max_num_batched_tokens: int = 2048          # tokens computed per step at most
     max_model_len: int | None = None            # None: the model's max_position_embeddings
@@ -55,6 +57,11 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device == "cpu" and self.dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported on cpu; allowed: {', '.join(CPU_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size > 1 "
+                             "(the workers allocate model-dtype caches); use kv_cache_dtype='auto'")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -99,6 +106,10 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# What ``kv_cache_dtype`` may be (vLLM's option name and values): auto = the model dtype.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 # Context length assumed for a model config that does not state ``max_position_embeddings``.

@@ -12,6 +12,7 @@ https://ui.perfetto.dev).
     python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
                                [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
                                [--fuse-projections auto|true|false] [--quantization int8|gguf]
+                               [--kv-cache-dtype auto|int8|fp8_e4m3]
 
 After the table it prints which kernel (and ISA) each linear layer runs at each batch size.
 
@@ -288,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the fast path's fused, prepacked weights and fused kernels (auto: unless float32)")
     parser.add_argument("--quantization", choices=("int8", "gguf"), default=None,
                         help="quantized weights (int8 W8A8, or the GGUF file's own blocks)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3"), default="auto",
+                        help="the KV cache's dtype (EngineConfig.kv_cache_dtype; auto: the model dtype)")
     parser.add_argument("--batch-sizes", default="1,16,64,256", help="running sequences per decode step")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each running sequence")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="0 skips the prefill step")
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def make_llm(**options):
             return LLM(model=args.model, dtype=args.dtype, attention=args.attention, num_kv_blocks=blocks,
-                       fuse_projections=fuse, quantization=args.quantization, **options)
+                       fuse_projections=fuse, quantization=args.quantization,
+                       kv_cache_dtype=args.kv_cache_dtype, **options)
 
         rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
         kernels_table = format_kernels(make_llm().engine.runner.model, batch_sizes)
@@ -326,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, attention={args.attention}, "
           f"fuse_projections={args.fuse_projections}, quantization={args.quantization}, "
+          f"kv_cache_dtype={args.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
     print(format_table(rows, peak))
     print("Kernels per linear (every decoder layer runs the first's):")

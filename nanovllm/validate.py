@@ -175,10 +175,11 @@ def reference_greedy_top(model, prompts: list[list[int]], max_tokens: int,
 
 
 def is_reference_config(llm) -> bool:
-    """Whether an engine runs the exact reference path: float32, unfused projections, torch attention."""
+    """Whether an engine runs the exact reference path: float32, unfused projections, torch attention, a
+    float32 KV cache (an 8-bit one is held to the close standard)."""
     engine = llm.engine
     return (engine.config.dtype == "float32" and not engine.config.fast_path
-            and engine.runner.backend.registered_name == "torch")
+            and engine.runner.backend.registered_name == "torch" and engine.config.kv_cache_dtype == "auto")
 
 
 @dataclass

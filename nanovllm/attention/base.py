@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
+from nanovllm.attention.kv_quant import format_of_cache
 from nanovllm.registry import Registry
 
 
@@ -41,9 +42,13 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Paged attention for one model. ``kv_caches[layer] = (k_cache, v_cache)``, each of shape
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, or, for an 8-bit cache
+    (``kv_cache_dtype``), ``[..., head_dim + 4]`` packed rows of ``nanovllm.attention.kv_quant``."""
 
     registered_name: str = "custom"
+    # The EngineConfig.kv_cache_dtype values this backend reads and writes; the engine refuses the others
+    # before loading the model (``check_kv_cache_dtype``).
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -68,6 +73,12 @@ class AttentionBackend(ABC):
         return cls.unavailable_reason(device) is None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Called once by the runner after it allocated the cache: the per-layer (K, V) views to write and read.
+        An 8-bit cache says its format by its dtype (``kv_quant.format_of_cache``)."""
+        fmt = format_of_cache(kv_caches[0][0]) if kv_caches else None
+        if fmt is not None and fmt.name not in self.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype={fmt.name!r} is not supported by attention backend "
+                             f"{self.registered_name!r} (supported: {', '.join(self.kv_cache_dtypes)})")
         self.kv_caches = kv_caches
 
     @abstractmethod
@@ -141,3 +152,13 @@ def check_attention_available(spec: Any, device: torch.device | str) -> None:
     if not backend.is_available(device):
         reason = backend.unavailable_reason(device) or "the backend says it is not available there"
         raise ValueError(f"attention backend {cls.registered_name!r} cannot run on {device}: {reason}")
+
+
+def check_kv_cache_dtype(spec: Any, kv_cache_dtype: str, device: torch.device | str) -> None:
+    """Raise ``ValueError`` naming ``kv_cache_dtype`` when the backend ``spec`` names does not read and write
+    that cache format (``AttentionBackend.kv_cache_dtypes``): checked before the model loads."""
+    cls = attention_class(resolve_attention(spec, torch.device(device)))
+    if cls is not None and kv_cache_dtype not in cls.kv_cache_dtypes:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention backend "
+                         f"{cls.registered_name!r} (supported: {', '.join(cls.kv_cache_dtypes)}); use "
+                         "attention=cpu or attention=torch, or kv_cache_dtype=auto")

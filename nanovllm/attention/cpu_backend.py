@@ -16,6 +16,10 @@ prefill chunks (``experiments/bench_attention.py``, one thread: a 256-token chun
 per layer vs 3.56 ms through SDPA's masked padded group, a 64-sequence decode step 0.26 ms vs 14.0 ms), so by
 default every token goes to the kernel. ``sdpa_min_query`` sends long chunks to
 SDPA instead, which can pay on CPUs without AVX-512, where the kernel runs its plain loop.
+
+8-bit caches (``kv_cache_dtype=int8`` / ``fp8_e4m3``, layout in ``kv_quant``) go to the kernel's
+``paged_attention_8bit``: it quantizes the new K/V rows as it writes them, and decodes each cached row to float32
+inside its (portable, compiler-vectorized) attention loop, on every ISA build.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from __future__ import annotations
 import torch
 
 from nanovllm import kernels
+from nanovllm.attention import kv_quant
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata, register_attention
 from nanovllm.attention.torch_backend import attend_padded_group, plan_padded_group
 
 
 @register_attention("cpu")
 class CpuAttention(AttentionBackend):
-    """Paged attention on CPU through the C++ kernel; float32, bfloat16 and float16 caches.
+    """Paged attention on CPU through the C++ kernel; float32, bfloat16 and float16 caches, and 8-bit ones
+    (int8, fp8_e4m3) for a model in any of those dtypes.
 
     ``sdpa_min_query``: None (the default) runs every token through the kernel. An integer sends sequences
     with at least that many query tokens in the step (long prefill chunks) through torch's SDPA on a padded
@@ -39,6 +45,8 @@ class CpuAttention(AttentionBackend):
     ``isa``: the kernel build to run (``nanovllm.machine`` levels: ``avx512_bf16``, ``avx512``, ``avx2``,
     ``scalar``); None, the default, runs the level in force (the CPU's best, or ``NANOVLLM_CPU_ISA``).
     """
+
+    kv_cache_dtypes = ("auto", *kv_quant.FORMATS)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sdpa_min_query: int | None = None, isa: str | None = None) -> None:
@@ -86,10 +94,16 @@ class CpuAttention(AttentionBackend):
         k_cache, v_cache = self.kv_caches[layer]
         q_kernel = q if self._kernel_rows is None else q.index_select(0, self._kernel_rows)
         # The kernel writes every new K/V row first, so the SDPA group below reads a complete cache.
-        attended = self._kernel.paged_attention(
-            q_kernel, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self._slot_mapping,
-            self._block_tables, self._seq, self._pos, self.scale,
-        )
+        if kv_quant.format_of_cache(k_cache) is None:
+            attended = self._kernel.paged_attention(
+                q_kernel, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self._slot_mapping,
+                self._block_tables, self._seq, self._pos, self.scale,
+            )
+        else:  # k and v stay in the model dtype: the kernel quantizes them into the cache
+            attended = self._kernel.paged_attention_8bit(
+                q_kernel, k.to(q.dtype), v.to(q.dtype), k_cache, v_cache, self._slot_mapping,
+                self._block_tables, self._seq, self._pos, self.scale,
+            )
         if self._kernel_rows is None:
             return attended
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)

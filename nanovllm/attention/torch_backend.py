@@ -5,6 +5,10 @@ tokens), so that a long prefill does not pad every decode to its length. Each gr
 once per step in ``plan``: query rows are gathered from the flat batch, keys and values from the cache whole
 blocks at a time through the block tables (large contiguous copies), and a boolean mask encodes both causality (query ``i`` of a sequence with ``c`` cached tokens
 sees keys ``0..c+i``) and padding. Every layer then runs one SDPA call per group.
+
+8-bit caches (``kv_cache_dtype=int8`` / ``fp8_e4m3``): new K/V are quantized as they are written
+(``kv_quant.quantize``), and the gathered blocks dequantized to float32 before SDPA, which then runs in float32
+(queries converted, the output converted back), as the C++ kernel computes in float32 whatever the storage.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanovllm.attention import kv_quant
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata, register_attention
 
 
@@ -28,6 +33,10 @@ class _Group:
 
 @register_attention("torch")
 class TorchAttention(AttentionBackend):
+    """The reference: padded groups through SDPA, any device; model-dtype and 8-bit caches."""
+
+    kv_cache_dtypes = ("auto", *kv_quant.FORMATS)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._groups: list[_Group] = []
@@ -45,10 +54,16 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, self._slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, self._slot_mapping, v.to(flat_v.dtype))
+        fmt = kv_quant.format_of_cache(k_cache)
+        row = k_cache.shape[-1]  # head_dim, or head_dim + 4 for an 8-bit cache's packed rows
+        flat_k = k_cache.view(-1, self.num_kv_heads, row)
+        flat_v = v_cache.view(-1, self.num_kv_heads, row)
+        if fmt is None:
+            flat_k.index_copy_(0, self._slot_mapping, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, self._slot_mapping, v.to(flat_v.dtype))
+        else:
+            flat_k.index_copy_(0, self._slot_mapping, kv_quant.quantize(k, fmt))
+            flat_v.index_copy_(0, self._slot_mapping, kv_quant.quantize(v, fmt))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for g in self._groups:
             attend_padded_group(g, q, k_cache, v_cache, self.scale, out)
@@ -88,21 +103,25 @@ def plan_padded_group(meta: AttentionMetadata, seqs: list[int], starts: list[int
 
 def attend_padded_group(g: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                         out: torch.Tensor) -> None:
-    """SDPA over one planned group; writes its real query rows into ``out`` ([T, num_heads * head_dim])."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
+    """SDPA over one planned group; writes its real query rows into ``out`` ([T, num_heads * head_dim]). An 8-bit
+    cache's gathered blocks are dequantized and the group attends in float32."""
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    fmt = kv_quant.format_of_cache(k_cache)
     # index_select, not advanced indexing: the same gather runs several times faster on CPU.
     batch, max_q = g.query_index.shape
     max_blocks = g.blocks.shape[1]
     qg = q.index_select(0, g.query_index.view(-1)).view(batch, max_q, num_heads, head_dim)
     kg = k_cache.index_select(0, g.blocks.view(-1))
     vg = v_cache.index_select(0, g.blocks.view(-1))
+    if fmt is not None:
+        qg, kg, vg = qg.float(), kv_quant.dequantize(kg, fmt), kv_quant.dequantize(vg, fmt)
     shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
     og = F.scaled_dot_product_attention(
         qg.transpose(1, 2), kg.view(shape).transpose(1, 2), vg.view(shape).transpose(1, 2),
         attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
     )
-    og = og.transpose(1, 2).reshape(batch * max_q, -1)
+    og = og.transpose(1, 2).reshape(batch * max_q, -1).to(out.dtype)
     if g.valid_rows is not None:
         og = og.index_select(0, g.valid_rows)
     out.index_copy_(0, g.token_index, og)

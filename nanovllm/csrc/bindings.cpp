@@ -4,6 +4,9 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                               torch::Tensor seq, torch::Tensor pos, double scale);
+torch::Tensor paged_attention_8bit(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                   torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                   torch::Tensor seq, torch::Tensor pos, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -17,6 +20,7 @@ std::string quant_gemm_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
+  m.def("paged_attention_8bit", &paged_attention_8bit, "paged_attention over an int8 / fp8_e4m3 cache (CPU)");
   m.def("rms_norm", &rms_norm, "transformers-style RMSNorm in one pass (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "In place residual += delta, then RMSNorm of it, in one pass (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] row block (CPU)");

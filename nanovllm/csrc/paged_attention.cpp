@@ -12,6 +12,8 @@
 
 #include "cpu_vec.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -405,6 +407,217 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                      block_tables.data_ptr<int32_t>(), block_tables.size(1), seq.data_ptr<int32_t>(),
                      pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads,
                      head_dim, block_size, static_cast<float>(scale));
+  });
+  return out;
+}
+
+
+// ---- 8-bit caches (kv_cache_dtype=int8 / fp8_e4m3; the layout and arithmetic of nanovllm/attention/kv_quant.py) --
+//
+// Each cache row (one token's one KV head) is head_dim 8-bit codes followed by the 4 bytes of its float32 scale:
+// k_cache, v_cache [blocks, block_size, KVH, D + 4]; int8 codes in a torch.int8 cache, float8_e4m3fn bit patterns
+// in a torch.uint8 one (the dtype says the format). A new row is quantized as it is written: scale = max|x| / QMAX
+// (127, or 448 for e4m3), codes = x / scale rounded half-to-even (int8) or to e4m3, the same float32 operations
+// as the torch reference, so both write the same bytes. Attention is the plain loop of ``attend`` with each key
+// and value row decoded to float32 once (for the whole query group); the row's scale multiplies its score and its
+// probability instead of every element. Portable code on every build: the compiler vectorizes the decode and the
+// dot products for the ISA it targets.
+namespace {
+
+enum class KVCodes { kInt8, kFp8E4M3 };
+constexpr int64_t kScaleBytes = 4;
+
+// e4m3 code -> float32, built once from c10's conversion (a table lookup instead of bit fiddling per value).
+const float* fp8_e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i)
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <KVCodes C>
+constexpr float codes_max() { return C == KVCodes::kInt8 ? 127.f : 448.f; }
+
+template <KVCodes C, typename scalar_t>
+void quantize_row(const scalar_t* x, int64_t head_dim, uint8_t* row) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  const float scale = amax / codes_max<C>();
+  const float divisor = scale > 0.f ? scale : 1.f;  // an all-zero row: codes 0, scale 0
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float y = std::min(std::max(to_float(x[d]) / divisor, -codes_max<C>()), codes_max<C>());
+    if constexpr (C == KVCodes::kInt8) {
+      row[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));  // |y| <= 127: rounding stays in range
+    } else {
+      row[d] = c10::Float8_e4m3fn(y).x;
+    }
+  }
+  std::memcpy(row + head_dim, &scale, sizeof(float));
+}
+
+template <KVCodes C>
+inline void decode_row(const uint8_t* row, int64_t head_dim, float* out) {
+  if constexpr (C == KVCodes::kInt8) {
+    const int8_t* codes = reinterpret_cast<const int8_t*>(row);
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(codes[d]);
+  } else {
+    const float* table = fp8_e4m3_table();
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = table[row[d]];
+  }
+}
+
+inline float row_scale(const uint8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(float));
+  return scale;
+}
+
+template <KVCodes C, typename scalar_t>
+void write_kv_8bit(const scalar_t* k, const scalar_t* v, const int64_t* slots, uint8_t* k_cache, uint8_t* v_cache,
+                   int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride) {
+  const int64_t row = head_dim + kScaleBytes;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      quantize_row<C>(k + t * k_stride + h * head_dim, head_dim, k_cache + (slots[t] * num_kv_heads + h) * row);
+      quantize_row<C>(v + t * v_stride + h * head_dim, head_dim, v_cache + (slots[t] * num_kv_heads + h) * row);
+    }
+  }
+}
+
+template <KVCodes C, typename scalar_t>
+void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, const uint8_t* v_cache,
+                 const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos, scalar_t* out,
+                 int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = head_dim + kScaleBytes;
+  const int64_t kv_row = num_kv_heads * row;  // bytes per cache slot
+  if constexpr (C == KVCodes::kFp8E4M3) fp8_e4m3_table();  // built before the threads need it
+#pragma omp parallel
+  {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores, decoded(head_dim);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
+      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1;
+      const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
+      scores.resize(group * num_keys);
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* qh = q + t * q_stride + (h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qh[d]) * scale;
+      }
+      float* kf = decoded.data();
+      // Pass 1: scores of every key for every query head of the group.
+      for (int64_t key = 0; key < num_keys; ++key) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const uint8_t* kp = k_cache + slot * kv_row + h * row;
+        decode_row<C>(kp, head_dim, kf);
+        const float key_scale = row_scale(kp, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kf[d];
+          scores[g * num_keys + key] = s * key_scale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * num_keys;
+        float m = sg[0];
+        for (int64_t key = 1; key < num_keys; ++key) m = sg[key] > m ? sg[key] : m;
+        float sum = 0.f;
+        for (int64_t key = 0; key < num_keys; ++key) {
+          sg[key] = std::exp(sg[key] - m);
+          sum += sg[key];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t key = 0; key < num_keys; ++key) sg[key] *= inv;
+      }
+      // Pass 2: the probability-weighted sum of values, each value row's scale folded into its weight.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float* vf = decoded.data();
+      for (int64_t key = 0; key < num_keys; ++key) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const uint8_t* vp = v_cache + slot * kv_row + h * row;
+        decode_row<C>(vp, head_dim, vf);
+        const float value_scale = row_scale(vp, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * num_keys + key] * value_scale;
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* oh = out + (t * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+      }
+    }
+  }
+}
+
+template <KVCodes C, typename scalar_t>
+void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                               const torch::Tensor& block_tables, const torch::Tensor& seq, const torch::Tensor& pos,
+                               torch::Tensor& out, float scale) {
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  write_kv_8bit<C, scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), kc, vc,
+                             k.size(0), num_kv_heads, head_dim, k.stride(0), v.stride(0));
+  attend_8bit<C, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(),
+                           block_tables.size(1), seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
+                           out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale);
+}
+
+}  // namespace
+
+// paged_attention over an 8-bit cache: q, k, v in the model dtype ([T, H, D], [N, KVH, D]); k_cache, v_cache
+// [blocks, block_size, KVH, D + 4] int8 (kv_cache_dtype=int8) or uint8 (fp8_e4m3). Same arguments and result as
+// paged_attention; the new K/V rows are quantized into their slots first.
+torch::Tensor paged_attention_8bit(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                   torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                   torch::Tensor seq, torch::Tensor pos, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, bs, kvh, d + 4]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte),
+              "an 8-bit cache is int8 (kv_cache_dtype=int8) or uint8 (fp8_e4m3)");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must share one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq.scalar_type() == torch::kInt32 &&
+                  pos.scalar_type() == torch::kInt32,
+              "block_tables, seq and pos must be int32");
+  q = rows_in_place(q);
+  k = rows_in_place(k);
+  v = rows_in_place(v);
+  block_tables = block_tables.contiguous();
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.size(3) == head_dim + kScaleBytes && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
+                  v.size(1) == num_kv_heads && v.size(2) == head_dim,
+              "k and v must be [tokens, kv_heads, head_dim], the cache's rows head_dim + 4 bytes");
+  TORCH_CHECK(slot_mapping.size(0) == k.size(0) && v.size(0) == k.size(0),
+              "slot_mapping needs one entry per new K/V row");
+  TORCH_CHECK(seq.size(0) == num_tokens && pos.size(0) == num_tokens, "seq and pos need one entry per query row");
+  auto out = torch::empty({num_tokens, num_heads * head_dim}, q.options());
+  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_8bit", [&] {
+    if (int8)
+      paged_attention_8bit_impl<KVCodes::kInt8, scalar_t>(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq,
+                                                          pos, out, static_cast<float>(scale));
+    else
+      paged_attention_8bit_impl<KVCodes::kFp8E4M3, scalar_t>(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
+                                                             seq, pos, out, static_cast<float>(scale));
   });
   return out;
 }

@@ -104,7 +104,7 @@ class LLMEngine:
         self.clock: Callable[[], float] = self.runner.clock
         runner = self.runner
         block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
-                                      runner.dtype)
+                                      runner.dtype, config.kv_cache_dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         self.kv_block_bytes = block_bytes
         scale = runner.head_dim ** -0.5

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.attention.kv_quant import row_elements, storage_dtype
 from nanovllm.config import EngineConfig
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of ``block_size`` tokens in every layer."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> int:
+    """K and V of ``block_size`` tokens in every layer, for a model in ``dtype``: model-dtype values for
+    ``kv_cache_dtype="auto"``, else one byte per value plus each row's float32 scale (``kv_quant``)."""
+    element = torch.empty((), dtype=storage_dtype(kv_cache_dtype, dtype)).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * row_elements(head_dim, kv_cache_dtype) * element
 
 
 def available_memory(device: torch.device) -> int:
@@ -38,9 +42,11 @@ def decide_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: int
 
 def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto",
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim] and its per-layer (K, V) views.
-    Zero-filled, so padded key slots never hold NaN bit patterns."""
-    cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim] and its per-layer (K, V) views; an 8-bit
+    cache's rows are ``head_dim + 4`` wide (the codes, then the scale's bytes: ``kv_quant``). Zero-filled, so
+    padded key slots never hold NaN bit patterns (and an 8-bit row starts with scale 0)."""
+    cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, row_elements(head_dim, kv_cache_dtype),
+                        dtype=storage_dtype(kv_cache_dtype, dtype), device=device)
     return cache, [(cache[layer, 0], cache[layer, 1]) for layer in range(num_layers)]

@@ -37,6 +37,7 @@ class ModelRunner(Runner):
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
+        self.kv_cache_dtype = config.kv_cache_dtype
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.kv_cache: torch.Tensor | None = None
@@ -46,12 +47,12 @@ class ModelRunner(Runner):
 
     def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend,
                       graphs: GraphSettings | None = None) -> None:
-        """Allocate the KV cache, bind it to ``backend`` and, given ``graphs``, capture decode CUDA graphs
-        (their padding rows get one scratch block past the allocator's ``num_blocks``)."""
+        """Allocate the KV cache (in ``config.kv_cache_dtype``), bind it to ``backend`` and, given ``graphs``,
+        capture decode CUDA graphs (their padding rows get one scratch block past the allocator's ``num_blocks``)."""
         self.block_size = block_size
         self.kv_cache, views = allocate_kv_cache(
             self.num_layers, num_blocks + (1 if graphs else 0), block_size, self.num_kv_heads, self.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, self.kv_cache_dtype,
         )
         backend.bind_kv_caches(views)
         self.backend = backend
@@ -61,7 +62,8 @@ class ModelRunner(Runner):
         )
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """The K/V of ``block_ids``: a [layers, 2, len(block_ids), block_size, kv_heads, head_dim] copy."""
+        """The K/V of ``block_ids``: a [layers, 2, len(block_ids), block_size, kv_heads, head_dim] copy (an 8-bit
+        cache's rows are head_dim + 4 wide and carry their scales: ``nanovllm.attention.kv_quant``)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return self.kv_cache.index_select(2, index)  # type: ignore[union-attr]
 
@@ -70,7 +72,8 @@ class ModelRunner(Runner):
         if not block_ids:
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, self.dtype)
+        cache_dtype = self.kv_cache.dtype  # type: ignore[union-attr]  # an 8-bit cache's packed rows stay bytes
+        src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, cache_dtype)
         self.kv_cache.index_copy_(2, index, src)  # type: ignore[union-attr]
 
     def check_kv(self, data: object, num_blocks: int) -> str | None:
@@ -78,9 +81,11 @@ class ModelRunner(Runner):
         if not isinstance(data, torch.Tensor):
             return f"kv transfer: expected a tensor of K/V, got {type(data).__name__}"
         expected = (cache.shape[0], 2, num_blocks, *cache.shape[3:])  # type: ignore[union-attr]
-        if tuple(data.shape) != expected or data.dtype != self.dtype:
+        cache_dtype = cache.dtype  # type: ignore[union-attr]
+        if tuple(data.shape) != expected or data.dtype != cache_dtype:
             return (f"kv transfer: K/V of shape {tuple(data.shape)} and dtype {data.dtype} do not fit this "
-                    f"replica's cache (expected {expected}, {self.dtype}): another model, dtype or block size")
+                    f"replica's cache (expected {expected}, {cache_dtype}): another model, dtype, "
+                    "kv_cache_dtype or block size")
         return None
 
     def _prepare(self, scheduled: list[tuple[Request, int]]):

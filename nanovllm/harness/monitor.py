@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from nanovllm.attention.kv_quant import row_elements, storage_dtype
 from nanovllm.config import attention_biases, head_dim_of
 
 _MIB = 1 << 20
@@ -44,11 +45,13 @@ class ModelCost:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False       # Qwen3 normalises q and k per head
+    kv_cache_dtype: str = "auto"  # auto: K/V in the weights' dtype; int8 / fp8_e4m3: 1 byte + a scale per row
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "ModelCost":
+    def from_model(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> "ModelCost":
         """The cost of a built model: sizes from its config, biases and q/k norms from the parameters it
-        really has, bytes per element from its weights' dtype. What the engine runs is what is counted."""
+        really has, bytes per element from its weights' dtype, KV bytes from ``kv_cache_dtype`` (the engine's
+        ``EngineConfig.kv_cache_dtype``). What the engine runs is what is counted."""
         names = [name for name, _ in model.named_parameters()]
 
         def has(*suffixes: str) -> bool:
@@ -56,16 +59,17 @@ class ModelCost:
 
         dtype = next(model.parameters()).dtype
         return dataclasses.replace(
-            cls.from_hf_config(model.config, dtype),
+            cls.from_hf_config(model.config, dtype, kv_cache_dtype),
             qkv_bias=has("q_proj.bias", "qkv_proj.bias"), o_bias=has("o_proj.bias"),
             mlp_bias=has("gate_proj.bias", "gate_up_proj.bias", "down_proj.bias"), qk_norm=has("q_norm.weight"),
         )
 
     @classmethod
-    def from_hf_config(cls, config: Any, dtype: torch.dtype) -> "ModelCost":
+    def from_hf_config(cls, config: Any, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> "ModelCost":
         """Build from a transformers config alone (a model that is not built, e.g. for an analytical
-        estimate); ``dtype`` is the dtype weights and KV cache are held in. Biases follow the same rule the
-        model builder uses (``nanovllm.config.attention_biases``)."""
+        estimate); ``dtype`` is the dtype weights are held in, and the KV cache too unless ``kv_cache_dtype``
+        names an 8-bit one. Biases follow the same rule the model builder uses
+        (``nanovllm.config.attention_biases``)."""
         num_heads = config.num_attention_heads
         head_dim = head_dim_of(config)
         qkv_bias, o_bias = attention_biases(config)
@@ -84,6 +88,7 @@ class ModelCost:
             o_bias=o_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     # -- parameter counts ---------------------------------------------------------------------------------
@@ -142,8 +147,12 @@ class ModelCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.kv_size * self.bytes_per_element
+        """K and V of one token over all layers, as the cache stores them: in the weights' dtype, or (8-bit
+        caches) one byte per value plus a float32 scale per KV head (``nanovllm.attention.kv_quant``)."""
+        if self.kv_cache_dtype == "auto":
+            return 2 * self.num_layers * self.kv_size * self.bytes_per_element
+        element = torch.empty((), dtype=storage_dtype(self.kv_cache_dtype, torch.float32)).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * row_elements(self.head_dim, self.kv_cache_dtype) * element
 
     @property
     def weight_bytes(self) -> int:

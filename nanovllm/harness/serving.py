@@ -99,8 +99,8 @@ class ServedEngine:
         cost model is the loaded model's (what runs is what is counted), else its HF config's."""
         engine = LLMEngine(config, runner=runner, **plugins)
         model = engine.runner.model
-        cost = ModelCost.from_model(model) if model is not None else \
-            ModelCost.from_hf_config(engine.hf_config, engine.runner.dtype)
+        cost = ModelCost.from_model(model, config.kv_cache_dtype) if model is not None else \
+            ModelCost.from_hf_config(engine.hf_config, engine.runner.dtype, config.kv_cache_dtype)
         return cls(engine, WallClock(), cost)
 
     @property

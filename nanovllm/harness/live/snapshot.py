@@ -70,7 +70,7 @@ def engine_info(engine: LLMEngine, num_requests: int) -> dict[str, Any]:
         "num_kv_blocks": engine.num_kv_blocks,
         "block_size": config.block_size,
         "bytes_per_block": bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim,
-                                           config.block_size, runner.dtype),
+                                           config.block_size, runner.dtype, config.kv_cache_dtype),
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_requests": num_requests,

@@ -64,13 +64,14 @@ class Simulation(ServedEngine):
         from nanovllm.models.loader import resolve_model
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
-        cost = ModelCost.from_hf_config(hf_config, torch_dtype(config.dtype))
+        cost = ModelCost.from_hf_config(hf_config, torch_dtype(config.dtype), config.kv_cache_dtype)
         config = _kv_sized(config, cost, hardware)
         options = dict(step_time) if isinstance(step_time, Mapping) else {"name": step_time}
         model = STEP_TIME_MODELS.build({"profile": profile, "run": replay_run, "cost": cost, "hardware": hardware,
-                                        "dtype": config.dtype, "model": config.model, **options})
-        warning = model.machine_warning() if isinstance(model, CalibratedStepTime) else None
-        if warning:
+                                        "dtype": config.dtype, "model": config.model,
+                                        "kv_cache_dtype": config.kv_cache_dtype, **options})
+        warnings = [model.machine_warning(), model.kv_cache_warning()] if isinstance(model, CalibratedStepTime) else []
+        for warning in filter(None, warnings):
             logging.getLogger(__name__).warning(warning)
         if output_lengths is None and replay_run:
             output_lengths = output_lengths_of(replay_run)

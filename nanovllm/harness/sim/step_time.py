@@ -102,10 +102,11 @@ class CalibratedStepTime(StepTimeModel):
     each simulated step lasts until the next one can start, so arrivals land in the same steps as for real."""
 
     def __init__(self, profile: str | Path | None = None, dtype: str = "float32", model: str | None = None,
-                 **context: Any) -> None:
+                 kv_cache_dtype: str = "auto", **context: Any) -> None:
         """``profile``: a profile YAML; None picks this machine's own for ``model`` (None: the default model) in
         ``dtype`` when one was calibrated (``this_machine.cached_profile``), else the shipped one
-        (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error."""
+        (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error; one fitted on
+        runs with another ``kv_cache_dtype`` (no record: ``auto``) is used, and ``kv_cache_warning`` says so."""
         from nanovllm.harness.sim.this_machine import cached_profile
 
         # This machine's own profile (calibrate --this-machine), when there is one for the default model.
@@ -124,6 +125,7 @@ class CalibratedStepTime(StepTimeModel):
         self.path = path
         self.profile = data
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.explicit = bool(profile)
         self.intercept = float(data["intercept"])
         terms = [(name, float(value)) for name, value in data["coefficients"].items() if value]
@@ -145,6 +147,18 @@ class CalibratedStepTime(StepTimeModel):
     def describe(self) -> str:
         """``calibrated:<file>``; this machine's cached profile as ``calibrated:<machine key>/<file>``."""
         return f"calibrated:{self.path.parent.name}/{self.path.name}" if self.cached else f"calibrated:{self.path.name}"
+
+    def kv_cache_warning(self) -> str | None:
+        """One line when the profile's runs had another KV-cache dtype than this run (an 8-bit cache changes
+        what attention costs: the profile's ``context_tokens``/``attn_pairs`` terms are the other cache's);
+        None when they match. A profile that records none was fitted on model-dtype caches (``auto``)."""
+        fitted = self.profile.get("kv_cache_dtype") or "auto"
+        if fitted == self.kv_cache_dtype:
+            return None
+        return (f"runner.profile: {self.path.name} was fitted on runs with engine.kv_cache_dtype={fitted}, this run "
+                f"uses {self.kv_cache_dtype}: its attention terms are those of the {fitted} cache (calibrate from "
+                f"runs with engine.kv_cache_dtype={self.kv_cache_dtype} for that cache's step times); the KV "
+                "memory, blocks and preemptions are this run's")
 
     def machine_warning(self) -> str | None:
         """One line when the profile was measured on another machine than this one (another CPU
