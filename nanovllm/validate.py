@@ -238,11 +238,10 @@ def validate_output(
 
 HELD_OUT_TEXT = Path(__file__).with_name("data") / "held_out.txt"
 # The quantized standard: perplexity on the held-out text at most this much above the dense path's (relative),
-# measured on SmolLM2-135M's 523 held-out tokens (docs/quantization.md): int8 W8A8 (one activation scale per
-# token) costs +4.0% in float32 and +2.8% in bfloat16; GGUF Q4_1 run on its own blocks (activations in int8 per
-# 32 values, as llama.cpp runs them) +0.3% / +0.2%, both against the dense weights of the same file. Each margin
-# sits a little above its cost.
-QUANTIZED_PPL_MARGIN = {"int8": 0.05, "gguf": 0.01}
+# measured on SmolLM2-135M's 523 held-out tokens against the dense weights of the same file (docs/quantization.md):
+# int8 W8A8 -0.25% (float32) / +0.45% (bfloat16), GGUF Q4_1 on its own blocks +0.39% / +0.79%. Each margin sits
+# a little above the worst of its two.
+QUANTIZED_PPL_MARGIN = {"int8": 0.015, "gguf": 0.015}
 
 
 @dataclass
