@@ -101,6 +101,27 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def hf_references(llm, hf_model, parity_prompts):
+    """transformers' greedy tokens and per-position top-5 on the parity prompts by dtype, computed on first use
+    (one reference model each) and shared by every module that holds a path to the close standard."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm.validate import reference_greedy_top
+
+    cache: dict[str, list] = {}
+
+    def get(dtype: str) -> list:
+        if dtype not in cache:
+            model = hf_model if dtype == "float32" else AutoModelForCausalLM.from_pretrained(
+                llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
+            cache[dtype] = reference_greedy_top(model, parity_prompts, PARITY_MAX_TOKENS)
+        return cache[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_greedy(hf_model, parity_prompts) -> list[list[int]]:
     """transformers `generate` greedy outputs, one prompt at a time (no padding), EOS-terminated."""
     from nanovllm.validate import reference_greedy

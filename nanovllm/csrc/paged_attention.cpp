@@ -30,6 +30,23 @@ using nanovllm::load16;
 using nanovllm::sum_each16;
 #endif
 
+// Each of the group's rows of scores (num_keys each) replaced by its softmax, in place: the portable loops'
+// normalization, shared by the model-dtype and the 8-bit kernels.
+inline void softmax_rows(float* scores, int64_t group, int64_t num_keys) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * num_keys;
+    float m = sg[0];
+    for (int64_t key = 1; key < num_keys; ++key) m = sg[key] > m ? sg[key] : m;
+    float sum = 0.f;
+    for (int64_t key = 0; key < num_keys; ++key) {
+      sg[key] = std::exp(sg[key] - m);
+      sum += sg[key];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t key = 0; key < num_keys; ++key) sg[key] *= inv;
+  }
+}
+
 template <typename scalar_t>
 void write_kv(const scalar_t* k, const scalar_t* v, const int64_t* slots, scalar_t* k_cache, scalar_t* v_cache,
               int64_t num_tokens, int64_t row, int64_t k_stride, int64_t v_stride) {
@@ -70,18 +87,7 @@ void attend(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const 
           scores[g * num_keys + key] = s;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * num_keys;
-        float m = sg[0];
-        for (int64_t key = 1; key < num_keys; ++key) m = sg[key] > m ? sg[key] : m;
-        float sum = 0.f;
-        for (int64_t key = 0; key < num_keys; ++key) {
-          sg[key] = std::exp(sg[key] - m);
-          sum += sg[key];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t key = 0; key < num_keys; ++key) sg[key] *= inv;
-      }
+      softmax_rows(scores.data(), group, num_keys);
       // Pass 2: the probability-weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t key = 0; key < num_keys; ++key) {
@@ -362,16 +368,15 @@ namespace {
 torch::Tensor rows_in_place(const torch::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
-}  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                              torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                              torch::Tensor seq, torch::Tensor pos, double scale) {
+// The layout checks both entry points share (the caches' rows hold head_dim + row_extra elements: 0 for a
+// model-dtype cache, the scale's 4 bytes for an 8-bit one); makes q, k, v rows and block_tables contiguous.
+void check_paged_layout(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& slot_mapping, torch::Tensor& block_tables,
+                        const torch::Tensor& seq, const torch::Tensor& pos, int64_t row_extra) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, bs, kvh, d]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type(),
-              "q, k, v and the cache must share one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              row_extra ? "caches must be [blocks, bs, kvh, d + 4]" : "caches must be [blocks, bs, kvh, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq.scalar_type() == torch::kInt32 &&
@@ -381,15 +386,27 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   k = rows_in_place(k);
   v = rows_in_place(v);
   block_tables = block_tables.contiguous();
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(k_cache.size(3) == head_dim && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
+  TORCH_CHECK(k_cache.size(3) == head_dim + row_extra && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
                   v.size(1) == num_kv_heads && v.size(2) == head_dim,
-              "k and v must be [tokens, kv_heads, head_dim] of the cache's shape");
+              row_extra ? "k and v must be [tokens, kv_heads, head_dim], the cache's rows head_dim + 4 bytes"
+                        : "k and v must be [tokens, kv_heads, head_dim] of the cache's shape");
   TORCH_CHECK(slot_mapping.size(0) == k.size(0) && v.size(0) == k.size(0),
               "slot_mapping needs one entry per new K/V row");
-  TORCH_CHECK(seq.size(0) == num_tokens && pos.size(0) == num_tokens, "seq and pos need one entry per query row");
+  TORCH_CHECK(seq.size(0) == q.size(0) && pos.size(0) == q.size(0), "seq and pos need one entry per query row");
+}
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                              torch::Tensor seq, torch::Tensor pos, double scale) {
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == k_cache.scalar_type(),
+              "q, k, v and the cache must share one dtype");
+  check_paged_layout(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq, pos, 0);
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto out = torch::empty({num_tokens, num_heads * head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     write_kv<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
@@ -525,18 +542,7 @@ void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, co
           scores[g * num_keys + key] = s * key_scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * num_keys;
-        float m = sg[0];
-        for (int64_t key = 1; key < num_keys; ++key) m = sg[key] > m ? sg[key] : m;
-        float sum = 0.f;
-        for (int64_t key = 0; key < num_keys; ++key) {
-          sg[key] = std::exp(sg[key] - m);
-          sum += sg[key];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t key = 0; key < num_keys; ++key) sg[key] *= inv;
-      }
+      softmax_rows(scores.data(), group, num_keys);
       // Pass 2: the probability-weighted sum of values, each value row's scale folded into its weight.
       std::fill(acc.begin(), acc.end(), 0.f);
       float* vf = decoded.data();
@@ -584,31 +590,13 @@ void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, c
 torch::Tensor paged_attention_8bit(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                    torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                                    torch::Tensor seq, torch::Tensor pos, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, bs, kvh, d + 4]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
                   (k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte),
               "an 8-bit cache is int8 (kv_cache_dtype=int8) or uint8 (fp8_e4m3)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "q, k and v must share one dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq.scalar_type() == torch::kInt32 &&
-                  pos.scalar_type() == torch::kInt32,
-              "block_tables, seq and pos must be int32");
-  q = rows_in_place(q);
-  k = rows_in_place(k);
-  v = rows_in_place(v);
-  block_tables = block_tables.contiguous();
+  check_paged_layout(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq, pos, kScaleBytes);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(k_cache.size(3) == head_dim + kScaleBytes && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
-                  v.size(1) == num_kv_heads && v.size(2) == head_dim,
-              "k and v must be [tokens, kv_heads, head_dim], the cache's rows head_dim + 4 bytes");
-  TORCH_CHECK(slot_mapping.size(0) == k.size(0) && v.size(0) == k.size(0),
-              "slot_mapping needs one entry per new K/V row");
-  TORCH_CHECK(seq.size(0) == num_tokens && pos.size(0) == num_tokens, "seq and pos need one entry per query row");
   auto out = torch::empty({num_tokens, num_heads * head_dim}, q.options());
   const bool int8 = k_cache.scalar_type() == torch::kChar;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_8bit", [&] {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm.validate import CLOSE, EXACT, agreement_sign_test, reference_greedy_top, validate_output
+from nanovllm.validate import CLOSE, EXACT, agreement_sign_test, validate_output
 from tests.conftest import PARITY_MAX_TOKENS
 
 
@@ -26,26 +26,8 @@ FAST_PATHS = {
 }
 
 
-@pytest.fixture(scope="module")
-def references(llm, hf_model, parity_prompts):
-    """transformers' greedy tokens and per-position top-5 by dtype, computed on first use (one model each)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, list] = {}
-
-    def get(dtype: str) -> list:
-        if dtype not in cache:
-            model = hf_model if dtype == "float32" else AutoModelForCausalLM.from_pretrained(
-                llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
-            cache[dtype] = reference_greedy_top(model, parity_prompts, PARITY_MAX_TOKENS)
-        return cache[dtype]
-
-    return get
-
-
 @pytest.mark.parametrize("path", sorted(FAST_PATHS))
-def test_fast_path_meets_the_close_standard(path, parity_prompts, references):
+def test_fast_path_meets_the_close_standard(path, parity_prompts, hf_references):
     options = dict(FAST_PATHS[path])
     order = list(range(len(parity_prompts)))
     if options.pop("preempt", False):
@@ -53,7 +35,7 @@ def test_fast_path_meets_the_close_standard(path, parity_prompts, references):
         # Shortest first, as in test_parity: many requests are admitted together, then their growth preempts.
         order.sort(key=lambda i: len(parity_prompts[i]))
     options.setdefault("num_kv_blocks", 1024)
-    refs = references(options["dtype"])
+    refs = hf_references(options["dtype"])
     report = validate_output(prompts=[parity_prompts[i] for i in order], max_tokens=PARITY_MAX_TOKENS,
                              max_model_len=1024, references=[refs[i] for i in order], **options)
     assert report.standard == CLOSE
@@ -61,7 +43,7 @@ def test_fast_path_meets_the_close_standard(path, parity_prompts, references):
     assert not failing, failing
     # Real agreement, not vacuous closeness: ours stays with the exact float32 model as long as transformers'
     # own tokens in this dtype do, unless a sign test over the prompts says it is shorter (validate.py).
-    exact = [references("float32")[i][0] for i in order]
+    exact = [hf_references("float32")[i][0] for i in order]
     sign = agreement_sign_test([r.ours for r in report.results], [refs[i][0] for i in order], exact)
     assert sign.passed, sign
     if "preempt" in FAST_PATHS[path]:
@@ -70,10 +52,10 @@ def test_fast_path_meets_the_close_standard(path, parity_prompts, references):
         assert report.max_step_tokens <= options["max_num_batched_tokens"]
 
 
-def test_reference_path_is_held_to_the_exact_standard(parity_prompts, references):
+def test_reference_path_is_held_to_the_exact_standard(parity_prompts, hf_references):
     report = validate_output(prompts=parity_prompts[:4], max_tokens=PARITY_MAX_TOKENS, attention="torch",
                              num_kv_blocks=256, max_model_len=1024,
-                             references=references("float32")[:4])
+                             references=hf_references("float32")[:4])
     assert report.standard == EXACT and report.passed
 
 

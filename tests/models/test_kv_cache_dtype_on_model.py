@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.validate import CLOSE, agreement_sign_test, reference_greedy_top, validate_output
+from nanovllm.validate import CLOSE, agreement_sign_test, validate_output
 from tests.conftest import PARITY_MAX_TOKENS
 
 PATHS = {
@@ -24,25 +24,8 @@ PATHS = {
 }
 
 
-@pytest.fixture(scope="module")
-def references(llm, hf_model, parity_prompts):
-    """transformers' greedy tokens and per-position top-5 by dtype (its cache holds the model dtype)."""
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, list] = {}
-
-    def get(dtype: str) -> list:
-        if dtype not in cache:
-            model = hf_model if dtype == "float32" else AutoModelForCausalLM.from_pretrained(
-                llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
-            cache[dtype] = reference_greedy_top(model, parity_prompts, PARITY_MAX_TOKENS)
-        return cache[dtype]
-
-    return get
-
-
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_8bit_kv_cache_meets_the_close_standard(path, parity_prompts, references):
+def test_8bit_kv_cache_meets_the_close_standard(path, parity_prompts, hf_references):
     options = dict(PATHS[path])
     sign_test = options.pop("sign_test", True)
     order = list(range(len(parity_prompts)))
@@ -52,14 +35,14 @@ def test_8bit_kv_cache_meets_the_close_standard(path, parity_prompts, references
                        num_kv_blocks=-(-(max(map(len, parity_prompts)) + PARITY_MAX_TOKENS) // block_size) + 2)
         order.sort(key=lambda i: len(parity_prompts[i]))
     options.setdefault("num_kv_blocks", 1024)
-    refs = references(options["dtype"])
+    refs = hf_references(options["dtype"])
     report = validate_output(prompts=[parity_prompts[i] for i in order], max_tokens=PARITY_MAX_TOKENS,
                              max_model_len=1024, references=[refs[i] for i in order], **options)
     assert report.standard == CLOSE  # an 8-bit cache is never held to the exact standard
     failing = [(i, r.matching_prefix, r.ours, r.reference) for i, r in enumerate(report.results) if not r.close]
     assert not failing, failing
     # Real agreement, not vacuous closeness (validate.agreement_sign_test).
-    exact = [references("float32")[i][0] for i in order]
+    exact = [hf_references("float32")[i][0] for i in order]
     sign = agreement_sign_test([r.ours for r in report.results], [refs[i][0] for i in order], exact)
     assert sign.passed or not sign_test, sign
     if "block_size" in options:
