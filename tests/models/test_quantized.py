@@ -229,3 +229,22 @@ def test_a_gguf_run_needs_only_the_files_config_and_tokenizer_not_its_dense_conv
     assert AutoTokenizer.from_pretrained(metadata).encode(text) == AutoTokenizer.from_pretrained(dense).encode(text)
     # With the dense conversion already cached, a gguf run takes that directory (same config and tokenizer).
     assert resolve_model(gguf, weights=False) == _gguf_cache_dir(gguf) == dense
+
+
+def test_a_profile_of_dense_weights_says_so_for_a_quantized_simulated_run(tmp_path, monkeypatch):
+    from nanovllm.harness.sim import this_machine
+    from nanovllm.harness.sim.step_time import CalibratedStepTime
+
+    monkeypatch.setenv(this_machine.PROFILES_ENV, str(tmp_path))  # the shipped profile, not a cached one
+    assert CalibratedStepTime(dtype="float32").quantization_warning() is None
+    warning = CalibratedStepTime(dtype="float32", quantization="gguf").quantization_warning()
+    assert warning is not None and "engine.quantization=none, this run uses gguf" in warning
+
+
+def test_a_run_records_its_quantization_for_calibration(tmp_path):
+    import json
+
+    from nanovllm.harness.sim.calibrate import run_setup
+
+    (tmp_path / "config.json").write_text(json.dumps({"engine": {"dtype": "float32", "quantization": "int8"}}))
+    assert run_setup(tmp_path)["quantization"] == "int8"

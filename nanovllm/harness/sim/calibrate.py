@@ -111,17 +111,22 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
     }
 
 
+# Engine settings that change step times, recorded in a profile when its runs did not use the default (the
+# simulator warns when a run's differ: CalibratedStepTime.setting_warnings).
+RECORDED_SETTINGS = {"kv_cache_dtype": "auto", "quantization": "none"}
+
+
 def run_setup(run_dir: str | Path) -> dict[str, Any]:
     """What a profile depends on besides the batch, from the run's ``config.json``: the model (None: the
-    default one), ``dtype``, attention backend and ``kv_cache_dtype``; {} for a run without a config (written
-    from Python)."""
+    default one), ``dtype``, attention backend, ``kv_cache_dtype`` and ``quantization``; {} for a run without a
+    config (written from Python)."""
     config = read_config(run_dir) or {}
     if not config:
         return {}
     engine = config.get("engine") or {}
     return {"model": (config.get("model") or {}).get("path"), "dtype": engine.get("dtype"),
             "attention": (config.get("attention") or {}).get("name"), "device": engine.get("device", "cpu"),
-            "kv_cache_dtype": engine.get("kv_cache_dtype", "auto")}
+            "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"), "quantization": engine.get("quantization")}
 
 
 def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
@@ -202,16 +207,19 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
         raise ValueError(f"calibration: the runs use different engine.dtype ({', '.join(dtypes)}); a profile "
                          "describes one dtype, so calibrate each from its own runs")
     metadata: dict[str, Any] = {}
-    kv_cache_dtypes = sorted({str(setup.get("kv_cache_dtype") or "auto") for setup in setups if setup})
-    if len(kv_cache_dtypes) > 1:
-        raise ValueError(f"calibration: the runs use different engine.kv_cache_dtype ({', '.join(kv_cache_dtypes)}); "
-                         "a profile describes one cache's step times, so calibrate each from its own runs")
+    recorded = {}
+    for key, default in RECORDED_SETTINGS.items():
+        values = sorted({str(setup.get(key) or default) for setup in setups if setup})
+        if len(values) > 1:
+            raise ValueError(f"calibration: the runs use different engine.{key} ({', '.join(values)}); a profile "
+                             f"describes one {key}'s step times, so calibrate each from its own runs")
+        if values and values[0] != default:  # a profile of an 8-bit cache or quantized weights says so
+            recorded[key] = values[0]
     for key in ("model", "dtype", "attention"):
         values = {setup.get(key) for setup in setups}
         if all(setups) and len(values) == 1:  # only what every run's config says alike
             metadata[key] = values.pop()
-    if kv_cache_dtypes and kv_cache_dtypes[0] != "auto":  # an 8-bit cache's profile says so; auto stays implicit
-        metadata["kv_cache_dtype"] = kv_cache_dtypes[0]
+    metadata.update(recorded)
     runs = [str(Path(r)) for r in run_dirs]
     metadata["machine"] = profile_machine(machines, previous=_previous_machine(out, runs))
     metadata.update(runs=runs, command=command or "")

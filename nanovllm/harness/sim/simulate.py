@@ -69,8 +69,10 @@ class Simulation(ServedEngine):
         options = dict(step_time) if isinstance(step_time, Mapping) else {"name": step_time}
         model = STEP_TIME_MODELS.build({"profile": profile, "run": replay_run, "cost": cost, "hardware": hardware,
                                         "dtype": config.dtype, "model": config.model,
-                                        "kv_cache_dtype": config.kv_cache_dtype, **options})
-        warnings = [model.machine_warning(), model.kv_cache_warning()] if isinstance(model, CalibratedStepTime) else []
+                                        "kv_cache_dtype": config.kv_cache_dtype,
+                                        "quantization": config.quantization, **options})
+        warnings = ([model.machine_warning(), model.kv_cache_warning(), model.quantization_warning()]
+                    if isinstance(model, CalibratedStepTime) else [])
         for warning in filter(None, warnings):
             logging.getLogger(__name__).warning(warning)
         if output_lengths is None and replay_run:

@@ -102,11 +102,12 @@ class CalibratedStepTime(StepTimeModel):
     each simulated step lasts until the next one can start, so arrivals land in the same steps as for real."""
 
     def __init__(self, profile: str | Path | None = None, dtype: str = "float32", model: str | None = None,
-                 kv_cache_dtype: str = "auto", **context: Any) -> None:
+                 kv_cache_dtype: str = "auto", quantization: str | None = None, **context: Any) -> None:
         """``profile``: a profile YAML; None picks this machine's own for ``model`` (None: the default model) in
         ``dtype`` when one was calibrated (``this_machine.cached_profile``), else the shipped one
         (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error; one fitted on
-        runs with another ``kv_cache_dtype`` (no record: ``auto``) is used, and ``kv_cache_warning`` says so."""
+        runs with another ``kv_cache_dtype`` (no record: ``auto``) or ``quantization`` (no record: dense weights)
+        is used, and ``kv_cache_warning`` / ``quantization_warning`` say so."""
         from nanovllm.harness.sim.this_machine import cached_profile
 
         # This machine's own profile (calibrate --this-machine), when there is one for the default model.
@@ -126,6 +127,7 @@ class CalibratedStepTime(StepTimeModel):
         self.profile = data
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
+        self.quantization = quantization or "none"
         self.explicit = bool(profile)
         self.intercept = float(data["intercept"])
         terms = [(name, float(value)) for name, value in data["coefficients"].items() if value]
@@ -159,6 +161,16 @@ class CalibratedStepTime(StepTimeModel):
                 f"uses {self.kv_cache_dtype}: its attention terms are those of the {fitted} cache (calibrate from "
                 f"runs with engine.kv_cache_dtype={self.kv_cache_dtype} for that cache's step times); the KV "
                 "memory, blocks and preemptions are this run's")
+
+    def quantization_warning(self) -> str | None:
+        """One line when the profile's runs had other weights than this run (``quantization``: int8 or GGUF
+        blocks change what every linear costs); None when they match (no record: dense weights)."""
+        fitted = self.profile.get("quantization") or "none"
+        if fitted == self.quantization:
+            return None
+        return (f"runner.profile: {self.path.name} was fitted on runs with engine.quantization={fitted}, this run "
+                f"uses {self.quantization}: its linear-layer terms are those of the {fitted} weights (calibrate "
+                f"from runs with engine.quantization={self.quantization} for their step times)")
 
     def machine_warning(self) -> str | None:
         """One line when the profile was measured on another machine than this one (another CPU
