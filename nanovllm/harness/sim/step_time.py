@@ -169,8 +169,9 @@ class CalibratedStepTime(StepTimeModel):
         if fitted == self.quantization:
             return None
         return (f"runner.profile: {self.path.name} was fitted on runs with engine.quantization={fitted}, this run "
-                f"uses {self.quantization}: its linear-layer terms are those of the {fitted} weights (calibrate "
-                f"from runs with engine.quantization={self.quantization} for their step times)")
+                f"uses {self.quantization}: its linear-layer terms are those of "
+                f"{'dense' if fitted == 'none' else fitted} weights (calibrate from runs with "
+                f"engine.quantization={self.quantization} for their step times)")
 
     def machine_warning(self) -> str | None:
         """One line when the profile was measured on another machine than this one (another CPU
