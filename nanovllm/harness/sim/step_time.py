@@ -150,28 +150,33 @@ class CalibratedStepTime(StepTimeModel):
         """``calibrated:<file>``; this machine's cached profile as ``calibrated:<machine key>/<file>``."""
         return f"calibrated:{self.path.parent.name}/{self.path.name}" if self.cached else f"calibrated:{self.path.name}"
 
+    def _fitted_otherwise(self, key: str, default: str, ours: str) -> str | None:
+        """The start of a warning when the profile's runs had another ``engine.<key>`` than ours (a profile that
+        records none had ``default``), else None."""
+        fitted = self.profile.get(key) or default
+        if fitted == ours:
+            return None
+        return f"runner.profile: {self.path.name} was fitted on runs with engine.{key}={fitted}, this run uses {ours}"
+
     def kv_cache_warning(self) -> str | None:
         """One line when the profile's runs had another KV-cache dtype than this run (an 8-bit cache changes
         what attention costs: the profile's ``context_tokens``/``attn_pairs`` terms are the other cache's);
         None when they match. A profile that records none was fitted on model-dtype caches (``auto``)."""
+        start = self._fitted_otherwise("kv_cache_dtype", "auto", self.kv_cache_dtype)
         fitted = self.profile.get("kv_cache_dtype") or "auto"
-        if fitted == self.kv_cache_dtype:
-            return None
-        return (f"runner.profile: {self.path.name} was fitted on runs with engine.kv_cache_dtype={fitted}, this run "
-                f"uses {self.kv_cache_dtype}: its attention terms are those of the {fitted} cache (calibrate from "
-                f"runs with engine.kv_cache_dtype={self.kv_cache_dtype} for that cache's step times); the KV "
-                "memory, blocks and preemptions are this run's")
+        return None if start is None else (
+            f"{start}: its attention terms are those of the {fitted} cache (calibrate from runs with "
+            f"engine.kv_cache_dtype={self.kv_cache_dtype} for that cache's step times); the KV memory, blocks and "
+            "preemptions are this run's")
 
     def quantization_warning(self) -> str | None:
         """One line when the profile's runs had other weights than this run (``quantization``: int8 or GGUF
         blocks change what every linear costs); None when they match (no record: dense weights)."""
+        start = self._fitted_otherwise("quantization", "none", self.quantization)
         fitted = self.profile.get("quantization") or "none"
-        if fitted == self.quantization:
-            return None
-        return (f"runner.profile: {self.path.name} was fitted on runs with engine.quantization={fitted}, this run "
-                f"uses {self.quantization}: its linear-layer terms are those of "
-                f"{'dense' if fitted == 'none' else fitted} weights (calibrate from runs with "
-                f"engine.quantization={self.quantization} for their step times)")
+        return None if start is None else (
+            f"{start}: its linear-layer terms are those of {'dense' if fitted == 'none' else fitted} weights "
+            f"(calibrate from runs with engine.quantization={self.quantization} for their step times)")
 
     def machine_warning(self) -> str | None:
         """One line when the profile was measured on another machine than this one (another CPU
