@@ -40,7 +40,7 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # The compiler flags of each kernel build. AMX is oneDNN's (torch's matmuls): our kernels run the bf16 build there.
 ISA_CFLAGS: dict[str, list[str]] = {
-    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+    "avx512_bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
     "avx512": _AVX512,
     "avx2": _AVX2,
     "scalar": [],

@@ -3,9 +3,10 @@ model, the instruction-set levels it supports, the level in force, threads, and 
 
 nano-vllm's CPU code runs at one of five ISA levels, best first::
 
-    amx          AMX tiles (AMX-BF16): used by torch's oneDNN for bf16 matmuls; nano-vllm's own kernels run
-                 their avx512_bf16 build beside it
-    avx512_bf16  AVX-512 with the bf16 dot-product instruction (vdpbf16ps): the bf16 attention and GEMV kernels
+    amx          AMX tiles (AMX-BF16): the bf16 linears run on them through oneDNN's brgemm micro-kernel
+                 (nanovllm/csrc/brgemm_linear.cpp); nano-vllm's other kernels run their avx512_bf16 build
+    avx512_bf16  AVX-512 with the bf16 dot-product instruction (vdpbf16ps) and VNNI (vpdpbusd): the bf16
+                 attention and GEMV kernels, the int8 dot products of the quantized linears
     avx512       AVX-512F/BW/VL/DQ: the float32-accumulating vector kernels, bf16 converted in registers
     avx2         AVX2 + FMA: the kernels' portable loops, auto-vectorized; torch's AVX2 kernels
     scalar       the x86-64 (or other) baseline: the portable loops only
@@ -30,8 +31,8 @@ ISA_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar")  # best first
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})
 # /proc/cpuinfo flags each level needs (each level also needs every flag of the levels below it).
 REQUIRED_FLAGS: dict[str, frozenset[str]] = {
-    "amx": _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"},
-    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "amx": _AVX512 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+    "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"},  # every such CPU has VNNI (the int8 dot product)
     "avx512": _AVX512,
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "scalar": frozenset(),

@@ -28,6 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_available", &gemv_available, "Whether gemv_bf16 was built (AVX-512 BF16 CPUs)");
   m.def("gemv_bf16", &gemv_bf16, "x W^T + b for a few bfloat16 rows, bound by reading W once (CPU)");
   m.def("quant_linear", &quant_linear, "x W^T + b over int8 / GGUF Q8_0 / Q4 weights, x quantized to int8 (CPU)");
-  m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx2 or scalar)");
+  m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx512_vnni, avx2 or scalar)");
   m.def("greedy_sample", &greedy_sample, "Per-row argmax and NaN/+inf flag of logits in one read (CPU)");
 }

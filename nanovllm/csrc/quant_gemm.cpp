@@ -17,8 +17,9 @@
 // happens in registers: no dequantized copy of a weight ever exists. Work is split over tiles of output
 // features; a tile's weights stay in L1 while every row of x passes over them, so W is read from memory once.
 //
-// Vector paths: AVX2 (the avx2 build and every AVX-512 build, which include AVX2); portable loops elsewhere
-// (the scalar build). Both compute the same integer sums; only the float rounding of the block sums' order
+// Vector paths: AVX2 (the avx2 and avx512 builds), the same loops with AVX-512 VNNI's one-instruction byte dot
+// product (the avx512_bf16 build: every CPU with AVX-512 BF16 has VNNI); portable loops elsewhere (the scalar
+// build). Both compute the same integer sums; only the float rounding of the block sums' order
 // differs.
 #include <torch/extension.h>
 
@@ -148,9 +149,15 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
 constexpr int kGroup = 4;
 
 #if defined(__AVX2__)
-// 32 unsigned x 32 signed bytes -> 8 int32 sums of four products each.
+// 32 unsigned x 32 signed bytes -> 8 int32 sums of four products each: one VNNI instruction where the build
+// has AVX-512 VNNI, else AVX2's two (their 16-bit intermediate sums cannot saturate: |w| <= 128, |x| <= 127,
+// and the 4-bit codes are below 16, so both give the same integers).
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
@@ -295,7 +302,9 @@ void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* 
 
 // Which vector path this build's quantized GEMM runs (the profile prints it beside each linear).
 std::string quant_gemm_isa() {
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512_vnni";
+#elif defined(__AVX2__)
   return "avx2";
 #else
   return "scalar";

@@ -61,7 +61,7 @@ def test_a_level_the_cpu_lacks_or_a_misspelt_one_is_refused_by_name(monkeypatch)
 
 def test_levels_follow_the_cpu_flags():
     avx512 = machine.REQUIRED_FLAGS["avx512"]
-    every_flag = avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}
+    every_flag = avx512 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}
     assert machine.supported_isas(frozenset()) == ("scalar",)
     if machine.platform.machine().lower() not in ("x86_64", "amd64"):
         # The SIMD levels are x86-64 ones: elsewhere every flag set runs the portable build.
@@ -70,3 +70,5 @@ def test_levels_follow_the_cpu_flags():
     assert machine.supported_isas(frozenset({"avx2", "fma", "f16c"})) == ("avx2", "scalar")
     assert machine.supported_isas(avx512) == ("avx512", "avx2", "scalar")
     assert machine.supported_isas(every_flag) == machine.ISA_LEVELS
+    # The avx512_bf16 build's int8 dot products are VNNI instructions: a CPU without VNNI does not get it.
+    assert machine.supported_isas(avx512 | {"avx512_bf16"}) == ("avx512", "avx2", "scalar")
