@@ -33,7 +33,8 @@ from nanovllm import machine
 from nanovllm.paths import kernel_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp", "bindings.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp",
+                                       "brgemm_linear.cpp", "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
@@ -115,6 +116,7 @@ def load(level: str | None = None) -> ModuleType:
     ops = getattr(torch.ops, f"nanovllm_{build}")
     module.gemv_bf16_op = ops.gemv_bf16
     module.quant_linear_op = ops.quant_linear
+    module.brgemm_linear_op = ops.brgemm_linear
     return module
 
 

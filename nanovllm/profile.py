@@ -123,7 +123,11 @@ def kernel_of(linear: nn.Module, rows: int) -> str:
     if isinstance(linear, QuantLinear):
         return linear.kernel_name()
     if isinstance(linear, PackedLinear):
-        if linear.kernels is not None and rows <= linear.GEMV_MAX_ROWS:
+        if linear.kernel == "brgemm":
+            unit = "AMX tiles" if machine.selected_isa() == "amx" and linear.packed.dtype == torch.bfloat16 else \
+                f"ISA up to {machine.selected_isa()}"
+            return f"nano-vllm brgemm_linear (oneDNN brgemm, {unit})"
+        if linear.kernel == "onednn+gemv" and rows <= linear.GEMV_MAX_ROWS:
             return f"nano-vllm gemv_bf16 ({linear.kernels.isa})"
         return f"oneDNN prepacked GEMM (ISA up to {machine.selected_isa()})"
     return f"torch F.linear (ATen {torch.backends.cpu.get_cpu_capability()})"

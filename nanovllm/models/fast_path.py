@@ -1,13 +1,21 @@
-"""The fast path's weight layouts: fused projections and oneDNN-prepacked weights.
+"""The fast path's weight layouts: fused projections and prepacked weights.
 
 The float32 reference path keeps transformers' separate q/k/v and gate/up projections (same GEMM shapes, so
 bitwise-equal results). The fast path concatenates them into one GEMM each (fewer, larger matmuls: less
-dispatch and better use of the weight stream), and on CPU (bfloat16 and float32) stores every linear weight in
-oneDNN's blocked layout once at load time, so no matmul reorders its weight again on every call. In float32 the
-prepacked GEMM is 1.1-2.4x faster than ``F.linear`` for this model's shapes at every row count from 1 to 1,583
-(one thread, the layers of one decoder block, with and without the LM head), as ``F.linear``'s fp32 path is a
-generic BLAS call that re-blocks the weight each time. Both are held to the
-close standard (``python -m nanovllm.validate``), not the exact one.
+dispatch and better use of the weight stream), and on CPU stores every linear weight once at load time in the
+layout its kernel reads, so no matmul reorders its weight again on every call. Which kernel (``linear_kernel``):
+
+- ``brgemm``: nano-vllm's loop over oneDNN's brgemm micro-kernel (``nanovllm/csrc/brgemm_linear.cpp``), for
+  float32 on every x86 SIMD level and for bfloat16 on AMX (its tiles). One stored copy serves every row count.
+  Against oneDNN's prepacked linear (the next kernel), on a 2-core Xeon with AMX, SmolLM2-135M's 121 linears with
+  distinct weights (``experiments/bench_linears.py``): bf16 1.2-1.4x faster from 1 to 128 rows, level at 512;
+  float32 1.03-1.22x faster at every row count, also with oneDNN capped to AVX-512 or AVX2.
+- ``onednn+gemv``: bfloat16 without AMX (AVX-512 BF16): oneDNN's prepacked linear, and nano-vllm's bf16 GEMV for
+  at most ``PackedLinear.GEMV_MAX_ROWS`` rows.
+- ``onednn``: oneDNN's prepacked linear at every row count (bfloat16 below AVX-512 BF16, float32 on the scalar
+  level).
+
+Both dtypes are held to the close standard (``python -m nanovllm.validate``), not the exact one.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm import machine
 from nanovllm.models.quantized import QuantLinear
 
 
@@ -42,12 +51,29 @@ def can_prepack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-class PackedLinear(nn.Module):
-    """A bias-optional linear whose weight is stored in oneDNN's blocked layout (CPU, bfloat16 or float32).
+# The ISA levels on which the float32 linears run the brgemm kernel: every x86 SIMD level (oneDNN JIT-compiles
+# the micro-kernel for each); the scalar level caps oneDNN below its JIT kernels.
+BRGEMM_FLOAT32_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2")
 
-    In bfloat16, inputs of at most ``GEMV_MAX_ROWS`` rows (a decode step of one or two sequences) go instead through
-    nano-vllm's bf16 GEMV kernel (``nanovllm/csrc/gemv.cpp``) on the plain weight, kept for that purpose: with so
-    few rows the layer is one pass over its weights, and oneDNN's blocked GEMM reads them slower than the
+
+def linear_kernel(dtype: torch.dtype, isa: str | None = None) -> str:
+    """The kernel a fast-path CPU linear of ``dtype`` runs at ISA level ``isa`` (None: the level in force):
+    ``brgemm``, ``onednn+gemv`` or ``onednn`` (this module's docstring says why each)."""
+    isa = machine.selected_isa() if isa is None else isa
+    if dtype == torch.bfloat16:
+        if isa == "amx":
+            return "brgemm"
+        return "onednn+gemv" if isa == "avx512_bf16" else "onednn"
+    return "brgemm" if isa in BRGEMM_FLOAT32_LEVELS else "onednn"
+
+
+class PackedLinear(nn.Module):
+    """A bias-optional CPU linear (bfloat16 or float32) whose weight is stored once in its kernel's layout; the
+    kernel is ``linear_kernel(dtype)`` when the compiled ``kernels`` are given, else oneDNN's prepacked linear.
+
+    With ``onednn+gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (a decode step of one or two sequences) go
+    through nano-vllm's bf16 GEMV kernel (``nanovllm/csrc/gemv.cpp``) on the plain weight, kept for that purpose:
+    with so few rows the layer is one pass over its weights, and oneDNN's blocked GEMM reads them slower than the
     kernel (measured one thread, SmolLM2's 186 layer shapes: 1 row 27.3 -> 23.6 ms, 2 rows 28.8 -> 21.3 ms;
     at 4 rows oneDNN is ahead again).
     """
@@ -58,17 +84,33 @@ class PackedLinear(nn.Module):
                  kernels=None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        weight = weight.detach()
+        kernel = linear_kernel(weight.dtype) if kernels is not None else "onednn"
+        if kernel == "brgemm" and weight.dtype == torch.bfloat16 and self.in_features % 2:
+            kernel = "onednn"  # AMX multiplies bf16 in pairs along K
+        if kernel == "onednn+gemv" and not kernels.gemv_available():
+            kernel = "onednn"
+        self.kernel = kernel
+        self.kernels = kernels if kernel != "onednn" else None
+        self.packed = self.weight = None
+        if kernel == "brgemm":
+            self.packed = kernels.pack_brgemm_weight(weight)
+            # float32 once here, not per call: the kernel adds the bias to its float32 tile.
+            self.bias = None if bias is None else bias.detach().float().contiguous()
+            return
         # The batch size only guides oneDNN's choice of layout; any number of rows runs.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if bias is None else bias.detach().clone()
-        # The GEMV kernel is bf16-only; in float32 oneDNN's packed GEMM beats F.linear even at one row.
-        use_gemv = kernels is not None and weight.dtype == torch.bfloat16 and kernels.gemv_available()
-        self.kernels = kernels if use_gemv else None
-        self.weight = weight.detach().contiguous() if use_gemv else None
+        if kernel == "onednn+gemv":
+            self.weight = weight.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.GEMV_MAX_ROWS:
+        if self.kernel == "brgemm":
             # Through the dispatcher (registered by the kernels' library) so profiles count it as a linear.
+            rows = x.reshape(-1, self.in_features)
+            out = self.kernels.brgemm_linear_op(rows, self.packed, self.bias, self.out_features)
+            return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+        if self.kernel == "onednn+gemv" and x.dim() == 2 and x.shape[0] <= self.GEMV_MAX_ROWS:
             return self.kernels.gemv_bf16_op(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -138,6 +138,56 @@ def test_gemv_matches_a_float_matmul_and_packed_linear_uses_it_for_few_rows(k, n
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (33, 30)])
+def test_brgemm_linear_matches_a_float_matmul_at_every_row_block(n, k, dtype, compiled):
+    """oneDNN's brgemm micro-kernel through nano-vllm's loop, against float32 math on the same inputs: a tail
+    block of output features (37, 33), an odd number of 32-feature blocks, 1 row, a few, and two row blocks (300
+    > 256 rows). float32 is exact to rounding; bf16 to its output rounding. Runs in every build: the loop only
+    calls torch's brgemm, which oneDNN compiles for the CPU."""
+    from nanovllm.models.fast_path import PackedLinear
+
+    torch.manual_seed(n + k)
+    weight = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    packed = compiled.pack_brgemm_weight(weight)
+    assert packed.shape == ((n + 31) // 32, k * 32) and packed.dtype == dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    for rows in (1, 3, 300):
+        x = torch.randn(rows, k).to(dtype)
+        expected = x.float() @ weight.float().T + bias.float()
+        got = compiled.brgemm_linear(x, packed, bias.float(), n)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), expected, **tol)
+        no_bias = compiled.brgemm_linear_op(x, packed, None, n)  # the operator the linears call
+        torch.testing.assert_close(no_bias.float(), expected - bias.float(), **tol)
+    linear = PackedLinear(weight, bias, kernels=compiled)
+    x = torch.randn(2, 3, k).to(dtype)  # leading dimensions pass through
+    torch.testing.assert_close(linear(x).float(), (x.float() @ weight.float().T + bias.float()), **tol)
+
+
+def test_brgemm_linear_refuses_mismatched_inputs(compiled):
+    weight = torch.randn(64, 32)
+    packed = compiled.pack_brgemm_weight(weight)
+    with pytest.raises(RuntimeError, match="in_features or out_features"):
+        compiled.brgemm_linear(torch.randn(2, 48), packed, None, 64)
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        compiled.brgemm_linear(torch.randn(2, 32).bfloat16(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="even in_features"):
+        compiled.pack_brgemm_weight(torch.randn(64, 33).bfloat16())
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16", "avx512", "avx2", "scalar"])
+def test_each_isa_level_names_its_linear_kernel(isa):
+    """bf16 runs brgemm on AMX tiles only, the GEMV + oneDNN pair with AVX-512 BF16, oneDNN below; float32 runs
+    brgemm wherever oneDNN has JIT kernels (not the scalar level, which caps them off)."""
+    from nanovllm.models.fast_path import linear_kernel
+
+    bf16 = {"amx": "brgemm", "avx512_bf16": "onednn+gemv"}.get(isa, "onednn")
+    assert linear_kernel(torch.bfloat16, isa) == bf16
+    assert linear_kernel(torch.float32, isa) == ("onednn" if isa == "scalar" else "brgemm")
+
+
 # -- the cache and its build lock ------------------------------------------------------------------------------
 
 def _start_build(cache, level: str = "scalar") -> subprocess.Popen:
