@@ -221,6 +221,19 @@ def test_calibration_measures_the_loops_time_between_steps(tmp_path) -> None:
     assert model.predict(step, 0.0) == pytest.approx(step["duration"] + 4e-4, rel=1e-3)
 
 
+def test_bf16_runs_on_amx_fit_their_kernel_switch_rather_than_take_the_gemv_one() -> None:
+    # On AMX bf16 linears run through brgemm at every row count: the GEMV switch is not the engine's there.
+    from nanovllm.harness.sim.calibrate import default_gemv_max_rows
+    from nanovllm.models.fast_path import PackedLinear
+
+    bf16 = [{"device": "cpu", "dtype": "bfloat16"}]
+    assert default_gemv_max_rows(bf16, [{"isa": "avx512_bf16"}]) == PackedLinear.GEMV_MAX_ROWS
+    assert default_gemv_max_rows(bf16, [{"isa": "avx512_bf16"}, {"isa": "amx"}]) == "fit"
+    assert default_gemv_max_rows(bf16, [{"isa": "amx"}]) == "fit"
+    assert default_gemv_max_rows(bf16, [None]) == PackedLinear.GEMV_MAX_ROWS
+    assert default_gemv_max_rows([{"device": "cuda", "dtype": "bfloat16"}], [{"isa": "amx"}]) is None
+
+
 def _noisy(steps: list[dict], seed: int) -> list[dict]:
     """The steps with 1% measurement noise on every duration, as real steps have."""
     rng = np.random.default_rng(seed)

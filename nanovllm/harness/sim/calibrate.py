@@ -19,11 +19,11 @@ model, ``dtype`` and attention backend (the simulator refuses a profile of anoth
 Two terms beyond the recorded features make the profile follow the real engine's pace:
 
 - ``gemv_max_rows``: for runs on CPU, where the linear layers switch matmul kernels by row count, the fit adds
-  ``KERNEL_FEATURES`` so each kernel gets its own cost (``--gemv-max-rows``; 0 fits without them). In bfloat16
-  the switch is the engine's own (GEMV up to ``PackedLinear.GEMV_MAX_ROWS`` rows, oneDNN's GEMM above); in
-  float32 every row count goes through oneDNN's prepacked GEMM, which picks its kernel internally (its decode
-  steps are not monotonic in the batch size: 3 rows measured slower than 4), so the switch is found from the
-  steps (``fitted_kernel_switch``: the row count that explains them best, kept only if the Bayesian
+  ``KERNEL_FEATURES`` so each kernel gets its own cost (``--gemv-max-rows``; 0 fits without them). In bfloat16 on
+  AVX-512 BF16 without AMX the switch is the engine's own (GEMV up to ``PackedLinear.GEMV_MAX_ROWS`` rows,
+  oneDNN's GEMM above); elsewhere (float32; bf16 on AMX) one kernel takes every row count and picks its own
+  blocking (oneDNN's decode steps were not monotonic in the batch size: 3 rows measured slower than 4), so the
+  switch is found from the steps (``fitted_kernel_switch``: the row count that explains them best, kept only if the Bayesian
   information criterion says the two extra terms pay for themselves);
 - ``step_gap``: the mean time between one step's end and the next one's start while the engine still had work
   (the serving loop's bookkeeping: records, loggers, arrivals), which ``steps.jsonl`` shows and no step's
@@ -145,15 +145,21 @@ def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
     return gaps
 
 
-def default_gemv_max_rows(setups: Sequence[dict[str, Any]]) -> int | str | None:
-    """The engine's GEMV/GEMM switch when every run was in bfloat16 on CPU (where the engine has it); "fit" (find
-    it from the steps: ``fitted_kernel_switch``) for runs on CPU in another dtype, where oneDNN picks the kernel;
-    None (no switch) otherwise."""
-    from nanovllm.models.fast_path import PackedLinear
+def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
+                          machines: Sequence[dict[str, Any] | None] = ()) -> int | str | None:
+    """The engine's GEMV/GEMM switch when every run was in bfloat16 on CPU at a level where the engine has it
+    (``fast_path.linear_kernel``: ``onednn+gemv``; a run whose ``machines`` entry names no ISA counts as one); "fit"
+    (find it from the steps: ``fitted_kernel_switch``) for other runs on CPU (float32, or bf16 through brgemm,
+    whose cost per row count is the kernels' own to show); None (no switch) off the CPU."""
+    import torch
+
+    from nanovllm.models.fast_path import PackedLinear, linear_kernel
 
     if not setups or not all(setup.get("device", "cpu") == "cpu" for setup in setups):
         return None
-    if all(setup.get("dtype") == "bfloat16" for setup in setups):
+    isas = [(info or {}).get("isa") for info in machines] or [None]
+    if all(setup.get("dtype") == "bfloat16" for setup in setups) and \
+            all(isa is None or linear_kernel(torch.bfloat16, isa) == "onednn+gemv" for isa in isas):
         return PackedLinear.GEMV_MAX_ROWS
     return "fit"
 
@@ -226,7 +232,7 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     if runs_archive:
         metadata[archives.KEY] = {"file": runs_archive["file"], "sha256": runs_archive["sha256"]}
     if gemv_max_rows == "auto":
-        gemv_max_rows = default_gemv_max_rows(setups)
+        gemv_max_rows = default_gemv_max_rows(setups, machines)
     if gemv_max_rows == "fit":
         gemv_max_rows = fitted_kernel_switch(steps, gaps)
         metadata["kernel_switch"] = "fitted from the steps" if gemv_max_rows else "none (BIC)"
