@@ -212,7 +212,11 @@ def test_quantized_weights_meet_the_quantized_standard(llm, parity_prompts, quan
                                 num_kv_blocks=96, max_model_len=1024)
     assert report.passed, (report.perplexity, report.dense_perplexity)
     assert report.perplexity != report.dense_perplexity  # the quantized path really ran
-    assert report.token_agreement > 0.5
+    # At each prompt's first divergence both tokens are in the other side's top-5 (vLLM's standard). How long
+    # greedy tokens agree before that is reported, not bounded: it follows the machine's float rounding
+    # (int8 in float32: 68.5% of 24 tokens on an AVX-512 BF16 EPYC, docs/quantization.md; 35% of 16 on an AMX
+    # Xeon, at the same perplexity).
+    assert all(r.close for r in report.results), [(r.prompt, r.matching_prefix) for r in report.results]
 
 
 @pytest.mark.slow
