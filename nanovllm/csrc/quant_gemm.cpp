@@ -17,10 +17,10 @@
 // happens in registers: no dequantized copy of a weight ever exists. Work is split over tiles of output
 // features; a tile's weights stay in L1 while every row of x passes over them, so W is read from memory once.
 //
-// Vector paths: AVX2 (the avx2 and avx512 builds), the same loops with AVX-512 VNNI's one-instruction byte dot
-// product (the avx512_bf16 build: every CPU with AVX-512 BF16 has VNNI); portable loops elsewhere (the scalar
-// build). Both compute the same integer sums; only the float rounding of the block sums' order
-// differs.
+// Vector paths: AVX2 (the avx2 and avx512 builds); in the avx512_bf16 build (every CPU with AVX-512 BF16 has
+// VNNI) two blocks per 512-bit register through VNNI's one-instruction byte dot product, the odd last block
+// through the AVX2 loop with VNNI's 256-bit form; portable loops elsewhere (the scalar build). All compute the
+// same integer sums; only the float rounding of the block sums' order differs.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -162,6 +162,17 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Two blocks per 512-bit register (the avx512_bf16 build): half the instructions per weight of the 256-bit
+// loops, which at batch 1 are bound by instructions, not by reading the weights.
+#define NANOVLLM_QUANT_512 1
+inline __m512i load64(const int8_t* p) { return _mm512_loadu_si512(p); }
+// (a, a, ..., b, b, ...): 8 lanes of each block's combined scale, in the lanes of its 8 int32 sums.
+inline __m512 pair_scale(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+#endif
+
 // int8 codes against x's: sum over blocks of d_w d_x (w . x); wd: the row's block scales as float32 (Q8_0), or
 // null for int8 per channel (d_w = 1 here; the caller multiplies by the channel's scale).
 template <int R>
@@ -170,7 +181,30 @@ inline void dot_q8_0(const int8_t* w, const float* wd, const int8_t* x, int64_t 
 #if defined(__AVX2__)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+#if defined(NANOVLLM_QUANT_512)
+  {
+    __m512 wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+      // AVX-512 has no byte sign instruction: |w| unsigned, and x negated where w is negative, by a mask.
+      const __m512i wv = load64(w + b * QK);
+      const __m512i wabs = _mm512_abs_epi8(wv);
+      const __mmask64 negative = _mm512_movepi8_mask(wv);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = load64(x + r * k + b * QK);
+        const __m512i xs = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, xs));
+        const float* d = xd + r * nb + b;
+        const __m512 scale = wd != nullptr ? pair_scale(wd[b] * d[0], wd[b + 1] * d[1]) : pair_scale(d[0], d[1]);
+        wide[r] = _mm512_fmadd_ps(sums, scale, wide[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm512_extractf32x8_ps(wide[r], 1));
+  }
+#endif
+  for (; b < nb; ++b) {
     const __m256i wv = load32(w + b * QK);
     const __m256i wabs = _mm256_sign_epi8(wv, wv);
     for (int r = 0; r < R; ++r) {
@@ -206,7 +240,30 @@ inline void dot_q4(const uint8_t* w, const float* wd, const float* wm, const int
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+#if defined(NANOVLLM_QUANT_512)
+  {
+    const __m512i low4_512 = _mm512_set1_epi8(0x0F);
+    __m512 wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+      // Two blocks' 32 bytes -> (b low, b+1 low | b high, b+1 high) -> each block's elements 0..31 in order.
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK / 2));
+      const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+      const __m512i codes = _mm512_and_si512(_mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0)),
+                                             low4_512);
+      for (int r = 0; r < R; ++r) {
+        const __m512 sums =
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, load64(x + r * k + b * QK)));
+        const float* d = xd + r * nb + b;
+        wide[r] = _mm512_fmadd_ps(sums, pair_scale(wd[b] * d[0], wd[b + 1] * d[1]), wide[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm512_extractf32x8_ps(wide[r], 1));
+  }
+#endif
+  for (; b < nb; ++b) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * QK / 2));
     // Low nibbles are elements 0..15 of the block, high nibbles 16..31: one 256-bit register in element order.
     const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
