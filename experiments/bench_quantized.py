@@ -74,18 +74,32 @@ def bench_path(path: str, num_prompts: int, max_tokens: int) -> dict:
 
 
 def run_llama_cpp(python: str, prompt: list[int], max_tokens: int, threads: int) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"gguf": str(default_gguf_path()), "prompt": prompt, "max_tokens": max_tokens,
-                   "threads": threads, "repeats": 2}, f)
-    try:
-        done = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True, timeout=1800,
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    finally:
-        os.unlink(f.name)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"error: llama.cpp ({python}) failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    """llama.cpp's batch-1 result, with its extra weight buffer types (AMX, repacked layouts) as it picks them;
+    when that run crashes, once more without them (its AMX buffer type segfaults on Q4_1 weights on some AMX
+    Xeons: llama.cpp issues #20824 and PR #16315), saying so in the result. A run that fails both ways gives
+    ``{"error": ...}``, so nano-vllm's rows are still printed."""
+    errors = []
+    for extra_buffer_types in (True, False):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"gguf": str(default_gguf_path()), "prompt": prompt, "max_tokens": max_tokens,
+                       "threads": threads, "repeats": 2, "use_extra_bufts": extra_buffer_types}, f)
+        try:
+            done = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True, timeout=1800,
+                                  env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        finally:
+            os.unlink(f.name)
+        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+        if done.returncode == 0 and lines:
+            result = json.loads(lines[-1][len(RESULT_PREFIX):])
+            result["extra_buffer_types"] = extra_buffer_types
+            if errors:
+                result["note"] = f"with its extra buffer types it failed ({errors[0]})"
+            return result
+        reason = f"exit status {done.returncode}" + (f" (signal {-done.returncode})" if done.returncode < 0 else "")
+        errors.append(reason)
+        print(f"llama.cpp (extra buffer types {'on' if extra_buffer_types else 'off'}) failed: {reason}\n"
+              f"{done.stderr[-1500:]}", file=sys.stderr, flush=True)
+    return {"error": "; ".join(errors)}
 
 
 def main() -> None:
@@ -108,6 +122,9 @@ def main() -> None:
     results = [bench_path(p, args.num_prompts, args.max_tokens) for p in paths]
     peer = run_llama_cpp(args.llama_python, results[0]["prompts"][0], args.max_tokens, threads) \
         if args.llama_python else None
+    if peer and "error" in peer:
+        print(f"llama.cpp ({args.llama_python}) failed: {peer['error']}; its column is left empty")
+        peer = None
     by_path = {r["path"]: r for r in results}
     reference = by_path.get("bfloat16")
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), {threads} threads,"
@@ -124,7 +141,9 @@ def main() -> None:
         print(f"| {r['path']} | {r['dtype']} | {r['tok_s']:.1f} | {vs['bfloat16']} | {vs['float32-fast']} | "
               f"{r['batch1_ms_per_token']:.2f} | {vs_peer} | {r['load_s']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {same} |")
     if peer:
-        print(f"llama.cpp batch 1 on {default_gguf_path().name}: {peer['batch1_ms_per_token']:.2f} ms/token")
+        buffers = "its extra buffer types on" if peer["extra_buffer_types"] else \
+            f"its extra buffer types off: {peer.get('note', '')}"
+        print(f"llama.cpp batch 1 on {default_gguf_path().name}: {peer['batch1_ms_per_token']:.2f} ms/token ({buffers})")
     if args.json:
         for r in results:
             del r["outputs"], r["prompts"]

@@ -4,7 +4,8 @@ virtualenv and imports nothing of nano-vllm's:
     python -m venv ~/llama-venv && ~/llama-venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
     ~/llama-venv/bin/python experiments/llama_cpp_peer.py SPEC.json
 
-SPEC.json: {"gguf": path, "prompt": [token ids], "max_tokens": n, "threads": t}. Prints one line
+SPEC.json: {"gguf": path, "prompt": [token ids], "max_tokens": n, "threads": t, "use_extra_bufts": bool}
+(false: llama.cpp's plain CPU weight buffers, without its AMX or repacked ones). Prints one line
 ``nano-vllm-bench-result: {...}`` with ms per decoded token measured as bench_vs_hf.batch1_decode_ms does
 ((time for n tokens - time for 1) / (n - 1), prefill excluded), greedy, and the tokens it generated.
 """
@@ -13,6 +14,7 @@ import json
 import sys
 import time
 
+import llama_cpp.llama_cpp
 from llama_cpp import Llama
 
 
@@ -34,6 +36,15 @@ def timed(fn) -> float:
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
+    if not spec.get("use_extra_bufts", True):
+        default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+        def plain_buffers():  # Llama() exposes no such option: its model parameters start from these defaults
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_cpp.llama_model_default_params = plain_buffers
     llm = Llama(model_path=spec["gguf"], n_ctx=2048, n_threads=spec["threads"], n_threads_batch=spec["threads"],
                 n_batch=512, verbose=False)
     prompt, n = spec["prompt"], spec["max_tokens"]
@@ -41,8 +52,6 @@ def main() -> None:
     short = min(timed(lambda: generate(llm, prompt, 1)) for _ in range(2))
     full = min(timed(lambda: generate(llm, prompt, n)) for _ in range(spec.get("repeats", 1)))
     tokens = generate(llm, prompt, n)
-    import llama_cpp
-
     print("nano-vllm-bench-result: " + json.dumps({
         "batch1_ms_per_token": (full - short) / (n - 1) * 1e3, "tokens": tokens,
         "llama_cpp_python": llama_cpp.__version__, "threads": spec["threads"]}))
