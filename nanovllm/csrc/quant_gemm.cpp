@@ -184,22 +184,31 @@ inline void dot_q8_0(const int8_t* w, const float* wd, const int8_t* x, int64_t 
   int64_t b = 0;
 #if defined(NANOVLLM_QUANT_512)
   {
-    __m512 wide[R];
-    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
-    for (; b + 2 <= nb; b += 2) {
+    __m512 wide[R], wide2[R];  // two sets, alternate pairs of blocks (as in dot_q4: FMA latency at batch 1)
+    for (int r = 0; r < R; ++r) wide[r] = wide2[r] = _mm512_setzero_ps();
+    auto pair = [&](int64_t pb, __m512* into) {
       // AVX-512 has no byte sign instruction: |w| unsigned, and x negated where w is negative, by a mask.
-      const __m512i wv = load64(w + b * QK);
+      const __m512i wv = load64(w + pb * QK);
       const __m512i wabs = _mm512_abs_epi8(wv);
       const __mmask64 negative = _mm512_movepi8_mask(wv);
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = load64(x + r * k + b * QK);
+        const __m512i xv = load64(x + r * k + pb * QK);
         const __m512i xs = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
         const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, xs));
-        const float* d = xd + r * nb + b;
-        const __m512 scale = wd != nullptr ? pair_scale(wd[b] * d[0], wd[b + 1] * d[1]) : pair_scale(d[0], d[1]);
-        wide[r] = _mm512_fmadd_ps(sums, scale, wide[r]);
+        const float* d = xd + r * nb + pb;
+        const __m512 scale = wd != nullptr ? pair_scale(wd[pb] * d[0], wd[pb + 1] * d[1]) : pair_scale(d[0], d[1]);
+        into[r] = _mm512_fmadd_ps(sums, scale, into[r]);
       }
+    };
+    for (; b + 4 <= nb; b += 4) {
+      pair(b, wide);
+      pair(b + 2, wide2);
     }
+    if (b + 2 <= nb) {
+      pair(b, wide);
+      b += 2;
+    }
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_add_ps(wide[r], wide2[r]);
     for (int r = 0; r < R; ++r)
       acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm512_extractf32x8_ps(wide[r], 1));
   }
@@ -244,21 +253,32 @@ inline void dot_q4(const uint8_t* w, const float* wd, const float* wm, const int
 #if defined(NANOVLLM_QUANT_512)
   {
     const __m512i low4_512 = _mm512_set1_epi8(0x0F);
-    __m512 wide[R];
-    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
-    for (; b + 2 <= nb; b += 2) {
+    // Two sets of accumulators, alternate pairs of blocks: at batch 1 one chain of dependent FMAs per weight row
+    // would leave the loop waiting on their latency.
+    __m512 wide[R], wide2[R];
+    for (int r = 0; r < R; ++r) wide[r] = wide2[r] = _mm512_setzero_ps();
+    auto pair = [&](int64_t pb, __m512* into) {
       // Two blocks' 32 bytes -> (b low, b+1 low | b high, b+1 high) -> each block's elements 0..31 in order.
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK / 2));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pb * QK / 2));
       const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
       const __m512i codes = _mm512_and_si512(_mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0)),
                                              low4_512);
       for (int r = 0; r < R; ++r) {
         const __m512 sums =
-            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, load64(x + r * k + b * QK)));
-        const float* d = xd + r * nb + b;
-        wide[r] = _mm512_fmadd_ps(sums, pair_scale(wd[b] * d[0], wd[b + 1] * d[1]), wide[r]);
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, load64(x + r * k + pb * QK)));
+        const float* d = xd + r * nb + pb;
+        into[r] = _mm512_fmadd_ps(sums, pair_scale(wd[pb] * d[0], wd[pb + 1] * d[1]), into[r]);
       }
+    };
+    for (; b + 4 <= nb; b += 4) {
+      pair(b, wide);
+      pair(b + 2, wide2);
     }
+    if (b + 2 <= nb) {
+      pair(b, wide);
+      b += 2;
+    }
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_add_ps(wide[r], wide2[r]);
     for (int r = 0; r < R; ++r)
       acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm512_extractf32x8_ps(wide[r], 1));
   }

@@ -38,9 +38,12 @@ def _random_weights(fmt: str, n: int, k: int, generator: torch.Generator) -> Qua
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dtype, rows):
+@pytest.mark.parametrize("k", [96, 224])
+def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dtype, rows, k):
     generator = torch.Generator().manual_seed(rows)
-    n, k = 21, 96  # a partial tile of output features, three blocks
+    # A partial tile of output features; 3 blocks (a pair and the odd one) and 7 (two pairs in the unrolled
+    # 512-bit loop, then a pair and the odd one).
+    n = 21
     layer = _random_weights(fmt, n, k, generator)
     x = torch.randn(rows, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
