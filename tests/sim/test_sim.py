@@ -231,6 +231,9 @@ def test_bf16_runs_on_amx_fit_their_kernel_switch_rather_than_take_the_gemv_one(
     assert default_gemv_max_rows(bf16, [{"isa": "avx512_bf16"}, {"isa": "amx"}]) == "fit"
     assert default_gemv_max_rows(bf16, [{"isa": "amx"}]) == "fit"
     assert default_gemv_max_rows(bf16, [None]) == PackedLinear.GEMV_MAX_ROWS
+    # The shipped bf16 profiles were fit on AVX-512 without BF16 with the fixed switch: it stays so there.
+    assert default_gemv_max_rows(bf16, [{"isa": "avx512"}]) == PackedLinear.GEMV_MAX_ROWS
+    assert default_gemv_max_rows([{"device": "cpu", "dtype": "float32"}], [{"isa": "avx512"}]) == "fit"
     assert default_gemv_max_rows([{"device": "cuda", "dtype": "bfloat16"}], [{"isa": "amx"}]) is None
 
 

@@ -147,10 +147,12 @@ def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
 
 def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
                           machines: Sequence[dict[str, Any] | None] = ()) -> int | str | None:
-    """The engine's GEMV/GEMM switch when every run was in bfloat16 on CPU at a level where the engine has it
-    (``fast_path.linear_kernel``: ``onednn+gemv``; a run whose ``machines`` entry names no ISA counts as one); "fit"
-    (find it from the steps: ``fitted_kernel_switch``) for other runs on CPU (float32, or bf16 through brgemm,
-    whose cost per row count is the kernels' own to show); None (no switch) off the CPU."""
+    """The engine's 2-row GEMV/GEMM switch (``PackedLinear.GEMV_MAX_ROWS``) when every run was in bfloat16 on
+    CPU and none on a level where bf16 linears run brgemm (AMX: ``fast_path.linear_kernel``; a run whose
+    ``machines`` entry names no ISA counts as not); "fit" (find it from the steps: ``fitted_kernel_switch``) for
+    other runs on CPU (float32, or bf16 on AMX, where brgemm has no switch of its own); None off the CPU. Below
+    AVX-512 BF16 the engine has no GEMV, but oneDNN changes kernels at a few rows too, and the shipped bf16
+    profiles were fit there with the fixed switch: they stay reproducible from their archives."""
     import torch
 
     from nanovllm.models.fast_path import PackedLinear, linear_kernel
@@ -159,7 +161,7 @@ def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
         return None
     isas = [(info or {}).get("isa") for info in machines] or [None]
     if all(setup.get("dtype") == "bfloat16" for setup in setups) and \
-            all(isa is None or linear_kernel(torch.bfloat16, isa) == "onednn+gemv" for isa in isas):
+            not any(isa is not None and linear_kernel(torch.bfloat16, isa) == "brgemm" for isa in isas):
         return PackedLinear.GEMV_MAX_ROWS
     return "fit"
 
