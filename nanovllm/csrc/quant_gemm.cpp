@@ -171,6 +171,29 @@ inline __m512i load64(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline __m512 pair_scale(float a, float b) {
   return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
+
+// pair(b, into) adds blocks b and b+1 of R rows into into[0..R); this runs it over the pairs of [0, nb), into two
+// accumulator sets by turns (one chain of dependent FMAs per weight row would leave a batch-1 loop waiting on
+// their latency), folds both into acc's 8 lanes per row and returns the first block left (nb, or the odd one).
+template <int R, typename Pair>
+inline int64_t over_block_pairs(int64_t nb, Pair&& pair, __m256* acc) {
+  __m512 wide[R], wide2[R];
+  for (int r = 0; r < R; ++r) wide[r] = wide2[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    pair(b, wide);
+    pair(b + 2, wide2);
+  }
+  if (b + 2 <= nb) {
+    pair(b, wide);
+    b += 2;
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 sum = _mm512_add_ps(wide[r], wide2[r]);
+    acc[r] = _mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1));
+  }
+  return b;
+}
 #endif
 
 // int8 codes against x's: sum over blocks of d_w d_x (w . x); wd: the row's block scales as float32 (Q8_0), or
@@ -184,8 +207,6 @@ inline void dot_q8_0(const int8_t* w, const float* wd, const int8_t* x, int64_t 
   int64_t b = 0;
 #if defined(NANOVLLM_QUANT_512)
   {
-    __m512 wide[R], wide2[R];  // two sets, alternate pairs of blocks (as in dot_q4: FMA latency at batch 1)
-    for (int r = 0; r < R; ++r) wide[r] = wide2[r] = _mm512_setzero_ps();
     auto pair = [&](int64_t pb, __m512* into) {
       // AVX-512 has no byte sign instruction: |w| unsigned, and x negated where w is negative, by a mask.
       const __m512i wv = load64(w + pb * QK);
@@ -200,17 +221,7 @@ inline void dot_q8_0(const int8_t* w, const float* wd, const int8_t* x, int64_t 
         into[r] = _mm512_fmadd_ps(sums, scale, into[r]);
       }
     };
-    for (; b + 4 <= nb; b += 4) {
-      pair(b, wide);
-      pair(b + 2, wide2);
-    }
-    if (b + 2 <= nb) {
-      pair(b, wide);
-      b += 2;
-    }
-    for (int r = 0; r < R; ++r) wide[r] = _mm512_add_ps(wide[r], wide2[r]);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm512_extractf32x8_ps(wide[r], 1));
+    b = over_block_pairs<R>(nb, pair, acc);
   }
 #endif
   for (; b < nb; ++b) {
@@ -253,10 +264,6 @@ inline void dot_q4(const uint8_t* w, const float* wd, const float* wm, const int
 #if defined(NANOVLLM_QUANT_512)
   {
     const __m512i low4_512 = _mm512_set1_epi8(0x0F);
-    // Two sets of accumulators, alternate pairs of blocks: at batch 1 one chain of dependent FMAs per weight row
-    // would leave the loop waiting on their latency.
-    __m512 wide[R], wide2[R];
-    for (int r = 0; r < R; ++r) wide[r] = wide2[r] = _mm512_setzero_ps();
     auto pair = [&](int64_t pb, __m512* into) {
       // Two blocks' 32 bytes -> (b low, b+1 low | b high, b+1 high) -> each block's elements 0..31 in order.
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pb * QK / 2));
@@ -270,17 +277,7 @@ inline void dot_q4(const uint8_t* w, const float* wd, const float* wm, const int
         into[r] = _mm512_fmadd_ps(sums, pair_scale(wd[pb] * d[0], wd[pb + 1] * d[1]), into[r]);
       }
     };
-    for (; b + 4 <= nb; b += 4) {
-      pair(b, wide);
-      pair(b + 2, wide2);
-    }
-    if (b + 2 <= nb) {
-      pair(b, wide);
-      b += 2;
-    }
-    for (int r = 0; r < R; ++r) wide[r] = _mm512_add_ps(wide[r], wide2[r]);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm512_extractf32x8_ps(wide[r], 1));
+    b = over_block_pairs<R>(nb, pair, acc);
   }
 #endif
   for (; b < nb; ++b) {
