@@ -8,8 +8,9 @@ layout its kernel reads, so no matmul reorders its weight again on every call. W
 - ``brgemm``: nano-vllm's loop over oneDNN's brgemm micro-kernel (``nanovllm/csrc/brgemm_linear.cpp``), for
   float32 on every x86 SIMD level and for bfloat16 on AMX (its tiles). One stored copy serves every row count.
   Against oneDNN's prepacked linear (the next kernel), on a 2-core Xeon with AMX, SmolLM2-135M's 121 linears with
-  distinct weights (``experiments/bench_linears.py``): bf16 1.2-1.4x faster from 1 to 128 rows, level at 512;
-  float32 1.03-1.22x faster at every row count, also with oneDNN capped to AVX-512 or AVX2.
+  distinct weights, 2 threads (``experiments/bench_linears.py``, docs/speed.md): bf16 1.2-1.26x faster from 1
+  to 32 rows, 1.05x at 128, level at 512; float32 1.05-1.2x faster up to 32 rows, level at 128, 0.90x at 512
+  (a prefill chunk). One copy per weight, so no switch by row count: the whole-run benchmarks decide.
 - ``onednn+gemv``: bfloat16 without AMX (AVX-512 BF16): oneDNN's prepacked linear, and nano-vllm's bf16 GEMV for
   at most ``PackedLinear.GEMV_MAX_ROWS`` rows.
 - ``onednn``: oneDNN's prepacked linear at every row count (bfloat16 below AVX-512 BF16, float32 on the scalar
