@@ -27,3 +27,23 @@ def test_run_gemm_floor_counts_every_step_s_matmuls_once_per_step():
     rows, sampled = 10 + 3 * 2 + 5, 2 + 3 * 2 + 3
     assert gflop == pytest.approx((rows * per_row + sampled * head) / 1e9, rel=1e-9)
     assert seconds > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_breakdown_counts_every_fast_path_linear_kernel_as_a_linear(dtype):
+    """Whichever kernel this CPU's fast path picks (brgemm, oneDNN, the GEMV), the profile's "linears" column
+    counts its calls: one profiled call per row count must show up there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm import kernels
+    from nanovllm.models.fast_path import PackedLinear, can_prepack
+    from nanovllm.profile import breakdown
+
+    weight = torch.randn(96, 64).to(dtype)
+    if not can_prepack(weight):
+        pytest.skip(f"oneDNN has no prepacked {dtype} linear on this CPU")
+    linear = PackedLinear(weight, kernels=kernels.load())
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for rows in (1, 2, 32):
+            linear(torch.randn(rows, 64).to(dtype))
+    assert breakdown(prof.events(), steps=1)["linears"] > 0, (linear.kernel, sorted({e.name for e in prof.events()}))
