@@ -34,7 +34,7 @@ from nanovllm.paths import kernel_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp",
-                                       "brgemm_linear.cpp", "bindings.cpp")]
+                                       "int8_amx.cpp", "brgemm_linear.cpp", "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
@@ -117,6 +117,7 @@ def load(level: str | None = None) -> ModuleType:
     module.gemv_bf16_op = ops.gemv_bf16
     module.quant_linear_op = ops.quant_linear
     module.brgemm_linear_op = ops.brgemm_linear
+    module.int8_amx_linear_op = ops.int8_amx_linear
     return module
 
 

@@ -5,9 +5,11 @@ unpacks them in registers, the activations quantized to int8 on the fly; no dequ
 made. Activations, norms, attention and the KV cache stay in the engine's ``dtype``.
 
 - ``int8``: W8A8 made at load from the dense weights: symmetric int8 per output channel (scale = max |w| / 127
-  of the row, vLLM's int8 weights), activations with dynamic scales per token and group of 32 values (one scale
-  per token, vLLM's default, cost SmolLM2 3-4% perplexity; groups of 32 cost ~0 for one float multiply-add
-  per 32 products). Every linear layer, the LM head included (on this model a fifth of the weights).
+  of the row, vLLM's int8 weights), every linear layer, the LM head included (on this model a fifth of the
+  weights). Activations get dynamic scales (one scale per token, vLLM's default, cost SmolLM2 2-4% perplexity):
+  on CPUs with AMX-INT8 (``int8_kernel``) one scale per token in two int8 digits on the tiles
+  (``nanovllm/csrc/int8_amx.cpp``, weights stored in the tiles' layout); elsewhere per token and group of 32
+  values in the vector kernel. Both cost ~0 (docs/quantization.md).
 - ``gguf``: the blocks of a GGUF file as they are stored: Q8_0, Q4_0 and Q4_1 (the default model is Q4_1, its
   embedding Q8_0), activations per 32 values as llama.cpp quantizes them for these blocks. The model is built
   straight from the file (memory-mapped; the blocks are only split into code, scale and offset arrays) without the
@@ -35,6 +37,16 @@ GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")     # the quantized GGUF tensor type
 GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
 
 
+def int8_kernel(kernels) -> str:
+    """The kernel an int8 linear runs with the compiled ``kernels`` (None: none): ``amx`` (AMX-INT8 tiles, on
+    the ``amx`` ISA level when the CPU and OS allow them) or ``vector`` (quant_gemm.cpp, every other level)."""
+    from nanovllm import machine
+
+    if kernels is not None and machine.selected_isa() == "amx" and kernels.int8_amx_available():
+        return "amx"
+    return "vector"
+
+
 class QuantLinear(nn.Module):
     """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run by the kernels'
     ``quant_linear`` op on every row count. Built at load (``from_dense_int8``, ``from_gguf``); the engine only
@@ -50,6 +62,11 @@ class QuantLinear(nn.Module):
         self.qweight, self.scales, self.mins, self.bias = qweight, scales, mins, bias
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self.kernels = kernels
+        self.kernel = "vector"
+        if fmt == "int8" and int8_kernel(kernels) == "amx":
+            # Stored once in the tiles' layout (unsigned, padded to whole tiles); ``codes()`` gives them back.
+            self.kernel = "amx"
+            self.qweight = kernels.pack_int8_amx(qweight)
 
     @classmethod
     def from_dense_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "QuantLinear":
@@ -59,6 +76,16 @@ class QuantLinear(nn.Module):
         codes = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls("int8", codes.contiguous(), scale.contiguous(), None, _bias(bias, weight.dtype), w.shape[1],
                    kernels)
+
+    def codes(self) -> torch.Tensor:
+        """The weight codes in the vector kernel's layout ([N, K] int8, or [N, K / 2] packed 4-bit), whatever
+        layout this layer stores."""
+        if self.kernel != "amx":
+            return self.qweight
+        k = self.in_features
+        k_padded = self.qweight.shape[1] // 16
+        blocks = self.qweight.view(-1, k_padded // 4, 16, 4).permute(0, 2, 1, 3).reshape(-1, k_padded)
+        return (blocks[: self.out_features, :k].to(torch.int16) - 128).to(torch.int8).contiguous()
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear":
@@ -75,7 +102,7 @@ class QuantLinear(nn.Module):
             bias = torch.cat(biases)
         else:
             bias = None
-        return cls(first.fmt, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), mins,
+        return cls(first.fmt, torch.cat([p.codes() for p in parts]), torch.cat([p.scales for p in parts]), mins,
                    bias, first.in_features, first.kernels)
 
     def to_activation_dtype(self, dtype: torch.dtype) -> None:
@@ -86,13 +113,16 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         # Through the dispatcher (the kernels' library registers it) so profiles count it as a linear.
-        y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
+        if self.kernel == "amx":
+            y = self.kernels.int8_amx_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
+        else:
+            y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these codes stand for (tests and the reference comparison; never on the
         serving path)."""
-        return dequantize(self.fmt, self.qweight, self.scales, self.mins)
+        return dequantize(self.fmt, self.codes(), self.scales, self.mins)
 
     @property
     def num_bytes(self) -> int:
@@ -101,7 +131,9 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in parts)
 
     def kernel_name(self) -> str:
-        """What runs this layer, for the profile: the format and the kernel build's vector path."""
+        """What runs this layer, for the profile: the format and the kernel build's vector path, or the tiles."""
+        if self.kernel == "amx":
+            return "int8_amx_linear int8 (AMX-INT8 tiles, activations per token in two digits)"
         return f"quant_linear {self.fmt} int8-dot ({self.kernels.quant_gemm_isa()})"
 
     def extra_repr(self) -> str:

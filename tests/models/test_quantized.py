@@ -55,6 +55,70 @@ def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dty
     assert (y.float() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
+def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
+    p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
+    flat = x.float()
+    amax = flat.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    p1 = torch.round(flat * inv)
+    p2 = (torch.round(flat * (inv * 256)) - 256 * p1).clamp(max=127)
+    return (p1 + p2 / 256) * (amax / 127)
+
+
+def _amx_kernels():
+    from nanovllm import kernels, machine
+
+    if machine.selected_isa() != "amx":
+        pytest.skip("the AMX-INT8 kernel runs on the amx ISA level only; this CPU (or NANOVLLM_CPU_ISA) has another")
+    compiled = kernels.load()
+    if not compiled.int8_amx_available():
+        pytest.skip("the OS does not grant this process AMX tile state")
+    return compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("n, k", [(21, 96), (48, 64), (40, 224)])
+def test_int8_amx_linear_is_the_integer_dot_product_of_two_digit_activations(dtype, rows, n, k):
+    """Whole and partial tiles of rows (from 16 rows on, padded ones), an odd number of 16-feature blocks and a
+    partial last one (21, 40), K a multiple of 64 and not (96, 224: padded to whole tiles)."""
+    compiled = _amx_kernels()
+    generator = torch.Generator().manual_seed(rows + n)
+    layer = QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, compiled)
+    assert layer.kernel == "amx"
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    layer.bias = bias
+    y = layer(x)
+    reference = _two_digit_activations(x).double() @ layer.dequantize().double().T + bias.double()
+    assert y.dtype == dtype and y.shape == (rows, n)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (y.double() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+def test_int8_weights_in_the_amx_layout_give_back_their_codes():
+    compiled = _amx_kernels()
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    plain = QuantLinear.from_dense_int8(weight, None, None)
+    tiled = QuantLinear.from_dense_int8(weight, None, compiled)
+    assert plain.kernel == "vector" and tiled.kernel == "amx"
+    assert tiled.qweight.dtype == torch.uint8 and tiled.qweight.shape == (3, 128 * 16)  # 3 blocks, K padded to 128
+    assert torch.equal(tiled.codes(), plain.qweight)
+    assert torch.equal(tiled.dequantize(), plain.dequantize())
+    assert torch.equal(QuantLinear.concat([tiled, tiled]).codes(), torch.cat([plain.qweight, plain.qweight]))
+    assert "AMX-INT8" in tiled.kernel_name()
+
+
+def test_int8_amx_linear_refuses_a_weight_of_another_shape():
+    compiled = _amx_kernels()
+    layer = QuantLinear.from_dense_int8(torch.randn(32, 64), None, compiled)
+    with pytest.raises(RuntimeError, match="does not match K or N"):
+        compiled.int8_amx_linear(torch.randn(2, 128), layer.qweight, layer.scales, None, 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        compiled.int8_amx_linear(torch.randn(2, 64).half(), layer.qweight, layer.scales, None, 32)
+
+
 def test_quant_linear_refuses_shapes_and_dtypes_it_cannot_run(compiled):
     layer = _random_weights("q4_1", 8, 64, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="multiple of 32"):
