@@ -9,6 +9,9 @@ than staying in cache. Kernels (those this machine runs for the dtype):
 - ``brgemm``: nano-vllm's ``brgemm_linear`` (``nanovllm/csrc/brgemm_linear.cpp``): oneDNN's brgemm micro-kernel
   over 32-feature weight blocks packed once (AMX tiles for bfloat16 on AMX).
 - ``gemv``: nano-vllm's bf16 GEMV (``nanovllm/csrc/gemv.cpp``), bfloat16 only, at 1 and 2 rows.
+- ``int8``: ``quantization="int8"``'s linear on the same weights made int8 (bfloat16 activations): the AMX-INT8
+  kernel (``nanovllm/csrc/int8_amx.cpp``) where the CPU runs it, the vector kernel (``quant_gemm.cpp``)
+  elsewhere; its activation quantization included. ``--int8-vector`` adds the vector kernel on AMX CPUs too.
 
     python experiments/bench_linears.py [--dtypes bfloat16,float32] [--rows 1,2,8,32,128,512] [--threads 1,2]
 
@@ -43,8 +46,11 @@ def step_shapes() -> list[tuple[int, int]]:
     return layer * config.num_hidden_layers + [(config.vocab_size, hidden)]
 
 
-def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops) -> dict[str, Callable[[int, torch.Tensor], object]]:
+def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops,
+                int8_vector: bool = False) -> dict[str, Callable[[int, torch.Tensor], object]]:
     """Each kernel as ``run(i, x)``: linear ``i`` of the step on input ``x``, weights prepared once here."""
+    from nanovllm.models.quantized import QuantLinear, int8_kernel
+
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     runs: dict[str, Callable[[int, torch.Tensor], object]] = {
         "onednn": lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")}
@@ -53,6 +59,14 @@ def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops) -> dict[st
         runs["brgemm"] = lambda i, x: ops.brgemm_linear_op(x, blocks[i], None, weights[i].shape[0])
     if dtype == torch.bfloat16 and ops.gemv_available():
         runs["gemv"] = lambda i, x: ops.gemv_bf16_op(x, weights[i], None)
+    if dtype == torch.bfloat16 and machine.selected_isa() != "scalar":
+        int8 = [QuantLinear.from_dense_int8(w, None, ops) for w in weights]
+        runs["int8"] = lambda i, x: int8[i](x)
+        if int8_vector and int8_kernel(ops) == "amx":
+            vector = [QuantLinear.from_dense_int8(w, None, None) for w in weights]
+            for layer in vector:
+                layer.kernels = ops
+            runs["int8-vector"] = lambda i, x: vector[i](x)
     return runs
 
 
@@ -93,6 +107,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,8,32,128,512")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--int8-vector", action="store_true", help="also time the int8 vector kernel on AMX CPUs")
     args = parser.parse_args()
     machine.apply_isa_cap()
     ops = compiled_kernels.load()
@@ -103,8 +118,8 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         torch.manual_seed(0)
         weights = [torch.randn(n, k, dtype=dtype) * 0.02 for n, k in shapes]
-        megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
-        runs = kernels_for(dtype, weights, ops)
+        megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6  # dense weights
+        runs = kernels_for(dtype, weights, ops, args.int8_vector)
         check_agreement(runs, weights, dtype)
         print(f"\n{dtype_name}: {len(shapes)} linears, {megabytes:.0f} MB of distinct weights per step")
         print("| threads | rows | " + " | ".join(f"{name} ms" for name in runs) + " | " +
