@@ -3,8 +3,9 @@ model, the instruction-set levels it supports, the level in force, threads, and 
 
 nano-vllm's CPU code runs at one of five ISA levels, best first::
 
-    amx          AMX tiles (AMX-BF16): the bf16 linears run on them through oneDNN's brgemm micro-kernel
-                 (nanovllm/csrc/brgemm_linear.cpp); nano-vllm's other kernels run their avx512_bf16 build
+    amx          AMX tiles: the bf16 linears run on them (AMX-BF16) through oneDNN's brgemm micro-kernel
+                 (nanovllm/csrc/brgemm_linear.cpp), the int8 linears (AMX-INT8) through nano-vllm's own
+                 (nanovllm/csrc/int8_amx.cpp); nano-vllm's other kernels run their avx512_bf16 build
     avx512_bf16  AVX-512 with the bf16 dot-product instruction (vdpbf16ps) and VNNI (vpdpbusd): the bf16
                  attention and GEMV kernels, the int8 dot products of the quantized linears
     avx512       AVX-512F/BW/VL/DQ: the float32-accumulating vector kernels, bf16 converted in registers
