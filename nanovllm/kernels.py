@@ -118,6 +118,7 @@ def load(level: str | None = None) -> ModuleType:
     module.quant_linear_op = ops.quant_linear
     module.brgemm_linear_op = ops.brgemm_linear
     module.int8_amx_linear_op = ops.int8_amx_linear
+    module.q4x16_linear_op = ops.q4x16_linear
     return module
 
 

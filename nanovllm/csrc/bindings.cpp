@@ -17,6 +17,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<tor
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                            c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t format);
 std::string quant_gemm_isa();
+bool q4x16_available();
+torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+                           c10::optional<torch::Tensor> bias, int64_t out_features);
 bool int8_amx_available();
 torch::Tensor pack_int8_amx(torch::Tensor codes);
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
@@ -36,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "x W^T + b for a few bfloat16 rows, bound by reading W once (CPU)");
   m.def("quant_linear", &quant_linear, "x W^T + b over int8 / GGUF Q8_0 / Q4 weights, x quantized to int8 (CPU)");
   m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx512_vnni, avx2 or scalar)");
+  m.def("q4x16_available", &q4x16_available, "Whether q4x16_linear was built (the avx512_bf16 build)");
+  m.def("q4x16_linear", &q4x16_linear, "x W^T + b over Q4 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("int8_amx_available", &int8_amx_available, "Whether int8_amx_linear runs here (AMX-INT8 CPU, OS, build)");
   m.def("pack_int8_amx", &pack_int8_amx, "int8 weight codes in the AMX tiles' layout, as unsigned w + 128 (CPU)");
   m.def("int8_amx_linear", &int8_amx_linear, "x W^T + b over int8 weights on AMX-INT8 tiles, x int8 per 32 values (CPU)");

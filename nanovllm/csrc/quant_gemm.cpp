@@ -372,7 +372,148 @@ void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* 
   }
 }
 
+// ---- Q4 interleaved by 16 output features (q4x16_linear, the avx512_bf16 build) ----------------------------
+//
+// The same Q4 blocks, laid out at load so that one 512-bit load holds 4 consecutive codes of 16 output features
+// (pack_q4x16 in nanovllm/models/quantized.py): per block of 16 features and 32 values of K, 256 bytes
+// [v = 0..3][feature 0..15][i = 0..3] of GGUF's byte 4v + i (low nibble: element 4v + i, high: 16 + 4v + i);
+// the fp16 scales and offsets [feature block][K block][16]. Each of x's 4-byte groups is broadcast and one
+// vpdpbusd adds its 4 products to all 16 features' int32 sums at once: no horizontal sums, and the block's
+// float epilogue is one vector of 16 scales. Work items are 64 features (4 blocks, N padded to 64 at load).
+#if defined(NANOVLLM_QUANT_512)
+#define NANOVLLM_Q4X16 1
+constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block, blocks per work item
+
+// R rows of x against FB consecutive feature blocks (R * FB <= 4: 2 int32 chains per row and block stay in
+// registers). acc[r][f]: 16 features' float results, accumulated over K.
+template <int R, int FB>
+inline void dot_q4x16(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t block_stride,
+                      const int8_t* x, int64_t k, const float* xd, const float* xs, int64_t nb, __m512* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[R][FB], hi[R][FB];
+    for (int r = 0; r < R; ++r)
+      for (int f = 0; f < FB; ++f) lo[r][f] = hi[r][f] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      __m512i xlo[R], xhi[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t a, c;
+        std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
+        std::memcpy(&c, x + r * k + b * QK + 16 + 4 * v, 4);
+        xlo[r] = _mm512_set1_epi32(a);
+        xhi[r] = _mm512_set1_epi32(c);
+      }
+      for (int f = 0; f < FB; ++f) {
+        const __m512i raw = _mm512_loadu_si512(codes + f * block_stride + b * 256 + 64 * v);
+        const __m512i cl = _mm512_and_si512(raw, low4), ch = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          lo[r][f] = _mm512_dpbusd_epi32(lo[r][f], cl, xlo[r]);
+          hi[r][f] = _mm512_dpbusd_epi32(hi[r][f], ch, xhi[r]);
+        }
+      }
+    }
+    for (int f = 0; f < FB; ++f) {
+      const int64_t at = f * (block_stride / 16) + b * kX16Features;  // the block's 16 scales (fp16)
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + at)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][f], hi[r][f]));
+        __m512& a = acc[r * FB + f];
+        a = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), a);
+        a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), a);
+      }
+    }
+  }
+}
+
+inline void store16_out(__m512 v, float* out, int64_t count) {
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1), v);
+}
+inline void store16_out(__m512 v, c10::BFloat16* out, int64_t count) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << count) - 1), h);
+}
+inline __m512 load16_bias(const float* b) { return _mm512_loadu_ps(b); }
+inline __m512 load16_bias(const c10::BFloat16* b) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))), 16));
+}
+
+template <typename T>
+void q4x16_gemm(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const at::Half* scales, const at::Half* mins,
+                const T* bias, T* y, const int8_t* xq, const float* xd, const float* xs) {
+  const int64_t nb = k / QK, block_stride = nb * 256;  // bytes of codes per feature block
+  const int64_t items = (n + kX16Features * kX16Blocks - 1) / (kX16Features * kX16Blocks);
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t fb0 = item * kX16Blocks;
+    const uint8_t* c = codes + fb0 * block_stride;
+    const at::Half* sc = scales + fb0 * nb * kX16Features;
+    const at::Half* mn = mins + fb0 * nb * kX16Features;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t group = std::min<int64_t>(4, rows - r0);
+      const int8_t* x = xq + r0 * k;
+      const float* d = xd + r0 * nb;
+      const float* s = xs + r0 * nb;
+      __m512 acc[4][kX16Blocks];  // [row][feature block]
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_ps();
+      if (group == 1) {
+        dot_q4x16<1, 4>(c, sc, mn, block_stride, x, k, d, s, nb, acc[0]);
+      } else if (group == 2) {
+        __m512 part[2 * 2];
+        for (int half = 0; half < 2; ++half) {
+          for (auto& a : part) a = _mm512_setzero_ps();
+          dot_q4x16<2, 2>(c + 2 * half * block_stride, sc + 2 * half * nb * kX16Features,
+                          mn + 2 * half * nb * kX16Features, block_stride, x, k, d, s, nb, part);
+          for (int r = 0; r < 2; ++r)
+            for (int f = 0; f < 2; ++f) acc[r][2 * half + f] = part[r * 2 + f];
+        }
+      } else {
+        for (int f = 0; f < kX16Blocks; ++f) {
+          __m512 part[4];
+          for (auto& a : part) a = _mm512_setzero_ps();
+          const uint8_t* cf = c + f * block_stride;
+          const at::Half* sf = sc + f * nb * kX16Features;
+          const at::Half* mf = mn + f * nb * kX16Features;
+          if (group == 4) dot_q4x16<4, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
+          else dot_q4x16<3, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
+          for (int r = 0; r < group; ++r) acc[r][f] = part[r];
+        }
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        for (int f = 0; f < kX16Blocks; ++f) {
+          const int64_t col = (fb0 + f) * kX16Features;
+          if (col >= n) break;
+          const int64_t count = std::min(kX16Features, n - col);
+          __m512 v = acc[r][f];
+          if (bias != nullptr) {
+            if (count == kX16Features) {
+              v = _mm512_add_ps(v, load16_bias(bias + col));
+            } else {
+              alignas(64) float b16[kX16Features] = {};
+              for (int64_t j = 0; j < count; ++j) b16[j] = to_float(bias[col + j]);
+              v = _mm512_add_ps(v, _mm512_load_ps(b16));
+            }
+          }
+          store16_out(v, y + (r0 + r) * n + col, count);
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
+
+// Whether this build has q4x16_linear (Q4 interleaved by 16 features, pack_q4x16): the avx512_bf16 build.
+bool q4x16_available() {
+#if defined(NANOVLLM_Q4X16)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Which vector path this build's quantized GEMM runs (the profile prints it beside each linear).
 std::string quant_gemm_isa() {
@@ -438,11 +579,63 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return y;
 }
 
+// x [rows, K] float32 or bfloat16 times Q4 blocks interleaved by 16 features (pack_q4x16 in
+// nanovllm/models/quantized.py: codes uint8 [Nb, K / 32 * 256], scales and mins float16 [Nb, K / 32, 16], Nb
+// blocks of 16 features, a multiple of 4) for out_features <= 16 Nb outputs (+ bias [N] in x's dtype).
+torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "q4x16_linear: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "q4x16_linear: x must be float32 or bfloat16");
+#if defined(NANOVLLM_Q4X16)
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
+  TORCH_CHECK(k % QK == 0, "q4x16_linear: K (", k, ") must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == nb * 256 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
+              "q4x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 256] covering N");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == codes.size(0) * nb * kX16Features,
+                "q4x16_linear: scales and mins must be float16 [blocks, K / 32, 16]");
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "q4x16_linear: bias [N] in x's dtype");
+    bias_c = bias->contiguous();
+  }
+  auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto xd = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  auto xs = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({rows, n}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
+      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+        quantize_rows(x.data_ptr<float>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+        q4x16_gemm(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+                   bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(), xq.data_ptr<int8_t>(),
+                   xd.data_ptr<float>(), xs.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+        using T = c10::BFloat16;
+        quantize_rows(x.data_ptr<T>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+        q4x16_gemm(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+                   bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(), xq.data_ptr<int8_t>(),
+                   xd.data_ptr<float>(), xs.data_ptr<float>());
+      }));
+  return y;
+#else
+  TORCH_CHECK(false, "q4x16_linear: this kernel build has no AVX-512 VNNI (the avx512_bf16 build has it)");
+  return x;
+#endif
+}
+
 // A torch operator too (torch.ops.<build namespace>.quant_linear), so profiles count it as a linear layer.
 #ifndef NANOVLLM_OPS
 #define NANOVLLM_OPS nanovllm
 #endif
 TORCH_LIBRARY_FRAGMENT(NANOVLLM_OPS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int format) -> Tensor");
+  m.def("q4x16_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, int out_features) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("q4x16_linear", &q4x16_linear);
+}

@@ -67,6 +67,10 @@ class QuantLinear(nn.Module):
             # Stored once in the tiles' layout (unsigned, padded to whole tiles); ``codes()`` gives them back.
             self.kernel = "amx"
             self.qweight = kernels.pack_int8_amx(qweight)
+        elif fmt in ("q4_1", "q4_0") and kernels is not None and kernels.q4x16_available():
+            # Interleaved by 16 features (the same 4-bit codes and fp16 scales, moved): ``canonical()`` undoes it.
+            self.kernel = "q4x16"
+            self.qweight, self.scales, self.mins = pack_q4x16(qweight, scales, mins)
 
     @classmethod
     def from_dense_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "QuantLinear":
@@ -77,9 +81,23 @@ class QuantLinear(nn.Module):
         return cls("int8", codes.contiguous(), scale.contiguous(), None, _bias(bias, weight.dtype), w.shape[1],
                    kernels)
 
+    def canonical(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes, scales, mins) in the vector kernel's layout ([N, K] int8 or [N, K / 2] packed 4-bit codes,
+        [N] or [N, K / 32] scales), of all rows or of ``rows`` (indices), whatever layout this layer stores."""
+        if self.kernel == "q4x16":
+            codes, scales, mins = unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
+            return codes, scales, mins
+        codes = self.codes()
+        if rows is None:
+            return codes, self.scales, self.mins
+        return (codes.index_select(0, rows), self.scales.index_select(0, rows),
+                None if self.mins is None else self.mins.index_select(0, rows))
+
     def codes(self) -> torch.Tensor:
         """The weight codes in the vector kernel's layout ([N, K] int8, or [N, K / 2] packed 4-bit), whatever
         layout this layer stores."""
+        if self.kernel == "q4x16":
+            return self.canonical()[0]
         if self.kernel != "amx":
             return self.qweight
         k = self.in_features
@@ -94,7 +112,6 @@ class QuantLinear(nn.Module):
         first = parts[0]
         if any(p.fmt != first.fmt or p.in_features != first.in_features for p in parts):
             raise ValueError("quantized projections fused into one must share their format and input width")
-        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
         biases = [p.bias for p in parts]
         if any(b is not None for b in biases):
             biases = [b if b is not None else torch.zeros(p.out_features, dtype=first_dtype(biases))
@@ -102,7 +119,9 @@ class QuantLinear(nn.Module):
             bias = torch.cat(biases)
         else:
             bias = None
-        return cls(first.fmt, torch.cat([p.codes() for p in parts]), torch.cat([p.scales for p in parts]), mins,
+        canonical = [p.canonical() for p in parts]
+        mins = None if first.mins is None else torch.cat([c[2] for c in canonical])
+        return cls(first.fmt, torch.cat([c[0] for c in canonical]), torch.cat([c[1] for c in canonical]), mins,
                    bias, first.in_features, first.kernels)
 
     def to_activation_dtype(self, dtype: torch.dtype) -> None:
@@ -115,6 +134,8 @@ class QuantLinear(nn.Module):
         # Through the dispatcher (the kernels' library registers it) so profiles count it as a linear.
         if self.kernel == "amx":
             y = self.kernels.int8_amx_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
+        elif self.kernel == "q4x16":
+            y = self.kernels.q4x16_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.out_features)
         else:
             y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -122,7 +143,7 @@ class QuantLinear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these codes stand for (tests and the reference comparison; never on the
         serving path)."""
-        return dequantize(self.fmt, self.codes(), self.scales, self.mins)
+        return dequantize(self.fmt, *self.canonical())
 
     @property
     def num_bytes(self) -> int:
@@ -134,10 +155,47 @@ class QuantLinear(nn.Module):
         """What runs this layer, for the profile: the format and the kernel build's vector path, or the tiles."""
         if self.kernel == "amx":
             return "int8_amx_linear int8 (AMX-INT8 tiles, activations per token in two digits)"
+        if self.kernel == "q4x16":
+            return f"q4x16_linear {self.fmt} int8-dot, interleaved by 16 features ({self.kernels.quant_gemm_isa()})"
         return f"quant_linear {self.fmt} int8-dot ({self.kernels.quant_gemm_isa()})"
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+Q4X16_FEATURES, Q4X16_ITEM = 16, 64  # features per interleaved block; the kernel's work item (N padded to it)
+
+
+def pack_q4x16(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """Q4 blocks ([N, K / 2] codes, [N, K / 32] fp16 scales and offsets) interleaved by 16 output features for
+    ``q4x16_linear`` (``nanovllm/csrc/quant_gemm.cpp``): codes [N' / 16, K / 32 * 256] with each block of 16
+    features and 32 values as [v][feature][i] of GGUF's byte 4 v + i, scales and offsets [N' / 16, K / 32, 16];
+    N' is N rounded up to 64, the extra features' codes, scales and offsets zero. Called once per layer at load."""
+    n, half_k = codes.shape
+    nb = half_k // (BLOCK // 2)
+    padded = -(-n // Q4X16_ITEM) * Q4X16_ITEM
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])]) if padded > n else t
+
+    blocks = pad(codes).view(padded // Q4X16_FEATURES, Q4X16_FEATURES, nb, 4, 4)  # [fb, f, b, v, i]
+    packed = blocks.permute(0, 2, 3, 1, 4).contiguous().view(padded // Q4X16_FEATURES, nb * 256)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> [fb, nb, 16]
+        return pad(t).view(padded // Q4X16_FEATURES, Q4X16_FEATURES, nb).transpose(1, 2).contiguous()
+
+    return packed, per_block(scales), per_block(mins)
+
+
+def unpack_q4x16(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
+                 rows: torch.Tensor | None = None):
+    """The inverse of ``pack_q4x16`` for the first ``n`` features (or the features ``rows``)."""
+    blocks = packed.shape[0]
+    nb = scales.shape[1]
+    ids = torch.arange(n) if rows is None else rows
+    fb, f = ids // Q4X16_FEATURES, ids % Q4X16_FEATURES
+    codes = packed.view(blocks, nb, 4, Q4X16_FEATURES, 4)[fb, :, :, f, :]  # [rows, nb, v, i]
+    return (codes.reshape(len(ids), nb * 16).contiguous(), scales[fb, :, f].contiguous(), mins[fb, :, f].contiguous())
 
 
 def first_dtype(tensors: list[torch.Tensor | None]) -> torch.dtype:
@@ -174,8 +232,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
-        mins = None if t.mins is None else t.mins.index_select(0, ids)
-        return dequantize(t.fmt, t.qweight.index_select(0, ids), t.scales.index_select(0, ids), mins).to(self.dtype)
+        return dequantize(t.fmt, *t.canonical(ids)).to(self.dtype)
 
 
 # ---- GGUF -------------------------------------------------------------------------------------------------------

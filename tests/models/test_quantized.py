@@ -55,6 +55,53 @@ def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dty
     assert (y.float() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
+def test_q4_interleaved_by_16_features_is_the_integer_dot_product_of_the_codes(compiled, fmt, dtype, rows, n, k):
+    """Where the build has it (avx512_bf16), Q4 layers store their blocks interleaved by 16 features and run
+    q4x16_linear: every row-group shape (1, 2, 3 and 4 rows a pass, then the rest), a partial last 16-feature
+    block and 64-feature item (21, 100), whole ones (128); the other builds keep the plain layout."""
+    generator = torch.Generator().manual_seed(rows + n)
+    plain = _random_weights("q4_1", n, k, generator)
+    mins = plain.mins if fmt == "q4_1" else (plain.scales.float() * -8).half()
+    layer = QuantLinear(fmt, plain.qweight, plain.scales, mins, None, k, compiled)
+    if not compiled.q4x16_available():
+        assert layer.kernel == "vector"
+        with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
+            compiled.q4x16_linear(torch.randn(1, k), plain.qweight, plain.scales, mins, None, n)
+        return
+    assert layer.kernel == "q4x16" and "interleaved by 16 features" in layer.kernel_name()
+    dense = QuantLinear(fmt, plain.qweight, plain.scales, mins, None, k, None).dequantize()
+    assert torch.equal(layer.dequantize(), dense)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    layer.bias = torch.randn(n, generator=generator).to(dtype)
+    y = layer(x)
+    reference = _quantize_activations(x) @ dense.T + layer.bias.float()
+    assert y.dtype == dtype and y.shape == (rows, n)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (y.float() - reference).abs().max() <= tolerance * reference.abs().max()
+
+
+def test_q4_interleaved_layers_give_back_their_blocks_rows_and_fusions():
+    from nanovllm import kernels
+
+    compiled = kernels.load()
+    if not compiled.q4x16_available():
+        pytest.skip(f"the {compiled.isa} build keeps Q4 in the plain layout (q4x16 needs the avx512_bf16 build)")
+    generator = torch.Generator().manual_seed(5)
+    plain = [_random_weights("q4_1", n, 64, generator) for n in (8, 40)]
+    tiled = [QuantLinear("q4_1", p.qweight, p.scales, p.mins, None, 64, compiled) for p in plain]
+    assert tiled[1].qweight.shape == (4, 2 * 256)  # 40 features padded to one 64-feature item, 2 K blocks
+    for p, t in zip(plain, tiled):
+        assert all(torch.equal(a, b) for a, b in zip(t.canonical(), (p.qweight, p.scales, p.mins)))
+    rows = torch.tensor([39, 0, 17])
+    assert all(torch.equal(a, b) for a, b in zip(tiled[1].canonical(rows), plain[1].canonical(rows)))
+    fused = QuantLinear.concat(tiled)
+    assert fused.kernel == "q4x16" and torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in plain]))
+
+
 def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
     """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
     p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
@@ -264,7 +311,9 @@ def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
     dense_bytes = sum(p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert weight_bytes < 0.25 * dense_bytes  # 4-5 bits a weight against float32's 32
     table = format_kernels(model, [1, 16])
-    assert "quant_linear q4_1 int8-dot" in table and "quant_linear q8_0" in table
+    layers = "q4x16_linear q4_1 int8-dot" if quantized.engine.runner.model.kernels.q4x16_available() else \
+        "quant_linear q4_1 int8-dot"
+    assert layers in table and "quant_linear q8_0" in table
     out = quantized.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
                              use_tqdm=False)[0]
     assert len(out.token_ids) == 8 and "Paris" in out.text
