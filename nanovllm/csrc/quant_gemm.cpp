@@ -20,7 +20,9 @@
 // Vector paths: AVX2 (the avx2 and avx512 builds); in the avx512_bf16 build (every CPU with AVX-512 BF16 has
 // VNNI) two blocks per 512-bit register through VNNI's one-instruction byte dot product, the odd last block
 // through the AVX2 loop with VNNI's 256-bit form; portable loops elsewhere (the scalar build). All compute the
-// same integer sums; only the float rounding of the block sums' order differs.
+// same integer sums; only the float rounding of the block sums' order differs. The avx512_bf16 build also has
+// q4x16_linear (below): Q4 blocks moved at load into a layout interleaved by 16 output features, the layers'
+// kernel there. On AMX CPUs int8 runs on the tiles instead (int8_amx.cpp).
 #include <torch/extension.h>
 
 #include <algorithm>

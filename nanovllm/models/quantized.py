@@ -2,7 +2,9 @@
 
 Both run nano-vllm's quantized GEMM (``nanovllm/csrc/quant_gemm.cpp``), which reads the packed weights and
 unpacks them in registers, the activations quantized to int8 on the fly; no dequantized copy of a weight is ever
-made. Activations, norms, attention and the KV cache stay in the engine's ``dtype``.
+made. Where the kernel build has them, Q4 layers are stored interleaved by 16 output features (``pack_q4x16``,
+the ``q4x16_linear`` kernel) and int8 ones in the AMX tiles' layout (``int8_kernel``); ``QuantLinear.kernel``
+says which, and ``canonical()`` gives back the plain layout. Activations, norms, attention and the KV cache stay in the engine's ``dtype``.
 
 - ``int8``: W8A8 made at load from the dense weights: symmetric int8 per output channel (scale = max |w| / 127
   of the row, vLLM's int8 weights), every linear layer, the LM head included (on this model a fifth of the
