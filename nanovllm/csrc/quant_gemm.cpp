@@ -528,6 +528,36 @@ std::string quant_gemm_isa() {
 #endif
 }
 
+namespace {
+
+// bias [N] in x's dtype, contiguous (undefined when there is none).
+torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, const torch::Tensor& x, int64_t n, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, op, ": bias [N] in x's dtype");
+  return bias->contiguous();
+}
+
+// x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
+struct QuantizedRows {
+  torch::Tensor codes, scales, sums;
+};
+QuantizedRows quantize_activations(const torch::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / QK;
+  QuantizedRows q{torch::empty({rows, k}, x.options().dtype(torch::kInt8)),
+                  torch::empty({rows, nb}, x.options().dtype(torch::kFloat32)),
+                  torch::empty({rows, nb}, x.options().dtype(torch::kFloat32))};
+  if (x.scalar_type() == torch::kFloat32) {
+    quantize_rows(x.data_ptr<float>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
+                  q.sums.data_ptr<float>());
+  } else {
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
+                  q.sums.data_ptr<float>());
+  }
+  return q;
+}
+
+}  // namespace
+
 // x [rows, K] float32 or bfloat16; qweight int8 [N, K] (int8, q8_0) or uint8 [N, K / 2] (q4); scales float32
 // [N] (int8) or float16 [N, K / 32]; mins float16 [N, K / 32] (q4 only); bias [N] in x's dtype or None.
 // Returns [rows, N] in x's dtype.
@@ -553,30 +583,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   } else {
     TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.numel() == n * nb, "quant_linear: float16 scales [N, K/32]");
   }
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "quant_linear: bias [N] in x's dtype");
-    bias_c = bias->contiguous();
-  }
-  auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
-  auto xs = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  const torch::Tensor bias_c = checked_bias(bias, x, n, "quant_linear");
+  const QuantizedRows xq = quantize_activations(x);
   auto y = torch::empty({rows, n}, x.options());
   const Weights weights{static_cast<QuantFormat>(format), qweight.data_ptr(), scales.data_ptr(),
                         format == kQ4 ? mins->data_ptr<at::Half>() : nullptr};
   AT_DISPATCH_SWITCH(x.scalar_type(), "quant_linear",
       AT_DISPATCH_CASE(torch::kFloat32, [&] {
-        quantize_rows(x.data_ptr<float>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                      xs.data_ptr<float>());
         quant_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                   xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+                   xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
       })
       AT_DISPATCH_CASE(torch::kBFloat16, [&] {
         using T = c10::BFloat16;
-        quantize_rows(x.data_ptr<T>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                      xs.data_ptr<float>());
         quant_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
-                   xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+                   xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
       }));
   return y;
 }
@@ -599,28 +619,20 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   for (const auto* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == codes.size(0) * nb * kX16Features,
                 "q4x16_linear: scales and mins must be float16 [blocks, K / 32, 16]");
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "q4x16_linear: bias [N] in x's dtype");
-    bias_c = bias->contiguous();
-  }
-  auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
-  auto xs = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  const torch::Tensor bias_c = checked_bias(bias, x, n, "q4x16_linear");
+  const QuantizedRows xq = quantize_activations(x);
   auto y = torch::empty({rows, n}, x.options());
   AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
       AT_DISPATCH_CASE(torch::kFloat32, [&] {
-        quantize_rows(x.data_ptr<float>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
         q4x16_gemm(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                   bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(), xq.data_ptr<int8_t>(),
-                   xd.data_ptr<float>(), xs.data_ptr<float>());
+                   bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                   xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
       })
       AT_DISPATCH_CASE(torch::kBFloat16, [&] {
         using T = c10::BFloat16;
-        quantize_rows(x.data_ptr<T>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
         q4x16_gemm(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                   bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(), xq.data_ptr<int8_t>(),
-                   xd.data_ptr<float>(), xs.data_ptr<float>());
+                   bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
+                   xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
       }));
   return y;
 #else
