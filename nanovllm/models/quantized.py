@@ -4,7 +4,8 @@ Both run nano-vllm's quantized GEMM (``nanovllm/csrc/quant_gemm.cpp``), which re
 unpacks them in registers, the activations quantized to int8 on the fly; no dequantized copy of a weight is ever
 made. Where the kernel build has them, Q4 layers are stored interleaved by 16 output features (``pack_q4x16``,
 the ``q4x16_linear`` kernel) and int8 ones in the AMX tiles' layout (``int8_kernel``); ``QuantLinear.kernel``
-says which, and ``canonical()`` gives back the plain layout. Activations, norms, attention and the KV cache stay in the engine's ``dtype``.
+says which, and ``canonical()`` gives back the plain layout. Activations, norms, attention and the KV cache
+stay in the engine's ``dtype``.
 
 - ``int8``: W8A8 made at load from the dense weights: symmetric int8 per output channel (scale = max |w| / 127
   of the row, vLLM's int8 weights), every linear layer, the LM head included (on this model a fifth of the
@@ -50,9 +51,11 @@ def int8_kernel(kernels) -> str:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run by the kernels'
-    ``quant_linear`` op on every row count. Built at load (``from_dense_int8``, ``from_gguf``); the engine only
-    calls ``forward``."""
+    """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run on every row
+    count by the kernel ``kernel`` names: ``vector`` (the kernels' ``quant_linear`` op), ``amx`` (int8 on AMX-INT8
+    tiles, ``int8_amx_linear``) or ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``), chosen at
+    construction from the CPU and the kernel build. Built at load (``from_dense_int8``, ``GGUFWeights.linear``);
+    the engine only calls ``forward``."""
 
     def __init__(self, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  bias: torch.Tensor | None, in_features: int, kernels) -> None:
@@ -87,8 +90,7 @@ class QuantLinear(nn.Module):
         """(codes, scales, mins) in the vector kernel's layout ([N, K] int8 or [N, K / 2] packed 4-bit codes,
         [N] or [N, K / 32] scales), of all rows or of ``rows`` (indices), whatever layout this layer stores."""
         if self.kernel == "q4x16":
-            codes, scales, mins = unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
-            return codes, scales, mins
+            return unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
         codes = self.codes()
         if rows is None:
             return codes, self.scales, self.mins
