@@ -12,6 +12,9 @@ than staying in cache. Kernels (those this machine runs for the dtype):
 - ``int8``: ``quantization="int8"``'s linear on the same weights made int8 (bfloat16 activations): the AMX-INT8
   kernel (``nanovllm/csrc/int8_amx.cpp``) where the CPU runs it, the vector kernel (``quant_gemm.cpp``)
   elsewhere; its activation quantization included. ``--int8-vector`` adds the vector kernel on AMX CPUs too.
+- ``q4``: ``quantization="gguf"``'s Q4_1 layers on random blocks of the same shapes: the kernel a gguf model
+  runs here (Q4 interleaved by 16 features in the avx512_bf16 build, else the row kernel), and ``q4-rows``, the
+  row-by-row kernel, where the two differ.
 
     python experiments/bench_linears.py [--dtypes bfloat16,float32] [--rows 1,2,8,32,128,512] [--threads 1,2]
 
@@ -67,7 +70,26 @@ def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops,
             for layer in vector:
                 layer.kernels = ops
             runs["int8-vector"] = lambda i, x: vector[i](x)
+        q4 = [random_q4(w.shape, ops) for w in weights]
+        runs["q4"] = lambda i, x: q4[i](x)
+        if q4[0].kernel != "vector":
+            rows = [random_q4(w.shape, None) for w in weights]
+            for layer in rows:
+                layer.kernels = ops
+            runs["q4-rows"] = lambda i, x: rows[i](x)
     return runs
+
+
+def random_q4(shape: torch.Size, ops):
+    """A Q4_1 layer of ``shape`` with random codes, scales and offsets (the kernel's speed does not depend on them)."""
+    from nanovllm.models.quantized import QuantLinear
+
+    n, k = shape
+    generator = torch.Generator().manual_seed(n * 7 + k)
+    codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=generator) * 1e-3).half()
+    mins = (torch.randn(n, k // 32, generator=generator) * 1e-3).half()
+    return QuantLinear("q4_1", codes, scales, mins, None, k, ops)
 
 
 def time_step(run: Callable[[int, torch.Tensor], object], shapes: list[tuple[int, int]], rows: int,
@@ -92,9 +114,11 @@ def time_step(run: Callable[[int, torch.Tensor], object], shapes: list[tuple[int
 def check_agreement(runs: dict, weights: list[torch.Tensor], dtype: torch.dtype) -> None:
     """Every kernel computes the same linear (to the dtype's rounding) before any is timed."""
     x = torch.randn(5, weights[0].shape[1], dtype=dtype)
-    reference = x.float() @ weights[0].float().T
+    dense = x.float() @ weights[0].float().T
+    q4 = x.float() @ random_q4(weights[0].shape, None).dequantize().T  # the q4 kernels' own random weights
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for name, run in runs.items():
+        reference = q4 if name.startswith("q4") else dense
         got = run(0, x).float()
         error = float((got - reference).abs().max() / reference.abs().max())
         if error > tolerance:
