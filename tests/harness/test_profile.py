@@ -40,10 +40,11 @@ def test_breakdown_counts_every_fast_path_linear_kernel_as_a_linear(dtype):
     from nanovllm.profile import breakdown
 
     weight = torch.randn(96, 64).to(dtype)
-    if not can_prepack(weight):
-        pytest.skip(f"oneDNN has no prepacked {dtype} linear on this CPU")
-    linear = PackedLinear(weight, kernels=kernels.load())
+    if can_prepack(weight):
+        linear = PackedLinear(weight, kernels=kernels.load())
+    else:  # the fast path keeps a plain nn.Linear where oneDNN has no prepacked one (bf16 on older CPUs)
+        linear = torch.nn.Linear(64, 96, bias=False, dtype=dtype)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for rows in (1, 2, 32):
             linear(torch.randn(rows, 64).to(dtype))
-    assert breakdown(prof.events(), steps=1)["linears"] > 0, (linear.kernel, sorted({e.name for e in prof.events()}))
+    assert breakdown(prof.events(), steps=1)["linears"] > 0, sorted({e.name for e in prof.events()})

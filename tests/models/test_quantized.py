@@ -84,22 +84,22 @@ def test_q4_interleaved_by_16_features_is_the_integer_dot_product_of_the_codes(c
     assert (y.float() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
-def test_q4_interleaved_layers_give_back_their_blocks_rows_and_fusions():
-    from nanovllm import kernels
-
-    compiled = kernels.load()
-    if not compiled.q4x16_available():
-        pytest.skip(f"the {compiled.isa} build keeps Q4 in the plain layout (q4x16 needs the avx512_bf16 build)")
+def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(compiled):
+    """Whichever layout the build stores (interleaved by 16 features in avx512_bf16, plain elsewhere), the
+    blocks, single rows (the embedding's lookups) and fused projections come back as stored."""
     generator = torch.Generator().manual_seed(5)
     plain = [_random_weights("q4_1", n, 64, generator) for n in (8, 40)]
-    tiled = [QuantLinear("q4_1", p.qweight, p.scales, p.mins, None, 64, compiled) for p in plain]
-    assert tiled[1].qweight.shape == (4, 2 * 256)  # 40 features padded to one 64-feature item, 2 K blocks
-    for p, t in zip(plain, tiled):
+    stored = [QuantLinear("q4_1", p.qweight, p.scales, p.mins, None, 64, compiled) for p in plain]
+    layout = "q4x16" if compiled.q4x16_available() else "vector"
+    assert all(t.kernel == layout for t in stored)
+    if layout == "q4x16":
+        assert stored[1].qweight.shape == (4, 2 * 256)  # 40 features padded to one 64-feature item, 2 K blocks
+    for p, t in zip(plain, stored):
         assert all(torch.equal(a, b) for a, b in zip(t.canonical(), (p.qweight, p.scales, p.mins)))
     rows = torch.tensor([39, 0, 17])
-    assert all(torch.equal(a, b) for a, b in zip(tiled[1].canonical(rows), plain[1].canonical(rows)))
-    fused = QuantLinear.concat(tiled)
-    assert fused.kernel == "q4x16" and torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in plain]))
+    assert all(torch.equal(a, b) for a, b in zip(stored[1].canonical(rows), plain[1].canonical(rows)))
+    fused = QuantLinear.concat(stored)
+    assert fused.kernel == layout and torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in plain]))
 
 
 def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
@@ -113,57 +113,58 @@ def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
     return (p1 + p2 / 256) * (amax / 127)
 
 
-def _amx_kernels():
-    from nanovllm import kernels, machine
-
-    if machine.selected_isa() != "amx":
-        pytest.skip("the AMX-INT8 kernel runs on the amx ISA level only; this CPU (or NANOVLLM_CPU_ISA) has another")
-    compiled = kernels.load()
-    if not compiled.int8_amx_available():
-        pytest.skip("the OS does not grant this process AMX tile state")
-    return compiled
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("n, k", [(21, 96), (48, 64), (40, 224)])
-def test_int8_amx_linear_is_the_integer_dot_product_of_two_digit_activations(dtype, rows, n, k):
-    """Whole and partial tiles of rows (from 16 rows on, padded ones), an odd number of 16-feature blocks and a
-    partial last one (21, 40), K a multiple of 64 and not (96, 224: padded to whole tiles)."""
-    compiled = _amx_kernels()
+def test_int8_amx_linear_is_the_integer_dot_product_of_two_digit_activations(compiled, dtype, rows, n, k):
+    """On every build: where the CPU and OS run AMX-INT8 tiles (the avx512_bf16 build on an AMX CPU), the
+    kernel's output over whole and partial tiles of rows (from 16 rows on, padded ones), an odd number of
+    16-feature blocks and a partial last one (21, 40), K a multiple of 64 and not (96, 224: padded); elsewhere
+    it refuses to run, saying why."""
     generator = torch.Generator().manual_seed(rows + n)
-    layer = QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, compiled)
-    assert layer.kernel == "amx"
+    plain = QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, None)
+    packed = compiled.pack_int8_amx(plain.qweight)
     x = torch.randn(rows, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
-    layer.bias = bias
-    y = layer(x)
-    reference = _two_digit_activations(x).double() @ layer.dequantize().double().T + bias.double()
+    if not compiled.int8_amx_available():
+        with pytest.raises(RuntimeError, match="has no AMX-INT8 tiles"):
+            compiled.int8_amx_linear(x, packed, plain.scales, bias, n)
+        return
+    y = compiled.int8_amx_linear(x, packed, plain.scales, bias, n)
+    reference = _two_digit_activations(x).double() @ plain.dequantize().double().T + bias.double()
     assert y.dtype == dtype and y.shape == (rows, n)
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     assert (y.double() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
-def test_int8_weights_in_the_amx_layout_give_back_their_codes():
-    compiled = _amx_kernels()
+def test_int8_layers_take_the_tiles_on_the_amx_level_and_give_back_their_codes():
+    from nanovllm import kernels, machine
+
+    compiled = kernels.load()
     weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
     plain = QuantLinear.from_dense_int8(weight, None, None)
-    tiled = QuantLinear.from_dense_int8(weight, None, compiled)
-    assert plain.kernel == "vector" and tiled.kernel == "amx"
-    assert tiled.qweight.dtype == torch.uint8 and tiled.qweight.shape == (3, 128 * 16)  # 3 blocks, K padded to 128
-    assert torch.equal(tiled.codes(), plain.qweight)
-    assert torch.equal(tiled.dequantize(), plain.dequantize())
-    assert torch.equal(QuantLinear.concat([tiled, tiled]).codes(), torch.cat([plain.qweight, plain.qweight]))
-    assert "AMX-INT8" in tiled.kernel_name()
+    stored = QuantLinear.from_dense_int8(weight, None, compiled)
+    on_tiles = machine.selected_isa() == "amx" and compiled.int8_amx_available()
+    assert plain.kernel == "vector" and stored.kernel == ("amx" if on_tiles else "vector")
+    if on_tiles:
+        assert stored.qweight.dtype == torch.uint8 and stored.qweight.shape == (3, 128 * 16)  # K padded to 128
+        assert "AMX-INT8" in stored.kernel_name()
+    assert torch.equal(stored.codes(), plain.qweight)
+    assert torch.equal(stored.dequantize(), plain.dequantize())
+    assert torch.equal(QuantLinear.concat([stored, stored]).codes(), torch.cat([plain.qweight, plain.qweight]))
 
 
-def test_int8_amx_linear_refuses_a_weight_of_another_shape():
-    compiled = _amx_kernels()
-    layer = QuantLinear.from_dense_int8(torch.randn(32, 64), None, compiled)
+def test_int8_amx_linear_refuses_a_weight_of_another_shape(compiled):
+    packed = compiled.pack_int8_amx(QuantLinear.from_dense_int8(torch.randn(32, 64), None, None).qweight)
+    scales = torch.ones(32)
+    if not compiled.int8_amx_available():
+        with pytest.raises(RuntimeError, match="has no AMX-INT8 tiles"):
+            compiled.int8_amx_linear(torch.randn(2, 64), packed, scales, None, 32)
+        return
     with pytest.raises(RuntimeError, match="does not match K or N"):
-        compiled.int8_amx_linear(torch.randn(2, 128), layer.qweight, layer.scales, None, 32)
+        compiled.int8_amx_linear(torch.randn(2, 128), packed, scales, None, 32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        compiled.int8_amx_linear(torch.randn(2, 64).half(), layer.qweight, layer.scales, None, 32)
+        compiled.int8_amx_linear(torch.randn(2, 64).half(), packed, scales, None, 32)
 
 
 def test_quant_linear_refuses_shapes_and_dtypes_it_cannot_run(compiled):
