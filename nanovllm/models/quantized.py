@@ -91,23 +91,19 @@ class QuantLinear(nn.Module):
         [N] or [N, K / 32] scales), of all rows or of ``rows`` (indices), whatever layout this layer stores."""
         if self.kernel == "q4x16":
             return unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
-        codes = self.codes()
+        codes = self.qweight
+        if self.kernel == "amx":  # [blocks, K' / 4, 16, 4] of w + 128 -> [N, K] int8
+            k_padded = codes.shape[1] // 16
+            blocks = codes.view(-1, k_padded // 4, 16, 4).permute(0, 2, 1, 3).reshape(-1, k_padded)
+            codes = (blocks[: self.out_features, : self.in_features].to(torch.int16) - 128).to(torch.int8)
         if rows is None:
-            return codes, self.scales, self.mins
+            return codes.contiguous(), self.scales, self.mins
         return (codes.index_select(0, rows), self.scales.index_select(0, rows),
                 None if self.mins is None else self.mins.index_select(0, rows))
 
     def codes(self) -> torch.Tensor:
-        """The weight codes in the vector kernel's layout ([N, K] int8, or [N, K / 2] packed 4-bit), whatever
-        layout this layer stores."""
-        if self.kernel == "q4x16":
-            return self.canonical()[0]
-        if self.kernel != "amx":
-            return self.qweight
-        k = self.in_features
-        k_padded = self.qweight.shape[1] // 16
-        blocks = self.qweight.view(-1, k_padded // 4, 16, 4).permute(0, 2, 1, 3).reshape(-1, k_padded)
-        return (blocks[: self.out_features, :k].to(torch.int16) - 128).to(torch.int8).contiguous()
+        """The weight codes in the vector kernel's layout ([N, K] int8, or [N, K / 2] packed 4-bit)."""
+        return self.canonical()[0]
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear":
