@@ -48,3 +48,30 @@ def test_breakdown_counts_every_fast_path_linear_kernel_as_a_linear(dtype):
         for rows in (1, 2, 32):
             linear(torch.randn(rows, 64).to(dtype))
     assert breakdown(prof.events(), steps=1)["linears"] > 0, sorted({e.name for e in prof.events()})
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
+def test_breakdown_counts_every_quantized_linear_kernel_as_a_linear(fmt, compiled):
+    """The quantized layers' kernels (the vector quant_linear, int8 on AMX tiles, Q4 interleaved by 16 features:
+    whichever this build and CPU give the layer) are linears in the profile too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm.models.quantized import QuantLinear
+    from nanovllm.profile import breakdown
+
+    generator = torch.Generator().manual_seed(0)
+    n, k = 48, 64
+    if fmt == "int8":
+        layer = QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, compiled)
+    else:
+        scales = (torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3).half()
+        if fmt == "q8_0":
+            codes, mins = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8), None
+        else:
+            codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
+            mins = (torch.randn(n, k // 32, generator=generator) * 0.02).half()
+        layer = QuantLinear(fmt, codes, scales, mins, None, k, compiled)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for rows in (1, 32):
+            layer(torch.randn(rows, k))
+    assert breakdown(prof.events(), steps=1)["linears"] > 0, (layer.kernel, sorted({e.name for e in prof.events()}))
