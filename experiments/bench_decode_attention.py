@@ -1,16 +1,18 @@
 """Decode attention alone, through the cpu backend's kernel: the default model's shapes (9 query heads, 3 KV
 heads, head_dim 64), bf16, a batch of sequences decoding one token each over scattered KV blocks.
 
-Each of the 30 layers has its own cache (``--hot`` shares one), so the K/V rows stream from memory as in a
-decode step; the figure is ms per step and the K/V bytes read per second.
+Each of the 30 layers has its own part of one cache tensor, as the engine allocates it (``--hot`` shares one
+layer's), so the K/V rows stream from memory as in a decode step. The figures are the median ms per step over
+the rounds (this machine's runs move by 10-30%, so one step is no measurement) and the K/V bytes read per second.
 
-    python experiments/bench_decode_attention.py [--seqs 32] [--keys 128] [--hot]
+    python experiments/bench_decode_attention.py [--seqs 32] [--keys 128] [--hot] [--rounds 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--keys", type=int, default=128, help="keys per sequence (its context)")
     parser.add_argument("--hot", action="store_true", help="one cache for every layer, so it stays in cache")
+    parser.add_argument("--rounds", type=int, default=15, help="timed steps")
     args = parser.parse_args()
     compiled = kernels.load()
     torch.manual_seed(0)
@@ -35,10 +38,8 @@ def main() -> None:
     tables = torch.tensor([order[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(args.seqs)],
                           dtype=torch.int32)
 
-    def cache() -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
-
-    caches = [cache()] * LAYERS if args.hot else [cache() for _ in range(LAYERS)]
+    cache = torch.randn(1 if args.hot else LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
+    caches = [(cache[0 if args.hot else i, 0], cache[0 if args.hot else i, 1]) for i in range(LAYERS)]
     q = torch.randn(args.seqs, HEADS, HEAD_DIM).bfloat16()
     k, v = (torch.randn(args.seqs, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
     last = args.keys - 1
@@ -51,17 +52,17 @@ def main() -> None:
             compiled.paged_attention(q, k, v, k_cache, v_cache, slots, tables, seq, pos, HEAD_DIM ** -0.5)
 
     step()
-    best = float("inf")
-    for _ in range(5):
+    times = []
+    for _ in range(args.rounds):
         start = time.perf_counter()
         step()
-        best = min(best, time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
     megabytes = LAYERS * args.seqs * args.keys * KV_HEADS * HEAD_DIM * 2 * 2 / 1e6
     print(machine.header())
     print(f"decode attention, {args.seqs} sequences x {args.keys} keys, {LAYERS} layers"
-          f"{' (one cache, hot)' if args.hot else ''}: {best * 1e3:.2f} ms per step, {megabytes:.0f} MB of K/V, "
-          f"{megabytes / best / 1e3:.1f} GB/s")
-
+          f"{' (one cache, hot)' if args.hot else ''}: {median * 1e3:.2f} ms per step (median of {args.rounds}), "
+          f"{megabytes:.0f} MB of K/V, {megabytes / median / 1e3:.1f} GB/s")
 
 if __name__ == "__main__":
     main()
