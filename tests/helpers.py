@@ -178,6 +178,25 @@ def save_tiny_model(config_cls, model_cls, extra: dict, path: Path, tokenizer_di
     return model
 
 
+def random_quant_linear(fmt: str, n: int, k: int, generator: Any, compiled: Any = None) -> Any:
+    """A ``QuantLinear`` of ``n`` x ``k`` random weights in ``fmt`` (``int8``, ``q8_0`` or ``q4_1``), running on the
+    kernel build ``compiled`` (None: the torch fallback). Codes, scales and mins are drawn from ``generator``."""
+    import torch
+
+    from nanovllm.models.quantized import QuantLinear
+
+    if fmt == "int8":
+        return QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, compiled)
+    blocks = k // 32
+    scales = (torch.rand(n, blocks, generator=generator) * 0.02 + 1e-3).half()
+    if fmt == "q8_0":
+        codes = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        return QuantLinear(fmt, codes, scales, None, None, k, compiled)
+    codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
+    mins = (torch.randn(n, blocks, generator=generator) * 0.02).half()
+    return QuantLinear(fmt, codes, scales, mins, None, k, compiled)
+
+
 # -- python -m nanovllm.run in a subprocess -----------------------------------------------------------------------
 
 # A run of three tiny requests that finishes in seconds (the monitor's peaks are not measured).

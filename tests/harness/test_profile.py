@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from helpers import random_quant_linear
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.profile import run_gemm_floor
 
@@ -56,21 +57,10 @@ def test_breakdown_counts_every_quantized_linear_kernel_as_a_linear(fmt, compile
     whichever this build and CPU give the layer) are linears in the profile too."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nanovllm.models.quantized import QuantLinear
     from nanovllm.profile import breakdown
 
-    generator = torch.Generator().manual_seed(0)
-    n, k = 48, 64
-    if fmt == "int8":
-        layer = QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, compiled)
-    else:
-        scales = (torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3).half()
-        if fmt == "q8_0":
-            codes, mins = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8), None
-        else:
-            codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
-            mins = (torch.randn(n, k // 32, generator=generator) * 0.02).half()
-        layer = QuantLinear(fmt, codes, scales, mins, None, k, compiled)
+    k = 64
+    layer = random_quant_linear(fmt, 48, k, torch.Generator().manual_seed(0), compiled)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for rows in (1, 32):
             layer(torch.randn(rows, k))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import random_quant_linear
 from nanovllm.config import EngineConfig
 from nanovllm.models.quantized import FORMAT_IDS, GGUFWeights, QuantLinear, dequantize
 
@@ -22,19 +23,6 @@ def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * inv) * (amax / 127)).reshape(rows, k)
 
 
-def _random_weights(fmt: str, n: int, k: int, generator: torch.Generator) -> QuantLinear:
-    if fmt == "int8":
-        return QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, None)
-    nb = k // 32
-    scales = (torch.rand(n, nb, generator=generator) * 0.02 + 1e-3).half()
-    if fmt == "q8_0":
-        codes = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
-        return QuantLinear(fmt, codes, scales, None, None, k, None)
-    codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8)
-    mins = (torch.randn(n, nb, generator=generator) * 0.02).half()
-    return QuantLinear(fmt, codes, scales, mins, None, k, None)
-
-
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
@@ -44,7 +32,7 @@ def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dty
     # A partial tile of output features; 3 blocks (a pair and the odd one) and 7 (two pairs in the unrolled
     # 512-bit loop, then a pair and the odd one).
     n = 21
-    layer = _random_weights(fmt, n, k, generator)
+    layer = random_quant_linear(fmt, n, k, generator)
     x = torch.randn(rows, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
     y = compiled.quant_linear(x, layer.qweight, layer.scales, layer.mins, bias, FORMAT_IDS[fmt])
@@ -64,7 +52,7 @@ def test_q4_interleaved_by_16_features_is_the_integer_dot_product_of_the_codes(c
     q4x16_linear: every row-group shape (1, 2, 3 and 4 rows a pass, then the rest), a partial last 16-feature
     block and 64-feature item (21, 100), whole ones (128); the other builds keep the plain layout."""
     generator = torch.Generator().manual_seed(rows + n)
-    plain = _random_weights("q4_1", n, k, generator)
+    plain = random_quant_linear("q4_1", n, k, generator)
     mins = plain.mins if fmt == "q4_1" else (plain.scales.float() * -8).half()
     layer = QuantLinear(fmt, plain.qweight, plain.scales, mins, None, k, compiled)
     if not compiled.q4x16_available():
@@ -88,7 +76,7 @@ def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(comp
     """Whichever layout the build stores (interleaved by 16 features in avx512_bf16, plain elsewhere), the
     blocks, single rows (the embedding's lookups) and fused projections come back as stored."""
     generator = torch.Generator().manual_seed(5)
-    plain = [_random_weights("q4_1", n, 64, generator) for n in (8, 40)]
+    plain = [random_quant_linear("q4_1", n, 64, generator) for n in (8, 40)]
     stored = [QuantLinear("q4_1", p.qweight, p.scales, p.mins, None, 64, compiled) for p in plain]
     layout = "q4x16" if compiled.q4x16_available() else "vector"
     assert all(t.kernel == layout for t in stored)
@@ -168,7 +156,7 @@ def test_int8_amx_linear_refuses_a_weight_of_another_shape(compiled):
 
 
 def test_quant_linear_refuses_shapes_and_dtypes_it_cannot_run(compiled):
-    layer = _random_weights("q4_1", 8, 64, torch.Generator().manual_seed(0))
+    layer = random_quant_linear("q4_1", 8, 64, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         compiled.quant_linear(torch.randn(2, 48), layer.qweight, layer.scales, layer.mins, None, 2)
     with pytest.raises(RuntimeError, match="q4 needs float16 mins"):
@@ -188,11 +176,11 @@ def test_int8_weights_are_within_half_a_step_of_the_dense_ones():
 
 def test_fusing_quantized_projections_concatenates_their_rows():
     generator = torch.Generator().manual_seed(2)
-    parts = [_random_weights("q4_1", n, 64, generator) for n in (8, 4, 4)]
+    parts = [random_quant_linear("q4_1", n, 64, generator) for n in (8, 4, 4)]
     fused = QuantLinear.concat(parts)
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     with pytest.raises(ValueError, match="share their format"):
-        QuantLinear.concat([parts[0], _random_weights("q8_0", 4, 64, generator)])
+        QuantLinear.concat([parts[0], random_quant_linear("q8_0", 4, 64, generator)])
 
 
 def _write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]], architecture: str = "qwen2") -> None:
