@@ -11,7 +11,8 @@ measurement on the GGUF file the gguf rows read:
 
     python -m venv ~/llama-venv && ~/llama-venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
     python experiments/bench_quantized.py [--num-prompts 32] [--max-tokens 64] [--paths ...]
-                                          [--llama-python ~/llama-venv/bin/python] [--json FILE]
+                                          [--llama-python ~/llama-venv/bin/python] [--batch1-repeats 5]
+                                          [--json FILE]
 """
 
 from __future__ import annotations
@@ -60,20 +61,20 @@ def weight_bytes(model) -> int:
     return sum(size(m) for m in linear_modules(model)) + sum(size(h) for h in heads)
 
 
-def bench_path(path: str, num_prompts: int, max_tokens: int) -> dict:
+def bench_path(path: str, num_prompts: int, max_tokens: int, batch1_repeats: int) -> dict:
     start = time.perf_counter()
     llm = LLM(num_kv_blocks=2048, max_model_len=2048, **PATHS[path])
     load_s = time.perf_counter() - start
     prompts = chat_prompts(llm, num_prompts)
     run_nanovllm(llm, prompts[:2], 4)  # warm-up
     seconds, outputs = run_nanovllm(llm, prompts, max_tokens)
-    b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
+    b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens, batch1_repeats)
     return {"path": path, **PATHS[path], "tok_s": num_prompts * max_tokens / seconds, "batch1_ms_per_token": b1,
             "load_s": load_s, "weight_bytes": weight_bytes(llm.engine.runner.model), "outputs": outputs,
             "prompts": prompts}
 
 
-def run_llama_cpp(python: str, prompt: list[int], max_tokens: int, threads: int) -> dict:
+def run_llama_cpp(python: str, prompt: list[int], max_tokens: int, threads: int, repeats: int) -> dict:
     """llama.cpp's batch-1 result, with its extra weight buffer types (AMX, repacked layouts) as it picks them;
     when that run crashes, once more without them (its AMX buffer type segfaults on Q4_1 weights on some AMX
     Xeons: llama.cpp issues #20824 and PR #16315), saying so in the result. A run that fails both ways gives
@@ -82,7 +83,7 @@ def run_llama_cpp(python: str, prompt: list[int], max_tokens: int, threads: int)
     for extra_buffer_types in (True, False):
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"gguf": str(default_gguf_path()), "prompt": prompt, "max_tokens": max_tokens,
-                       "threads": threads, "repeats": 2, "use_extra_bufts": extra_buffer_types}, f)
+                       "threads": threads, "repeats": repeats, "use_extra_bufts": extra_buffer_types}, f)
         try:
             done = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True, timeout=1800,
                                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated rows: {', '.join(PATHS)}")
     parser.add_argument("--llama-python", default=None, help="the python of a virtualenv with llama-cpp-python")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--batch1-repeats", type=int, default=5,
+                        help="batch-1 runs per engine (nano-vllm's paths and llama.cpp alike); the fastest counts")
     args = parser.parse_args()
     paths = [p for p in args.paths.split(",") if p]
     unknown = [p for p in paths if p not in PATHS]
@@ -119,8 +122,9 @@ def main() -> None:
     threads = torch.get_num_threads()
     info = machine.describe(threads)
     print(machine.header(info=info), flush=True)
-    results = [bench_path(p, args.num_prompts, args.max_tokens) for p in paths]
-    peer = run_llama_cpp(args.llama_python, results[0]["prompts"][0], args.max_tokens, threads) \
+    results = [bench_path(p, args.num_prompts, args.max_tokens, args.batch1_repeats) for p in paths]
+    peer = run_llama_cpp(args.llama_python, results[0]["prompts"][0], args.max_tokens, threads,
+                         args.batch1_repeats) \
         if args.llama_python else None
     if peer and "error" in peer:
         print(f"llama.cpp ({args.llama_python}) failed: {peer['error']}; its column is left empty")
