@@ -34,7 +34,8 @@ from nanovllm.paths import kernel_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp",
-                                       "int8_amx.cpp", "brgemm_linear.cpp", "bindings.cpp")]
+                                       "int8_amx.cpp", "brgemm_linear.cpp", "decoder_stack.cpp",
+                                       "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]

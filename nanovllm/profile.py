@@ -14,7 +14,10 @@ https://ui.perfetto.dev).
                                [--fuse-projections auto|true|false] [--quantization int8|gguf]
                                [--kv-cache-dtype auto|int8|fp8_e4m3]
 
-After the table it prints which kernel (and ISA) each linear layer runs at each batch size.
+After the table it prints how the decoder layers run (``layer_loop``) and which kernel (and ISA) each linear layer
+runs at each batch size. The profiled run always takes the Python loop over the layers, so the profiler sees each
+kernel as its own op; where the fast path runs them as one C++ loop instead (``decoder_stack.cpp``), the total
+column is that loop's, and the columns in between include the Python loop's per-call cost that it saves.
 
 The running sequences have distinct prompts (no prefix cache), so a decode step reads as much KV cache as real
 traffic does: with one shared prompt every sequence would read the same few cached blocks from the CPU's caches
@@ -149,6 +152,20 @@ def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     head = model.lm_head_chunks[0] if model.lm_head_chunks is not None else model.lm_head
     found.append(("lm_head", head))
     return found
+
+
+def layer_loop(model: nn.Module) -> str:
+    """How a step outside the profiler runs ``model``'s decoder layers: the C++ decoder stack, or the Python loop
+    and why."""
+    if getattr(model, "kernels", None) is None:
+        return "the Python loop (no fused CPU kernels: the reference path or a GPU)"
+    if not getattr(model, "use_decoder_stack", False):
+        return "the Python loop (use_decoder_stack is off)"
+    if model.decoder_stack() is None:
+        return ("the Python loop (a layer the C++ stack does not run: q/k norm, a tensor-parallel shard, a "
+                "oneDNN or GEMV linear)")
+    return ("one C++ loop (nanovllm/csrc/decoder_stack.cpp) on steps whose attention is the cpu kernel alone; "
+            "the profiled run takes the Python loop")
 
 
 def format_kernels(model: nn.Module, batch_sizes: list[int]) -> str:
@@ -326,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                        kv_cache_dtype=args.kv_cache_dtype, **options)
 
         rows = [profile_decode(make_llm, b, args.context, args.steps, trace_dir) for b in batch_sizes]
-        kernels_table = format_kernels(make_llm().engine.runner.model, batch_sizes)
+        model = make_llm().engine.runner.model
+        kernels_table, loop = format_kernels(model, batch_sizes), layer_loop(model)
         if args.prefill_tokens:
             rows.append(profile_prefill(make_llm, args.prefill_tokens, args.steps, trace_dir))
         peak = measure_peak_flops(torch_dtype(args.dtype), "cpu") / 1e9
@@ -338,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
           f"kv_cache_dtype={args.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
     print(format_table(rows, peak))
+    print(f"Decoder layers: {loop}")
     print("Kernels per linear (every decoder layer runs the first's):")
     print(kernels_table)
     print(f"Chrome traces: {trace_dir}/")

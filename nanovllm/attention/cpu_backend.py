@@ -62,6 +62,7 @@ class CpuAttention(AttentionBackend):
         self._pos = torch.empty(0, dtype=torch.int32)
         self._kernel_rows: torch.Tensor | None = None  # flat rows the kernel attends (None: all of them)
         self._sdpa_group = None
+        self._stack_caches: tuple | None = None  # kernel_step()'s split of kv_caches, keyed by the list bound
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -89,6 +90,23 @@ class CpuAttention(AttentionBackend):
         self._kernel_rows = on_kernel.nonzero().view(-1)
         self._seq, self._pos = seq[on_kernel], pos[on_kernel]
         self._sdpa_group = plan_padded_group(meta, long_seqs, starts.tolist(), meta.slot_mapping.device)
+
+    def kernel_step(self, kernels) -> tuple | None:
+        """This step's attention for the model's C++ decoder stack (``LlamaForCausalLM.forward``, after ``plan``):
+        ``(k_caches, v_caches, slot_mapping, block_tables, seq, pos, eight_bit_cache, scale)``, the arguments
+        every layer's ``forward`` would pass to the kernel. None where the stack cannot stand in for ``forward``:
+        a step with an SDPA group, a kernel build other than ``kernels`` (the model's), or a subclass with its
+        own ``forward``."""
+        if (self._kernel_rows is not None or self._kernel is not kernels or not self.kv_caches
+                or type(self).forward is not CpuAttention.forward):
+            return None
+        if self._stack_caches is None or self._stack_caches[0] is not self.kv_caches:
+            # Split once per bound cache list, not per step.
+            self._stack_caches = (self.kv_caches, [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                                  kv_quant.format_of_cache(self.kv_caches[0][0]) is not None)
+        _, k_caches, v_caches, eight_bit = self._stack_caches
+        return (k_caches, v_caches, self._slot_mapping, self._block_tables, self._seq, self._pos, eight_bit,
+                self.scale)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]

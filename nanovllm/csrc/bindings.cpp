@@ -27,6 +27,7 @@ torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
 torch::Tensor pack_brgemm_weight(torch::Tensor weight);
 torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                             int64_t out_features);
+void bind_decoder_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
@@ -46,5 +47,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_amx_linear", &int8_amx_linear, "x W^T + b over int8 weights on AMX-INT8 tiles, x int8 per 32 values (CPU)");
   m.def("pack_brgemm_weight", &pack_brgemm_weight, "A linear's weight in oneDNN brgemm's blocked layout (CPU)");
   m.def("brgemm_linear", &brgemm_linear, "x W^T + b through oneDNN's brgemm micro-kernel, AMX for bf16 (CPU)");
+  bind_decoder_stack(m);
   m.def("greedy_sample", &greedy_sample, "Per-row argmax and NaN/+inf flag of logits in one read (CPU)");
 }

@@ -105,6 +105,13 @@ class PackedLinear(nn.Module):
         if kernel == "onednn+gemv":
             self.weight = weight.contiguous()
 
+    def stack_linear(self):
+        """This layer as the C++ decoder stack runs it (``kernels.stack_linear``), or None where its kernel is not
+        one the stack calls (only ``brgemm`` is). Called once, when the model builds its stack."""
+        if self.kernel != "brgemm":
+            return None
+        return self.kernels.stack_linear("brgemm", self.packed, None, None, self.bias, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "brgemm":
             # Through the dispatcher (registered by the kernels' library) so profiles count it as a linear.

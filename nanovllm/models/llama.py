@@ -6,7 +6,9 @@ through the backend's per-step plan. The arithmetic mirrors transformers' refere
 matmul is bitwise the same), which is what keeps greedy output token-identical to it. ``use_fast_path()``
 switches a loaded model to the fast layouts (fused q/k/v and gate/up, prepacked oneDNN weights; see
 ``fast_path.py``) and, on CPU, fused C++ kernels (``nanovllm/csrc``: RMSNorm, residual add + RMSNorm, rotary,
-SiLU-and-mul), which trade that bitwise equality for speed and are held to the close standard instead.
+SiLU-and-mul), which trade that bitwise equality for speed and are held to the close standard instead. There the
+layers run as one C++ loop over those kernels (``decoder_stack()``, ``nanovllm/csrc/decoder_stack.cpp``) where
+every layer and the step's attention allow it, bitwise the same as the Python loop and without its per-call cost.
 """
 
 from __future__ import annotations
@@ -208,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_chunks: nn.ModuleList | None = None  # prepacked LM head slices, set by use_fast_path()
         self.kernels = None  # fused C++ kernels (RMSNorm, rotary), set by use_fast_path() on CPU
         self.fast_path = False
+        # With the fused kernels, run the decoder layers as one C++ loop where it applies (decoder_stack()).
+        # False keeps the Python loop (same kernels, bitwise the same result): the tests compare the two.
+        self.use_decoder_stack = True
+        self._decoder_stack: tuple | None = None  # (the layer list it was built from, the stack or None)
 
     def use_fast_path(self, quantization: str | None = None) -> "LlamaForCausalLM":
         """Switch to the fast layouts (fused projections; prepacked weights on CPU; with
@@ -242,6 +248,9 @@ class LlamaForCausalLM(nn.Module):
             rope = self.rotary.tables(positions, x.dtype)
         if self.kernels is not None:
             residual, delta = x.contiguous(), None  # x is this step's own tensor: updated in place from here on
+            step = self._stack_step(attention)
+            if step is not None:
+                return self.decoder_stack().forward(residual, *rope, *step)
             for layer in self.layers:
                 delta = layer.forward_fused(rope, residual, delta, attention)
             return self.kernels.add_rms_norm_(residual, delta, self.norm.weight, self.norm.eps)
@@ -249,14 +258,72 @@ class LlamaForCausalLM(nn.Module):
             x = layer(rope, x, attention)
         return self.norm(x)
 
+    def decoder_stack(self):
+        """The fast path's decoder layers as one C++ loop (``nanovllm/csrc/decoder_stack.cpp``: the same kernels
+        ``forward_fused`` calls, in the same order, without a Python call around each), built on first use; None
+        where a layer is not the plain fused one: q/k norm (Qwen3), tensor-parallel shards, a subclassed layer, a
+        linear whose kernel the stack does not call (oneDNN's, on CPUs without AMX). Built per layer list, so a
+        shallow copy with its own layers (``shard_model``) never runs the original's."""
+        if self._decoder_stack is None or self._decoder_stack[0] is not self.layers:
+            self._decoder_stack = (self.layers, _build_decoder_stack(self))
+        return self._decoder_stack[1]
+
+    def _stack_step(self, attention: AttentionBackend) -> tuple | None:
+        """The attention arguments for the C++ decoder stack this step, or None to run the Python loop: the
+        stack is off or unavailable, the backend is not the CPU kernel alone (``CpuAttention.kernel_step``), or
+        a profiler is recording (it then sees every kernel as its own op, as ``nanovllm.profile`` reports them)."""
+        if not self.use_decoder_stack or torch.autograd.profiler._is_profiler_enabled:
+            return None
+        kernel_step = getattr(attention, "kernel_step", None)
+        if kernel_step is None or self.decoder_stack() is None:
+            return None
+        return kernel_step(self.kernels)
+
     # Vocabulary rows per LM-head matmul. One [rows, 49152] GEMM runs ~1.5x slower on CPU than the same work in
     # 8192-row slices (the weight slice stays in cache); the results are bitwise identical.
     LOGITS_CHUNK = 8192
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_chunks is not None:
+            if len(self.lm_head_chunks) == 1:  # one quantized head: no copy through torch.cat
+                return self.lm_head_chunks[0](hidden)
             return torch.cat([chunk(hidden) for chunk in self.lm_head_chunks], dim=-1)
         weight = self.lm_head.weight
         if hidden.device.type != "cpu" or weight.shape[0] <= self.LOGITS_CHUNK:
             return self.lm_head(hidden)
         return torch.cat([F.linear(hidden, w) for w in weight.split(self.LOGITS_CHUNK)], dim=-1)
+
+
+def _build_decoder_stack(model: LlamaForCausalLM):
+    """A ``kernels.DecoderStack`` over ``model``'s layers, or None where one of them is not the plain fused
+    layer (``LlamaForCausalLM.decoder_stack`` says which)."""
+    kernels = model.kernels
+    if kernels is None or not hasattr(kernels, "DecoderStack") or len(model.layers) == 0:
+        return None
+    eps = model.norm.eps
+    first = model.layers[0].self_attn
+    norms = [model.norm]
+    parts = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP or attn.qk_norm
+                or attn.qkv_proj is None or mlp.gate_up_proj is None
+                or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (first.num_heads, first.num_kv_heads,
+                                                                          first.head_dim)):
+            return None
+        linears = []
+        for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            make = getattr(module, "stack_linear", None)
+            linear = make() if make is not None and getattr(module, "kernels", None) is kernels else None
+            if linear is None:
+                return None
+            linears.append(linear)
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        parts.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                      *linears))
+    if any(norm.eps != eps or norm.kernels is not kernels for norm in norms):
+        return None
+    stack = kernels.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, eps, model.norm.weight.detach())
+    for part in parts:
+        stack.add_layer(*part)
+    return stack

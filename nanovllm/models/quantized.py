@@ -140,6 +140,14 @@ class QuantLinear(nn.Module):
             y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def stack_linear(self):
+        """This layer as the C++ decoder stack runs it (``kernels.stack_linear``: the same kernel and arguments as
+        ``forward``), or None without compiled kernels. Called once, when the model builds its stack."""
+        if self.kernels is None:
+            return None
+        return self.kernels.stack_linear(self.kernel, self.qweight, self.scales, self.mins, self.bias,
+                                         self.out_features, self.format_id)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these codes stand for (tests and the reference comparison; never on the
         serving path)."""
