@@ -31,6 +31,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -381,7 +383,8 @@ void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* 
 // [v = 0..3][feature 0..15][i = 0..3] of GGUF's byte 4v + i (low nibble: element 4v + i, high: 16 + 4v + i);
 // the fp16 scales and offsets [feature block][K block][16]. Each of x's 4-byte groups is broadcast and one
 // vpdpbusd adds its 4 products to all 16 features' int32 sums at once: no horizontal sums, and the block's
-// float epilogue is one vector of 16 scales. Work items are 64 features (4 blocks, N padded to 64 at load).
+// float epilogue is one vector of 16 scales. Threads split the feature blocks evenly, in chunks of up to 4 (N is
+// padded to 64 at load).
 #if defined(NANOVLLM_QUANT_512)
 #define NANOVLLM_Q4X16 1
 constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block, blocks per work item
@@ -441,64 +444,86 @@ inline __m512 load16_bias(const c10::BFloat16* b) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))), 16));
 }
 
+// FB = 1..4 consecutive feature blocks for R rows, as dot_q4x16<R, FB> (a chunk's feature-block count is known at
+// run time only at the end of a thread's range).
+template <int R>
+inline void dot_q4x16_chunk(int64_t blocks, const uint8_t* c, const at::Half* sc, const at::Half* mn,
+                            int64_t block_stride, const int8_t* x, int64_t k, const float* d, const float* s,
+                            int64_t nb, __m512* acc) {
+  switch (blocks) {
+    case 4: if constexpr (R * 4 <= 4) dot_q4x16<R, 4>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
+    case 3: if constexpr (R * 3 <= 4) dot_q4x16<R, 3>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
+    case 2: if constexpr (R * 2 <= 4) dot_q4x16<R, 2>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
+    default: dot_q4x16<R, 1>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
+  }
+}
+
 template <typename T>
 void q4x16_gemm(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const at::Half* scales, const at::Half* mins,
                 const T* bias, T* y, const int8_t* xq, const float* xd, const float* xs) {
   const int64_t nb = k / QK, block_stride = nb * 256;  // bytes of codes per feature block
-  const int64_t items = (n + kX16Features * kX16Blocks - 1) / (kX16Features * kX16Blocks);
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t fb0 = item * kX16Blocks;
-    const uint8_t* c = codes + fb0 * block_stride;
-    const at::Half* sc = scales + fb0 * nb * kX16Features;
-    const at::Half* mn = mins + fb0 * nb * kX16Features;
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t group = std::min<int64_t>(4, rows - r0);
-      const int8_t* x = xq + r0 * k;
-      const float* d = xd + r0 * nb;
-      const float* s = xs + r0 * nb;
-      __m512 acc[4][kX16Blocks];  // [row][feature block]
-      for (auto& row : acc)
-        for (auto& a : row) a = _mm512_setzero_ps();
-      if (group == 1) {
-        dot_q4x16<1, 4>(c, sc, mn, block_stride, x, k, d, s, nb, acc[0]);
-      } else if (group == 2) {
-        __m512 part[2 * 2];
-        for (int half = 0; half < 2; ++half) {
-          for (auto& a : part) a = _mm512_setzero_ps();
-          dot_q4x16<2, 2>(c + 2 * half * block_stride, sc + 2 * half * nb * kX16Features,
-                          mn + 2 * half * nb * kX16Features, block_stride, x, k, d, s, nb, part);
-          for (int r = 0; r < 2; ++r)
-            for (int f = 0; f < 2; ++f) acc[r][2 * half + f] = part[r * 2 + f];
-        }
-      } else {
-        for (int f = 0; f < kX16Blocks; ++f) {
-          __m512 part[4];
-          for (auto& a : part) a = _mm512_setzero_ps();
-          const uint8_t* cf = c + f * block_stride;
-          const at::Half* sf = sc + f * nb * kX16Features;
-          const at::Half* mf = mn + f * nb * kX16Features;
-          if (group == 4) dot_q4x16<4, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
-          else dot_q4x16<3, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
-          for (int r = 0; r < group; ++r) acc[r][f] = part[r];
-        }
-      }
-      for (int64_t r = 0; r < group; ++r) {
-        for (int f = 0; f < kX16Blocks; ++f) {
-          const int64_t col = (fb0 + f) * kX16Features;
-          if (col >= n) break;
-          const int64_t count = std::min(kX16Features, n - col);
-          __m512 v = acc[r][f];
-          if (bias != nullptr) {
-            if (count == kX16Features) {
-              v = _mm512_add_ps(v, load16_bias(bias + col));
-            } else {
-              alignas(64) float b16[kX16Features] = {};
-              for (int64_t j = 0; j < count; ++j) b16[j] = to_float(bias[col + j]);
-              v = _mm512_add_ps(v, _mm512_load_ps(b16));
-            }
+  const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
+#pragma omp parallel
+  {
+    // Each thread takes an even, contiguous range of feature blocks, in chunks of up to 4 (the register
+    // blocking): with whole 4-block work items a 576-wide layer (36 blocks, 9 items) splits 5:4 over two
+    // threads, and at batch 1 the slower thread sets the layer's time.
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t begin = used * me / threads, end = used * (me + 1) / threads;
+    for (int64_t fb0 = begin; fb0 < end; fb0 += kX16Blocks) {
+      const int64_t blocks = std::min<int64_t>(kX16Blocks, end - fb0);
+      const uint8_t* c = codes + fb0 * block_stride;
+      const at::Half* sc = scales + fb0 * nb * kX16Features;
+      const at::Half* mn = mins + fb0 * nb * kX16Features;
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t group = std::min<int64_t>(4, rows - r0);
+        const int8_t* x = xq + r0 * k;
+        const float* d = xd + r0 * nb;
+        const float* s = xs + r0 * nb;
+        __m512 acc[4][kX16Blocks];  // [row][feature block]
+        for (auto& row : acc)
+          for (auto& a : row) a = _mm512_setzero_ps();
+        if (group == 1) {
+          dot_q4x16_chunk<1>(blocks, c, sc, mn, block_stride, x, k, d, s, nb, acc[0]);
+        } else if (group == 2) {
+          for (int64_t f0 = 0; f0 < blocks; f0 += 2) {
+            const int64_t pair = std::min<int64_t>(2, blocks - f0);
+            __m512 part[2 * 2];
+            for (auto& a : part) a = _mm512_setzero_ps();
+            dot_q4x16_chunk<2>(pair, c + f0 * block_stride, sc + f0 * nb * kX16Features,
+                               mn + f0 * nb * kX16Features, block_stride, x, k, d, s, nb, part);
+            for (int r = 0; r < 2; ++r)
+              for (int64_t f = 0; f < pair; ++f) acc[r][f0 + f] = part[r * pair + f];
           }
-          store16_out(v, y + (r0 + r) * n + col, count);
+        } else {
+          for (int64_t f = 0; f < blocks; ++f) {
+            __m512 part[4];
+            for (auto& a : part) a = _mm512_setzero_ps();
+            const uint8_t* cf = c + f * block_stride;
+            const at::Half* sf = sc + f * nb * kX16Features;
+            const at::Half* mf = mn + f * nb * kX16Features;
+            if (group == 4) dot_q4x16<4, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
+            else dot_q4x16<3, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
+            for (int r = 0; r < group; ++r) acc[r][f] = part[r];
+          }
+        }
+        for (int64_t r = 0; r < group; ++r) {
+          for (int64_t f = 0; f < blocks; ++f) {
+            const int64_t col = (fb0 + f) * kX16Features;
+            if (col >= n) break;
+            const int64_t count = std::min(kX16Features, n - col);
+            __m512 v = acc[r][f];
+            if (bias != nullptr) {
+              if (count == kX16Features) {
+                v = _mm512_add_ps(v, load16_bias(bias + col));
+              } else {
+                alignas(64) float b16[kX16Features] = {};
+                for (int64_t j = 0; j < count; ++j) b16[j] = to_float(bias[col + j]);
+                v = _mm512_add_ps(v, _mm512_load_ps(b16));
+              }
+            }
+            store16_out(v, y + (r0 + r) * n + col, count);
+          }
         }
       }
     }
