@@ -3,8 +3,9 @@ llama.cpp at batch 1 on the same GGUF file (its own virtualenv, same threads).
 
 Rows (``--paths``): ``bfloat16`` and ``float32-fast`` (the dense fast paths), ``int8`` / ``int8-bf16`` (W8A8 int8
 weights, float32 / bfloat16 activations), ``gguf`` / ``gguf-bf16`` (the default model's own Q4_1 blocks, its
-embedding and LM head Q8_0). Each runs the same chat prompts (greedy, EOS ignored, ``--max-tokens`` each) for
-tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as ``bench_vs_hf.py`` measures
+embedding and LM head Q8_0), ``gguf-python-loop`` (gguf with the decoder layers in the Python loop instead of the
+C++ decoder stack, ``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts
+(greedy, EOS ignored, ``--max-tokens`` each) for tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as ``bench_vs_hf.py`` measures
 it). Also: load time (engine construction, model files already cached), the bytes of weight data one decode
 step reads, and how many outputs equal the bfloat16 path's. llama.cpp (``llama_cpp_peer.py``) runs the batch-1
 measurement on the GGUF file the gguf rows read:
@@ -42,6 +43,8 @@ PATHS = {
     "int8-bf16": dict(dtype="bfloat16", quantization="int8"),
     "gguf": dict(dtype="float32", quantization="gguf"),
     "gguf-bf16": dict(dtype="bfloat16", quantization="gguf"),
+    # The same model with the decoder layers in the Python loop instead of the C++ decoder stack: what it saves.
+    "gguf-python-loop": dict(dtype="float32", quantization="gguf", decoder_stack=False),
 }
 PEER = Path(__file__).resolve().parent / "llama_cpp_peer.py"
 RESULT_PREFIX = "nano-vllm-bench-result: "
@@ -62,13 +65,18 @@ def weight_bytes(model) -> int:
 
 
 def bench_path(path: str, num_prompts: int, max_tokens: int, batch1_repeats: int) -> dict:
+    options = dict(PATHS[path])
+    decoder_stack = options.pop("decoder_stack", True)
     start = time.perf_counter()
-    llm = LLM(num_kv_blocks=2048, max_model_len=2048, **PATHS[path])
+    llm = LLM(num_kv_blocks=2048, max_model_len=2048, **options)
     load_s = time.perf_counter() - start
+    model = llm.engine.runner.model
+    model.use_decoder_stack = decoder_stack
     prompts = chat_prompts(llm, num_prompts)
     run_nanovllm(llm, prompts[:2], 4)  # warm-up
     seconds, outputs = run_nanovllm(llm, prompts, max_tokens)
     b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens, batch1_repeats)
+    model.use_decoder_stack = True  # the loader may share this model with a later row's engine
     return {"path": path, **PATHS[path], "tok_s": num_prompts * max_tokens / seconds, "batch1_ms_per_token": b1,
             "load_s": load_s, "weight_bytes": weight_bytes(llm.engine.runner.model), "outputs": outputs,
             "prompts": prompts}
