@@ -36,7 +36,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp",
                                        "int8_amx.cpp", "brgemm_linear.cpp", "decoder_stack.cpp",
                                        "bindings.cpp")]
-HEADERS = [CSRC / "cpu_vec.h"]
+HEADERS = [CSRC / "cpu_vec.h", CSRC / "kernels.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]

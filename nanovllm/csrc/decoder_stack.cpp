@@ -6,28 +6,9 @@
 // Xeon, against ~15 us for the kernel itself at batch 1 (SmolLM2-135M's Q4_1 o_proj). Here the loop and the
 // views cost nanoseconds, and the GIL is released for the whole step. The arithmetic is unchanged: every
 // result is bitwise the Python loop's (tests/models/test_decoder_stack.py).
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <vector>
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                              torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                              torch::Tensor seq, torch::Tensor pos, double scale);
-torch::Tensor paged_attention_8bit(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                                   torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                   torch::Tensor seq, torch::Tensor pos, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                           c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t format);
-torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
-                           c10::optional<torch::Tensor> bias, int64_t out_features);
-torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                              c10::optional<torch::Tensor> bias, int64_t out_features);
-torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                            int64_t out_features);
 
 namespace {
 
