@@ -155,12 +155,13 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
 
     served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, cluster.runner.dtype), [])
     workload = generate_workload(SyntheticWorkloadConfig(
-        # Arrivals over ~4 s: on a loaded machine replica 1's first step (and so the kill) may come late.
-        num_requests=16, request_rate=4.0, seed=2, input_len=LengthDist(kind="uniform", mean=24, range_ratio=0.5),
+        # Arrivals over ~8 s: on a loaded machine (a fresh clone's suite building kernels beside it) replica 1's
+        # first step, and so the kill, came 3.5 s late; requests must still arrive after it.
+        num_requests=24, request_rate=3.0, seed=2, input_len=LengthDist(kind="uniform", mean=24, range_ratio=0.5),
         output_len=LengthDist(kind="fixed", mean=12)), cluster.tokenizer)
     workload = [dataclasses.replace(w, ignore_eos=True) for w in workload]
     result = served.serve(workload, loggers=[KillReplicaOne()], progress=False)
-    assert killed_at and len(result.requests) == 16
+    assert killed_at and len(result.requests) == 24
     died = [r for r in result.requests if r["error"] is not None]
     assert died and all(r["replica"] == 1 and r["error"].startswith("replica 1 died: ") for r in died)
     assert all(r["finish_reason"] == "length" for r in result.requests if r["error"] is None)
