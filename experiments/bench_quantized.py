@@ -3,12 +3,13 @@ llama.cpp at batch 1 on the same GGUF file (its own virtualenv, same threads).
 
 Rows (``--paths``): ``bfloat16`` and ``float32-fast`` (the dense fast paths), ``int8`` / ``int8-bf16`` (W8A8 int8
 weights, float32 / bfloat16 activations), ``gguf`` / ``gguf-bf16`` (the default model's own Q4_1 blocks, its
-embedding and LM head Q8_0), ``gguf-python-loop`` (gguf with the decoder layers in the Python loop instead of the
-C++ decoder stack, ``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts
-(greedy, EOS ignored, ``--max-tokens`` each) for tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as ``bench_vs_hf.py`` measures
-it). Also: load time (engine construction, model files already cached), the bytes of weight data one decode
-step reads, and how many outputs equal the bfloat16 path's. llama.cpp (``llama_cpp_peer.py``) runs the batch-1
-measurement on the GGUF file the gguf rows read:
+embedding and LM head Q8_0), ``int8-bf16-kv8`` / ``bfloat16-kv8`` (those paths on an int8 KV cache),
+``gguf-python-loop`` (gguf with the decoder layers in the Python loop instead of the C++ decoder stack,
+``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts (greedy, EOS ignored,
+``--max-tokens`` each) for tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as
+``bench_vs_hf.py`` measures it). Also: load time (engine construction, model files already cached), the bytes of
+weight data one decode step reads, and how many outputs equal the bfloat16 path's. llama.cpp
+(``llama_cpp_peer.py``) runs the batch-1 measurement on the GGUF file the gguf rows read:
 
     python -m venv ~/llama-venv && ~/llama-venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
     python experiments/bench_quantized.py [--num-prompts 32] [--max-tokens 64] [--paths ...]
@@ -43,6 +44,9 @@ PATHS = {
     "int8-bf16": dict(dtype="bfloat16", quantization="int8"),
     "gguf": dict(dtype="float32", quantization="gguf"),
     "gguf-bf16": dict(dtype="bfloat16", quantization="gguf"),
+    # 8-bit weights and an 8-bit KV cache (kv_cache_dtype=int8): a decode step's two big reads both halved.
+    "int8-bf16-kv8": dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8"),
+    "bfloat16-kv8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
     # The same model with the decoder layers in the Python loop instead of the C++ decoder stack: what it saves.
     "gguf-python-loop": dict(dtype="float32", quantization="gguf", decoder_stack=False),
 }
