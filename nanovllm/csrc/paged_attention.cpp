@@ -332,6 +332,24 @@ void attend_vectorized(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
                                 num_kv_heads, block_size, scale);
 }
 
+// Calls fn(std::integral_constant<int, D>, std::integral_constant<int, G>) for the head_dim D and GQA group
+// size G the vectorized kernels are instantiated for (their registers are sized at compile time); false, without
+// calling, for any other shape, which then takes the portable loop.
+template <typename Fn>
+bool with_head_shape(int64_t head_dim, int64_t group, Fn&& fn) {
+#define NANOVLLM_SHAPE(D, G)                                                     \
+  if (head_dim == D && group == G) {                                             \
+    fn(std::integral_constant<int, D>{}, std::integral_constant<int, G>{});      \
+    return true;                                                                 \
+  }
+  NANOVLLM_SHAPE(64, 1) NANOVLLM_SHAPE(64, 2) NANOVLLM_SHAPE(64, 3) NANOVLLM_SHAPE(64, 4)
+  NANOVLLM_SHAPE(64, 5) NANOVLLM_SHAPE(64, 6) NANOVLLM_SHAPE(64, 7) NANOVLLM_SHAPE(64, 8)
+  NANOVLLM_SHAPE(128, 1) NANOVLLM_SHAPE(128, 2) NANOVLLM_SHAPE(128, 3) NANOVLLM_SHAPE(128, 4)
+  NANOVLLM_SHAPE(128, 5) NANOVLLM_SHAPE(128, 6) NANOVLLM_SHAPE(128, 7) NANOVLLM_SHAPE(128, 8)
+#undef NANOVLLM_SHAPE
+  return false;
+}
+
 // Runs the AVX-512 path when it has an instantiation for this dtype, head_dim and group size.
 template <typename scalar_t>
 bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
@@ -339,18 +357,11 @@ bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
                        scalar_t* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, float scale) {
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    const int64_t group = num_heads / num_kv_heads;
-#define NANOVLLM_ATTEND(D, G)                                                                                   \
-  if (head_dim == D && group == G) {                                                                            \
-    attend_vectorized<scalar_t, D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out,     \
-                                      num_tokens, num_kv_heads, block_size, scale);                             \
-    return true;                                                                                                \
-  }
-    NANOVLLM_ATTEND(64, 1) NANOVLLM_ATTEND(64, 2) NANOVLLM_ATTEND(64, 3) NANOVLLM_ATTEND(64, 4)
-    NANOVLLM_ATTEND(64, 5) NANOVLLM_ATTEND(64, 6) NANOVLLM_ATTEND(64, 7) NANOVLLM_ATTEND(64, 8)
-    NANOVLLM_ATTEND(128, 1) NANOVLLM_ATTEND(128, 2) NANOVLLM_ATTEND(128, 3) NANOVLLM_ATTEND(128, 4)
-    NANOVLLM_ATTEND(128, 5) NANOVLLM_ATTEND(128, 6) NANOVLLM_ATTEND(128, 7) NANOVLLM_ATTEND(128, 8)
-#undef NANOVLLM_ATTEND
+    return with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
+      attend_vectorized<scalar_t, decltype(d)::value, decltype(g)::value>(
+          q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens, num_kv_heads,
+          block_size, scale);
+    });
   }
   return false;
 }
@@ -437,8 +448,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 // (127, or 448 for e4m3), codes = x / scale rounded half-to-even (int8) or to e4m3, the same float32 operations
 // as the torch reference, so both write the same bytes. Attention is the plain loop of ``attend`` with each key
 // and value row decoded to float32 once (for the whole query group); the row's scale multiplies its score and its
-// probability instead of every element. Portable code on every build: the compiler vectorizes the decode and the
-// dot products for the ISA it targets.
+// probability instead of every element. That loop is the portable path on every build; on AVX-512 builds, the
+// head shapes the vectorized kernels know run attend_8bit_avx512 (attend_avx512's arithmetic on decoded rows).
 namespace {
 
 enum class KVCodes { kInt8, kFp8E4M3 };
@@ -566,6 +577,112 @@ void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, co
   }
 }
 
+#if defined(__AVX512F__)
+// 16 codes of an 8-bit row as float32 lanes, up to the factor decode_factor<C>() that the row's scale absorbs.
+// int8: sign-extended. e4m3: each byte becomes the float16 with the same sign, exponent and mantissa bits
+// (s eeee mmm -> s 0eeee mmm0000000), which is the e4m3 value times 2^-8 for normal and subnormal codes alike
+// (float16's exponent bias is 15, e4m3's 7), so one exact conversion instruction replaces the table lookup.
+template <KVCodes C>
+inline __m512 decode16(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == KVCodes::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi16(raw);
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(half);
+  }
+}
+
+template <KVCodes C>
+constexpr float decode_factor() { return C == KVCodes::kInt8 ? 1.f : 256.f; }
+
+// attend_avx512's arithmetic over an 8-bit cache: each key row is decoded to float32 and multiplied by its
+// scale once, into the 16-key tile that every query head of the group reads; each value row's scale is folded
+// into its probability, as in attend_8bit. Half the cache bytes of a bfloat16 cache per key, and the decode is
+// two instructions per 16 values.
+template <KVCodes C, typename scalar_t, int D, int G>
+void attend_8bit_avx512(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, const uint8_t* v_cache,
+                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
+                        scalar_t* out, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, float scale) {
+  constexpr int V = D / 16;  // vectors per head row
+  constexpr int64_t row = D + kScaleBytes;
+  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * row;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    alignas(64) float tile[16][D];
+    alignas(64) float result[G * D];
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
+      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
+      const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
+      const auto slot_row = [&](const uint8_t* cache, int64_t key) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        return cache + slot * kv_row + h * row;
+      };
+      scores.resize(G * stride);
+      __m512 qv[G][V];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < V; ++j)
+          qv[g][j] = _mm512_mul_ps(load16(q + t * q_stride + (h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+      // Pass 1: scores, 16 keys at a time.
+      for (int64_t first = 0; first < num_keys; first += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
+        for (int k = 0; k < n; ++k) {
+          const uint8_t* kp = slot_row(k_cache, first + k);
+          const __m512 key_scale = _mm512_set1_ps(row_scale(kp, D) * decode_factor<C>());
+          for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], _mm512_mul_ps(decode16<C>(kp + 16 * j), key_scale));
+        }
+        for (int g = 0; g < G; ++g) {
+          __m512 dots[16];
+          for (int k = 0; k < 16; ++k) {
+            if (k >= n) {
+              dots[k] = _mm512_setzero_ps();
+              continue;
+            }
+            __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_load_ps(&tile[k][0]));
+            for (int j = 1; j < V; ++j) acc = _mm512_fmadd_ps(qv[g][j], _mm512_load_ps(&tile[k][16 * j]), acc);
+            dots[k] = acc;
+          }
+          _mm512_storeu_ps(scores.data() + g * stride + first, sum_each16(dots));
+        }
+      }
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * stride;
+        inv_sum[g] = softmax_numerators(sg, num_keys, [&](int64_t key, __m512 e) {
+          _mm512_storeu_ps(sg + key, e);
+          return e;
+        });
+      }
+      // Pass 2: the weighted sum of values, each row's scale folded into its weight, accumulators in registers.
+      __m512 acc[G][V];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t key = 0; key < num_keys; ++key) {
+        const uint8_t* vp = slot_row(v_cache, key);
+        const float value_scale = row_scale(vp, D) * decode_factor<C>();
+        __m512 vv[V];
+        for (int j = 0; j < V; ++j) vv[j] = decode16<C>(vp + 16 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * stride + key] * value_scale);
+          for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < V; ++j)
+          _mm512_store_ps(result + g * D + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv_sum[g])));
+        scalar_t* oh = out + (t * num_heads + h * G + g) * D;
+        for (int d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(result[g * D + d]);
+      }
+    }
+  }
+}
+#endif  // __AVX512F__
+
 template <KVCodes C, typename scalar_t>
 void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
@@ -577,6 +694,17 @@ void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, c
   auto* vc = static_cast<uint8_t*>(v_cache.data_ptr());
   write_kv_8bit<C, scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), kc, vc,
                              k.size(0), num_kv_heads, head_dim, k.stride(0), v.stride(0));
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
+          attend_8bit_avx512<C, scalar_t, decltype(d)::value, decltype(g)::value>(
+              q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+              seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
+              block_size, scale);
+        }))
+      return;
+  }
+#endif
   attend_8bit<C, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(),
                            block_tables.size(1), seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
                            out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale);

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanovllm.attention import kv_quant
-from nanovllm.attention.base import ATTENTION_BACKENDS
+from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionMetadata
 from paged_batches import RandomBatches
 from test_attention_cpu import _random_step
 
@@ -103,6 +103,35 @@ def test_8bit_cache_over_many_steps_of_prefill_decode_and_preemption(fmt, kernel
     assert torch.equal(cpu_cache, torch_cache)
     assert batches.seen["chunk_on_cache"] and batches.seen["resumed"] and batches.seen["decode_only"]
     assert worst < REL_TOL[fmt], worst
+
+
+@pytest.mark.parametrize("fmt", sorted(kv_quant.FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_8bit_code_decodes_exactly_in_the_cpu_kernel(fmt, dtype, kernel_isa):
+    """Each of the format's finite codes is read back as the value kv_quant.dequantize gives it, on every kernel
+    build (the AVX-512 kernels decode e4m3 through float16's bit layout, the portable loop through a table).
+    One sequence per code: its cached key 0 is a value row of that code (scale 1), key 1 the step's new all-zero
+    row; a zero query weighs both keys 1/2, so the output is exactly half the decoded code."""
+    spec = kv_quant.FORMATS[fmt]
+    if fmt == "int8":
+        codes = torch.arange(-127, 128, dtype=torch.int16).to(torch.int8).view(torch.uint8)  # the quantizer's range
+    else:
+        codes = torch.arange(256, dtype=torch.int16).to(torch.uint8)
+        codes = codes[torch.isfinite(codes.view(torch.float8_e4m3fn).float())]
+    num_heads, head_dim, n = 3, 64, codes.numel()
+    cache = torch.zeros(2, 2 * n, 1, 1, head_dim + 4, dtype=spec.storage)
+    row = cache.view(torch.uint8)[:, 0::2, 0, 0]  # key 0 of every sequence
+    row[:, :, :head_dim] = codes.view(n, 1)
+    row[:, :, head_dim:] = torch.tensor([1.0]).view(torch.uint8)
+    meta = AttentionMetadata(query_lens=[1] * n, seq_lens=[2] * n, block_tables=[[2 * i, 2 * i + 1] for i in range(n)],
+                             slot_mapping=torch.arange(1, 2 * n, 2), block_size=1)
+    zeros_q, zeros_kv = torch.zeros(n, num_heads, head_dim, dtype=dtype), torch.zeros(n, 1, head_dim, dtype=dtype)
+    out = _attend({"name": "cpu", "isa": kernel_isa}, cache, meta, zeros_q, zeros_kv, zeros_kv, (num_heads, 1),
+                  head_dim)
+    decoded = kv_quant.dequantize(cache[1, 0::2, 0, 0], spec)[:, 0]  # one value per code, float32
+    assert decoded.abs().max() == spec.qmax and torch.unique(decoded).numel() == n - (fmt == "fp8_e4m3")  # +-0
+    expected = (decoded / 2).to(dtype).view(n, 1).expand(n, num_heads * head_dim)
+    assert torch.equal(out, expected)
 
 
 def test_a_cache_read_without_its_scales_is_far_off():
