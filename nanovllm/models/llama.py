@@ -250,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
             residual, delta = x.contiguous(), None  # x is this step's own tensor: updated in place from here on
             step = self._stack_step(attention)
             if step is not None:
-                return self.decoder_stack().forward(residual, *rope, *step)
+                stack, attention_args = step
+                return stack.forward(residual, *rope, *attention_args)
             for layer in self.layers:
                 delta = layer.forward_fused(rope, residual, delta, attention)
             return self.kernels.add_rms_norm_(residual, delta, self.norm.weight, self.norm.eps)
@@ -269,15 +270,18 @@ class LlamaForCausalLM(nn.Module):
         return self._decoder_stack[1]
 
     def _stack_step(self, attention: AttentionBackend) -> tuple | None:
-        """The attention arguments for the C++ decoder stack this step, or None to run the Python loop: the
-        stack is off or unavailable, the backend is not the CPU kernel alone (``CpuAttention.kernel_step``), or
-        a profiler is recording (it then sees every kernel as its own op, as ``nanovllm.profile`` reports them)."""
+        """``(stack, attention arguments)`` for running this step's decoder layers as the C++ loop, or None to
+        run the Python loop: the stack is off or unavailable, the backend is not the CPU kernel alone
+        (``CpuAttention.kernel_step``), or a profiler is recording (it then sees every kernel as its own op, as
+        ``nanovllm.profile`` reports them)."""
         if not self.use_decoder_stack or torch.autograd.profiler._is_profiler_enabled:
             return None
         kernel_step = getattr(attention, "kernel_step", None)
-        if kernel_step is None or self.decoder_stack() is None:
+        stack = self.decoder_stack() if kernel_step is not None else None
+        if stack is None:
             return None
-        return kernel_step(self.kernels)
+        attention_args = kernel_step(self.kernels)
+        return None if attention_args is None else (stack, attention_args)
 
     # Vocabulary rows per LM-head matmul. One [rows, 49152] GEMM runs ~1.5x slower on CPU than the same work in
     # 8192-row slices (the weight slice stays in cache); the results are bitwise identical.
