@@ -3,7 +3,12 @@ shape (9 query heads, 3 KV heads, head_dim 64), same process. A decode step (``-
 each, over ``--context`` cached tokens) and a prefill chunk (``--chunk`` tokens on top of ``--context`` cached).
 Reports ms per layer call (plan once per step, amortized over ``--layers``).
 
+``--kv-cache-dtype int8`` / ``fp8_e4m3`` runs the same steps over an 8-bit cache (``kv_quant``'s rows of codes and
+a scale). ``--layer-caches`` gives each of the ``--layers`` calls its own cache, so the rows stream from memory
+as in a model's step instead of staying in cache across calls.
+
     python experiments/bench_attention.py [--seqs 64] [--context 128] [--chunk 256] [--dtype bfloat16]
+                                          [--kv-cache-dtype auto] [--layer-caches]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 import torch
 
 from nanovllm import machine
+from nanovllm.attention import kv_quant
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -34,10 +40,16 @@ def layout(query_lens: list[int], contexts: list[int], block_size: int) -> tuple
     return meta, sum(len(t) for t in tables)
 
 
-def time_backend(spec, meta: AttentionMetadata, num_blocks: int, dtype, layers: int, repeats: int) -> float:
+def time_backend(spec, meta: AttentionMetadata, num_blocks: int, dtype, layers: int, repeats: int,
+                 kv_cache_dtype: str = "auto", layer_caches: bool = False) -> float:
     backend = ATTENTION_BACKENDS.build(spec, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
-    cache = torch.randn(2, num_blocks, meta.block_size, KV_HEADS, HEAD_DIM).to(dtype)
-    backend.bind_kv_caches([(cache[0], cache[1])])
+    fmt = kv_quant.kv_format(kv_cache_dtype)
+    caches = []
+    for _ in range(layers if layer_caches else 1):
+        cache = torch.randn(2, num_blocks, meta.block_size, KV_HEADS, HEAD_DIM).to(dtype)
+        cache = cache if fmt is None else kv_quant.quantize(cache.float(), fmt)
+        caches.append((cache[0], cache[1]))
+    backend.bind_kv_caches(caches)
     tokens = sum(meta.query_lens)
     q = torch.randn(tokens, HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
@@ -47,8 +59,8 @@ def time_backend(spec, meta: AttentionMetadata, num_blocks: int, dtype, layers: 
         for _ in range(repeats):
             start = time.perf_counter()
             backend.plan(meta)
-            for _ in range(layers):
-                backend.forward(0, q, k, v)
+            for layer in range(layers):
+                backend.forward(layer if layer_caches else 0, q, k, v)
             best = min(best, (time.perf_counter() - start) / layers)
     return best * 1e3
 
@@ -63,6 +75,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *kv_quant.FORMATS])
+    parser.add_argument("--layer-caches", action="store_true", help="one cache per layer call (rows from memory)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,14 +90,16 @@ def main() -> None:
         f"prefill chunk: {args.chunk} tokens on {args.context} cached": layout([args.chunk], [args.context],
                                                                               args.block_size),
     }
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, block size {args.block_size}; ms per layer call")
+    print(f"{args.dtype}, kv_cache_dtype {args.kv_cache_dtype}{', one cache per layer' if args.layer_caches else ''}, "
+          f"{torch.get_num_threads()} threads, block size {args.block_size}; ms per layer call")
     print("| case | torch (reference) | cpu backend (default) | speed-up | cpu, long chunks on SDPA (sdpa_min_query=16) |")
     print("|---|---|---|---|---|")
     on_sdpa = {"name": "cpu", "sdpa_min_query": 16}
     for label, (meta, num_blocks) in cases.items():
-        ref = time_backend("torch", meta, num_blocks, dtype, args.layers, args.repeats)
-        fast = time_backend("cpu", meta, num_blocks, dtype, args.layers, args.repeats)
-        on_sdpa_ms = time_backend(on_sdpa, meta, num_blocks, dtype, args.layers, args.repeats)
+        cache_args = (args.kv_cache_dtype, args.layer_caches)
+        ref = time_backend("torch", meta, num_blocks, dtype, args.layers, args.repeats, *cache_args)
+        fast = time_backend("cpu", meta, num_blocks, dtype, args.layers, args.repeats, *cache_args)
+        on_sdpa_ms = time_backend(on_sdpa, meta, num_blocks, dtype, args.layers, args.repeats, *cache_args)
         print(f"| {label} | {ref:.3f} | {fast:.3f} | {ref / fast:.1f}x | {on_sdpa_ms:.3f} |")
 
 

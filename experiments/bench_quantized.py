@@ -7,8 +7,10 @@ embedding and LM head Q8_0), ``int8-bf16-kv8`` / ``bfloat16-kv8`` (those paths o
 ``gguf-python-loop`` (gguf with the decoder layers in the Python loop instead of the C++ decoder stack,
 ``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts (greedy, EOS ignored,
 ``--max-tokens`` each) for tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as
-``bench_vs_hf.py`` measures it). Also: load time (engine construction, model files already cached), the bytes of
-weight data one decode step reads, and how many outputs equal the bfloat16 path's. llama.cpp
+``bench_vs_hf.py`` measures it). A second run of the same prompts, one token each, times the prefill; the
+rest of the full run's time, per token decoded after the first, gives the decode throughput. Also: load time
+(engine construction, model files already cached), the bytes of weight data one decode step reads, and how
+many outputs equal the bfloat16 path's. llama.cpp
 (``llama_cpp_peer.py``) runs the batch-1 measurement on the GGUF file the gguf rows read:
 
     python -m venv ~/llama-venv && ~/llama-venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
@@ -79,9 +81,14 @@ def bench_path(path: str, num_prompts: int, max_tokens: int, batch1_repeats: int
     prompts = chat_prompts(llm, num_prompts)
     run_nanovllm(llm, prompts[:2], 4)  # warm-up
     seconds, outputs = run_nanovllm(llm, prompts, max_tokens)
+    # The same prompts for one token each: the run's prefill (and first token), so that the rest of the run's
+    # time is its decode steps, where weight bytes matter most.
+    prefill_s, _ = run_nanovllm(llm, prompts, 1)
     b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens, batch1_repeats)
     model.use_decoder_stack = True  # the loader may share this model with a later row's engine
+    decode_tok_s = num_prompts * (max_tokens - 1) / (seconds - prefill_s) if seconds > prefill_s else float("nan")
     return {"path": path, **PATHS[path], "tok_s": num_prompts * max_tokens / seconds, "batch1_ms_per_token": b1,
+            "prefill_ms": prefill_s * 1e3, "decode_tok_s": decode_tok_s,
             "load_s": load_s, "weight_bytes": weight_bytes(llm.engine.runner.model), "outputs": outputs,
             "prompts": prompts}
 
@@ -145,16 +152,18 @@ def main() -> None:
     reference = by_path.get("bfloat16")
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), {threads} threads,"
           " one process" + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
-    print("| path | activations | tok/s | vs bfloat16 | vs float32-fast | batch-1 ms/token | llama.cpp ms / ours at batch 1 "
-          "| load s | weight MB read per step | outputs = bfloat16's |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| path | activations | tok/s | vs bfloat16 | vs float32-fast | prefill ms | decode tok/s | decode vs bfloat16 "
+          "| batch-1 ms/token | llama.cpp ms / ours at batch 1 | load s | weight MB read per step | outputs = bfloat16's |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         vs = {name: (f"{r['tok_s'] / by_path[name]['tok_s']:.2f}x" if name in by_path else "-")
               for name in ("bfloat16", "float32-fast")}
         vs_peer = f"{peer['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x" if peer else "-"
         same = (f"{sum(a == b for a, b in zip(r['outputs'], reference['outputs']))}/{args.num_prompts}"
                 if reference else "-")
+        decode_vs = f"{r['decode_tok_s'] / reference['decode_tok_s']:.2f}x" if reference else "-"
         print(f"| {r['path']} | {r['dtype']} | {r['tok_s']:.1f} | {vs['bfloat16']} | {vs['float32-fast']} | "
+              f"{r['prefill_ms']:.0f} | {r['decode_tok_s']:.1f} | {decode_vs} | "
               f"{r['batch1_ms_per_token']:.2f} | {vs_peer} | {r['load_s']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {same} |")
     if peer:
         buffers = "its extra buffer types on" if peer["extra_buffer_types"] else \
