@@ -19,7 +19,8 @@ SDPA instead, which can pay on CPUs without AVX-512, where the kernel runs its p
 
 8-bit caches (``kv_cache_dtype=int8`` / ``fp8_e4m3``, layout in ``kv_quant``) go to the kernel's
 ``paged_attention_8bit``: it quantizes the new K/V rows as it writes them, and decodes each cached row to float32
-inside its (portable, compiler-vectorized) attention loop, on every ISA build.
+inside its attention loop: the AVX-512 kernel's (16 keys a tile, as above) on the AVX-512 builds, a portable,
+compiler-vectorized loop on the others.
 """
 
 from __future__ import annotations
