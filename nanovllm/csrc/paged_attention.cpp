@@ -30,6 +30,17 @@ using nanovllm::load16;
 using nanovllm::sum_each16;
 #endif
 
+// 8-bit caches (kv_cache_dtype=int8 / fp8_e4m3): the codes' format, and the float32 scale that follows a row's
+// head_dim codes (the layout is described with the 8-bit entry point below).
+enum class KVCodes { kInt8, kFp8E4M3 };
+constexpr int64_t kScaleBytes = 4;
+
+inline float row_scale(const uint8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(float));
+  return scale;
+}
+
 // Each of the group's rows of scores (num_keys each) replaced by its softmax, in place: the portable loops'
 // normalization, shared by the model-dtype and the 8-bit kernels.
 inline void softmax_rows(float* scores, int64_t group, int64_t num_keys) {
@@ -129,20 +140,64 @@ inline float softmax_numerators(const float* sg, int64_t num_keys, Store store) 
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
+// 16 codes of an 8-bit row as float32 lanes, up to the factor decode_factor<C>() that the row's scale absorbs.
+// int8: sign-extended. e4m3: each byte becomes the float16 with the same sign, exponent and mantissa bits
+// (s eeee mmm -> s 0eeee mmm0000000), which is the e4m3 value times 2^-8 for normal and subnormal codes alike
+// (float16's exponent bias is 15, e4m3's 7), so one exact conversion instruction replaces the table lookup.
+template <KVCodes C>
+inline __m512 decode16(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == KVCodes::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi16(raw);
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(half);
+  }
+}
+
+template <KVCodes C>
+constexpr float decode_factor() { return C == KVCodes::kInt8 ? 1.f : 256.f; }
+
+// How attend_avx512 reads the cache's rows: head_dim values in the model dtype, as stored.
+template <typename scalar_t, int D>
+struct ModelRows {
+  using Cache = scalar_t;
+  static constexpr int64_t kRow = D;  // cache elements per (token, KV head) row
+  static constexpr bool kScaled = false;
+  static __m512 load(const scalar_t* p) { return load16(p); }
+  static float scale(const scalar_t*) { return 1.f; }
+};
+
+// head_dim 8-bit codes then the row's float32 scale (nanovllm/attention/kv_quant.py's layout). Half the bytes of
+// a bfloat16 row per key, and two instructions per 16 values to decode.
+template <KVCodes C, int D>
+struct EightBitRows {
+  using Cache = uint8_t;
+  static constexpr int64_t kRow = D + kScaleBytes;
+  static constexpr bool kScaled = true;
+  static __m512 load(const uint8_t* p) { return decode16<C>(p); }
+  static float scale(const uint8_t* row) { return row_scale(row, D) * decode_factor<C>(); }
+};
+
 // The AVX-512 path: the same arithmetic as ``attend`` above, organised for the vector unit. For each work item
 // (token, KV head) it runs, 16 keys at a time: convert the 16 key rows to a float32 tile once, take each query
 // head's 16 dot products as 16 vectors and reduce them together into one vector of 16 scores (a transposing
 // add tree: ~3 instructions per score instead of a full horizontal sum each); then one vectorized exp pass
-// (nanovllm::exp16, cpu_vec.h); then the weighted sum of values with the group's accumulators held in registers (head_dim and the group
-// size are template parameters so the compiler can keep them there). Normalization by the exp-sum happens
-// once, at the end.
-
-template <typename scalar_t, int D, int G>
-void attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
-                   const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens,
-                   int64_t num_kv_heads, int64_t block_size, float scale) {
+// (nanovllm::exp16, cpu_vec.h); then the weighted sum of values with the group's accumulators held in registers
+// (head_dim and the group size are template parameters so the compiler can keep them there). Normalization by
+// the exp-sum happens once, at the end. Rows is how it reads the cache (ModelRows: values in the model dtype as
+// stored; EightBitRows: 8-bit codes decoded 16 at a time, each row's scale multiplying its key's tile row and its
+// value's probability).
+template <typename scalar_t, typename Rows, int D, int G>
+void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cache* k_cache,
+                   const typename Rows::Cache* v_cache, const int32_t* block_tables, int64_t max_blocks,
+                   const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens, int64_t num_kv_heads,
+                   int64_t block_size, float scale) {
+  using Cache = typename Rows::Cache;
   constexpr int V = D / 16;  // vectors per head row
-  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * D;
+  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * Rows::kRow;
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -153,6 +208,10 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
+      const auto slot_row = [&](const Cache* cache, int64_t key) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        return cache + slot * kv_row + h * Rows::kRow;
+      };
       scores.resize(G * stride);
       __m512 qv[G][V];
       for (int g = 0; g < G; ++g)
@@ -162,10 +221,13 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
       for (int64_t first = 0; first < num_keys; first += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
         for (int k = 0; k < n; ++k) {
-          const int64_t key = first + k;
-          const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
-          const scalar_t* kp = k_cache + slot * kv_row + h * D;
-          for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], load16(kp + 16 * j));
+          const Cache* kp = slot_row(k_cache, first + k);
+          if constexpr (Rows::kScaled) {
+            const __m512 key_scale = _mm512_set1_ps(Rows::scale(kp));
+            for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], _mm512_mul_ps(Rows::load(kp + 16 * j), key_scale));
+          } else {
+            for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], Rows::load(kp + 16 * j));
+          }
         }
         for (int g = 0; g < G; ++g) {
           __m512 dots[16];
@@ -195,12 +257,13 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int64_t key = 0; key < num_keys; ++key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
-        const scalar_t* vp = v_cache + slot * kv_row + h * D;
+        const Cache* vp = slot_row(v_cache, key);
+        const float value_scale = Rows::scale(vp);  // folded into the key's weight (1 for model-dtype rows)
         __m512 vv[V];
-        for (int j = 0; j < V; ++j) vv[j] = load16(vp + 16 * j);
+        for (int j = 0; j < V; ++j) vv[j] = Rows::load(vp + 16 * j);
         for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * stride + key]);
+          const float weight = scores[g * stride + key];
+          const __m512 p = _mm512_set1_ps(Rows::kScaled ? weight * value_scale : weight);
           for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
         }
       }
@@ -328,8 +391,8 @@ void attend_vectorized(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
     return;
   }
 #endif
-  attend_avx512<scalar_t, D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens,
-                                num_kv_heads, block_size, scale);
+  attend_avx512<scalar_t, ModelRows<scalar_t, D>, D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
+                                                        seq, pos, out, num_tokens, num_kv_heads, block_size, scale);
 }
 
 // Calls fn(std::integral_constant<int, D>, std::integral_constant<int, G>) for the head_dim D and GQA group
@@ -449,11 +512,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 // as the torch reference, so both write the same bytes. Attention is the plain loop of ``attend`` with each key
 // and value row decoded to float32 once (for the whole query group); the row's scale multiplies its score and its
 // probability instead of every element. That loop is the portable path on every build; on AVX-512 builds, the
-// head shapes the vectorized kernels know run attend_8bit_avx512 (attend_avx512's arithmetic on decoded rows).
+// head shapes the vectorized kernels know run attend_avx512 over EightBitRows (its arithmetic on decoded rows).
 namespace {
-
-enum class KVCodes { kInt8, kFp8E4M3 };
-constexpr int64_t kScaleBytes = 4;
 
 // e4m3 code -> float32, built once from c10's conversion (a table lookup instead of bit fiddling per value).
 const float* fp8_e4m3_table() {
@@ -496,12 +556,6 @@ inline void decode_row(const uint8_t* row, int64_t head_dim, float* out) {
     const float* table = fp8_e4m3_table();
     for (int64_t d = 0; d < head_dim; ++d) out[d] = table[row[d]];
   }
-}
-
-inline float row_scale(const uint8_t* row, int64_t head_dim) {
-  float scale;
-  std::memcpy(&scale, row + head_dim, sizeof(float));
-  return scale;
 }
 
 template <KVCodes C, typename scalar_t>
@@ -577,112 +631,6 @@ void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, co
   }
 }
 
-#if defined(__AVX512F__)
-// 16 codes of an 8-bit row as float32 lanes, up to the factor decode_factor<C>() that the row's scale absorbs.
-// int8: sign-extended. e4m3: each byte becomes the float16 with the same sign, exponent and mantissa bits
-// (s eeee mmm -> s 0eeee mmm0000000), which is the e4m3 value times 2^-8 for normal and subnormal codes alike
-// (float16's exponent bias is 15, e4m3's 7), so one exact conversion instruction replaces the table lookup.
-template <KVCodes C>
-inline __m512 decode16(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (C == KVCodes::kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-  } else {
-    const __m256i b = _mm256_cvtepu8_epi16(raw);
-    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_cvtph_ps(half);
-  }
-}
-
-template <KVCodes C>
-constexpr float decode_factor() { return C == KVCodes::kInt8 ? 1.f : 256.f; }
-
-// attend_avx512's arithmetic over an 8-bit cache: each key row is decoded to float32 and multiplied by its
-// scale once, into the 16-key tile that every query head of the group reads; each value row's scale is folded
-// into its probability, as in attend_8bit. Half the cache bytes of a bfloat16 cache per key, and the decode is
-// two instructions per 16 values.
-template <KVCodes C, typename scalar_t, int D, int G>
-void attend_8bit_avx512(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, const uint8_t* v_cache,
-                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
-                        scalar_t* out, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, float scale) {
-  constexpr int V = D / 16;  // vectors per head row
-  constexpr int64_t row = D + kScaleBytes;
-  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * row;
-#pragma omp parallel
-  {
-    std::vector<float> scores;
-    alignas(64) float tile[16][D];
-    alignas(64) float result[G * D];
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
-      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
-      const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
-      const auto slot_row = [&](const uint8_t* cache, int64_t key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
-        return cache + slot * kv_row + h * row;
-      };
-      scores.resize(G * stride);
-      __m512 qv[G][V];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < V; ++j)
-          qv[g][j] = _mm512_mul_ps(load16(q + t * q_stride + (h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
-      // Pass 1: scores, 16 keys at a time.
-      for (int64_t first = 0; first < num_keys; first += 16) {
-        const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
-        for (int k = 0; k < n; ++k) {
-          const uint8_t* kp = slot_row(k_cache, first + k);
-          const __m512 key_scale = _mm512_set1_ps(row_scale(kp, D) * decode_factor<C>());
-          for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], _mm512_mul_ps(decode16<C>(kp + 16 * j), key_scale));
-        }
-        for (int g = 0; g < G; ++g) {
-          __m512 dots[16];
-          for (int k = 0; k < 16; ++k) {
-            if (k >= n) {
-              dots[k] = _mm512_setzero_ps();
-              continue;
-            }
-            __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_load_ps(&tile[k][0]));
-            for (int j = 1; j < V; ++j) acc = _mm512_fmadd_ps(qv[g][j], _mm512_load_ps(&tile[k][16 * j]), acc);
-            dots[k] = acc;
-          }
-          _mm512_storeu_ps(scores.data() + g * stride + first, sum_each16(dots));
-        }
-      }
-      float inv_sum[G];
-      for (int g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * stride;
-        inv_sum[g] = softmax_numerators(sg, num_keys, [&](int64_t key, __m512 e) {
-          _mm512_storeu_ps(sg + key, e);
-          return e;
-        });
-      }
-      // Pass 2: the weighted sum of values, each row's scale folded into its weight, accumulators in registers.
-      __m512 acc[G][V];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
-      for (int64_t key = 0; key < num_keys; ++key) {
-        const uint8_t* vp = slot_row(v_cache, key);
-        const float value_scale = row_scale(vp, D) * decode_factor<C>();
-        __m512 vv[V];
-        for (int j = 0; j < V; ++j) vv[j] = decode16<C>(vp + 16 * j);
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * stride + key] * value_scale);
-          for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        for (int j = 0; j < V; ++j)
-          _mm512_store_ps(result + g * D + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv_sum[g])));
-        scalar_t* oh = out + (t * num_heads + h * G + g) * D;
-        for (int d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(result[g * D + d]);
-      }
-    }
-  }
-}
-#endif  // __AVX512F__
-
 template <KVCodes C, typename scalar_t>
 void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
@@ -697,7 +645,7 @@ void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, c
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
-          attend_8bit_avx512<C, scalar_t, decltype(d)::value, decltype(g)::value>(
+          attend_avx512<scalar_t, EightBitRows<C, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
               q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
               seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
               block_size, scale);
