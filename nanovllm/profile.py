@@ -163,7 +163,7 @@ def layer_loop(model: nn.Module) -> str:
         return "the Python loop (use_decoder_stack is off)"
     if model.decoder_stack() is None:
         return ("the Python loop (a layer the C++ stack does not run: q/k norm, a tensor-parallel shard, a "
-                "oneDNN or GEMV linear)")
+                "subclassed layer)")
     return ("one C++ loop (nanovllm/csrc/decoder_stack.cpp) on steps whose attention is the cpu kernel alone; "
             "the profiled run takes the Python loop")
 

@@ -84,6 +84,10 @@ torch::Tensor pack_brgemm_weight(torch::Tensor weight) {
   // [n_blocks, K, 32]: each block's K x 32 slice of W^T, row-major.
   auto blocks = padded.view({n_blocks, BLOCK_N, k}).transpose(1, 2).contiguous();
   if (dtype == at::kFloat) return blocks.view({n_blocks, k * BLOCK_N});
+  // Without AMX, torch's pack refuses bf16 ("no need to pack"), and its brgemm still reads B as VNNI pairs
+  // (K/2 rows of [32 features][2 consecutive K]): that layout, made here.
+  if (!at::native::cpublas::could_pack(dtype))
+    return blocks.view({n_blocks, k / 2, 2, BLOCK_N}).transpose(2, 3).contiguous().view({n_blocks, k * BLOCK_N});
   auto packed = torch::empty({n_blocks, k * BLOCK_N}, weight.options());
   for (int64_t b = 0; b < n_blocks; ++b)
     at::native::cpublas::pack(k, BLOCK_N, BLOCK_N, BLOCK_N, dtype, dtype, blocks[b].data_ptr(), packed[b].data_ptr());

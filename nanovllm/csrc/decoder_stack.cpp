@@ -12,30 +12,53 @@
 
 namespace {
 
-// The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", QuantLinear's
-// "q4x16", "vector" and "amx"). Python names them by these strings (stack_linear() in fast_path.py and
-// quantized.py); a layer whose linear runs anything else keeps the Python loop.
-enum class LinearKind { kBrgemm, kQ4x16, kQuant, kInt8Amx };
+// The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", "onednn" and
+// "onednn+gemv", QuantLinear's "q4x16", "vector" and "amx"). Python names them by these strings (stack_linear()
+// in fast_path.py and quantized.py); a layer whose linear runs anything else keeps the Python loop.
+enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kQuant, kInt8Amx };
 
 LinearKind linear_kind(const std::string& name) {
   if (name == "brgemm") return LinearKind::kBrgemm;
+  if (name == "onednn") return LinearKind::kOneDnn;
+  if (name == "onednn+gemv") return LinearKind::kOneDnnGemv;
   if (name == "q4x16") return LinearKind::kQ4x16;
   if (name == "vector") return LinearKind::kQuant;
   if (name == "amx") return LinearKind::kInt8Amx;
-  TORCH_CHECK(false, "DecoderStack: no stacked kernel named '", name, "' (brgemm, q4x16, vector, amx)");
+  TORCH_CHECK(false, "DecoderStack: no stacked kernel named '", name,
+              "' (brgemm, onednn, onednn+gemv, q4x16, vector, amx)");
+}
+
+// oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
+// PackedLinear.forward makes. It is registered with torch's dispatcher, not declared in a public header, so it is
+// called boxed: a few microseconds, against the ~20 us a Python module call around it costs.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                          c10::IValue(std::string("none")), c10::IValue(c10::List<c10::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
 }
 
 // One linear layer's weights and the kernel that multiplies by them (the same call its Python module makes).
 struct StackLinear {
   LinearKind kind;
-  torch::Tensor weight;  // packed brgemm weight, Q4x16 codes, quantized codes, or AMX-packed int8 codes
-  torch::Tensor scales;  // empty for brgemm
+  torch::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 codes, quantized codes, or AMX-packed int8 codes
+  torch::Tensor scales;  // empty for brgemm and oneDNN
   c10::optional<torch::Tensor> mins, bias;
   int64_t out_features, format;
+  torch::Tensor gemv_weight;  // "onednn+gemv": the plain [N, K] weight the GEMV reads
+  int64_t gemv_max_rows;      // the rows up to which "onednn+gemv" runs the GEMV (PackedLinear.GEMV_MAX_ROWS)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case LinearKind::kBrgemm: return brgemm_linear(x, weight, bias, out_features);
+      case LinearKind::kOneDnnGemv:
+        if (x.size(0) <= gemv_max_rows) return gemv_bf16(x, gemv_weight, bias);
+        return onednn_linear(x, weight, bias);
+      case LinearKind::kOneDnn: return onednn_linear(x, weight, bias);
       case LinearKind::kQ4x16: return q4x16_linear(x, weight, scales, *mins, bias, out_features);
       case LinearKind::kQuant: return quant_linear(x, weight, scales, mins, bias, format);
       case LinearKind::kInt8Amx: return int8_amx_linear(x, weight, scales, bias, out_features);
@@ -46,10 +69,16 @@ struct StackLinear {
 
 StackLinear make_stack_linear(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
                               c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
-                              int64_t out_features, int64_t format) {
-  StackLinear linear{linear_kind(kind), weight, scales.value_or(torch::Tensor()), mins, bias, out_features, format};
-  TORCH_CHECK(linear.kind == LinearKind::kBrgemm || scales.has_value(), "StackLinear '", kind, "' needs scales");
+                              int64_t out_features, int64_t format, c10::optional<torch::Tensor> gemv_weight,
+                              int64_t gemv_max_rows) {
+  StackLinear linear{linear_kind(kind), weight, scales.value_or(torch::Tensor()), mins, bias, out_features, format,
+                     gemv_weight.value_or(torch::Tensor()), gemv_max_rows};
+  const bool dense = linear.kind == LinearKind::kBrgemm || linear.kind == LinearKind::kOneDnn ||
+                     linear.kind == LinearKind::kOneDnnGemv;
+  TORCH_CHECK(dense || scales.has_value(), "StackLinear '", kind, "' needs scales");
   TORCH_CHECK(linear.kind != LinearKind::kQ4x16 || mins.has_value(), "StackLinear 'q4x16' needs mins");
+  TORCH_CHECK(linear.kind != LinearKind::kOneDnnGemv || (gemv_weight.has_value() && gemv_available()),
+              "StackLinear 'onednn+gemv' needs the plain weight and a build with the bf16 GEMV");
   return linear;
 }
 
@@ -119,8 +148,10 @@ void bind_decoder_stack(pybind11::module& m) {
   // module_local: each ISA level's build has its own classes, and the tests load several builds in one process.
   py::class_<StackLinear>(m, "StackLinear", "One linear of a DecoderStack: its weights and kernel", py::module_local());
   m.def("stack_linear", &make_stack_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
-        py::arg("bias"), py::arg("out_features"), py::arg("format") = 0,
-        "A DecoderStack linear: kind 'brgemm' | 'q4x16' | 'vector' | 'amx', with that kernel's arguments");
+        py::arg("bias"), py::arg("out_features"), py::arg("format") = 0, py::arg("gemv_weight") = py::none(),
+        py::arg("gemv_max_rows") = 0,
+        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'vector' | 'amx', with that "
+        "kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("final_norm"))

@@ -92,7 +92,7 @@ class PackedLinear(nn.Module):
         if kernel == "onednn+gemv" and not kernels.gemv_available():
             kernel = "onednn"
         self.kernel = kernel
-        self.kernels = kernels if kernel != "onednn" else None
+        self.kernels = kernels  # the C++ decoder stack calls this layer's kernel through them, oneDNN's too
         self.packed = self.weight = None
         if kernel == "brgemm":
             self.packed = kernels.pack_brgemm_weight(weight)
@@ -106,11 +106,14 @@ class PackedLinear(nn.Module):
             self.weight = weight.contiguous()
 
     def stack_linear(self):
-        """This layer as the C++ decoder stack runs it (``kernels.stack_linear``), or None where its kernel is not
-        one the stack calls (only ``brgemm`` is). Called once, when the model builds its stack."""
-        if self.kernel != "brgemm":
+        """This layer as the C++ decoder stack runs it (``kernels.stack_linear``: the same kernel calls as
+        ``forward``), or None without the compiled kernels. Called once, when the model builds its stack."""
+        if self.kernels is None:
             return None
-        return self.kernels.stack_linear("brgemm", self.packed, None, None, self.bias, self.out_features)
+        if self.kernel == "brgemm":
+            return self.kernels.stack_linear("brgemm", self.packed, None, None, self.bias, self.out_features)
+        return self.kernels.stack_linear(self.kernel, self.packed, None, None, self.bias, self.out_features,
+                                         gemv_weight=self.weight, gemv_max_rows=self.GEMV_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "brgemm":

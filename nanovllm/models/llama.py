@@ -263,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         """The fast path's decoder layers as one C++ loop (``nanovllm/csrc/decoder_stack.cpp``: the same kernels
         ``forward_fused`` calls, in the same order, without a Python call around each), built on first use; None
         where a layer is not the plain fused one: q/k norm (Qwen3), tensor-parallel shards, a subclassed layer, a
-        linear whose kernel the stack does not call (oneDNN's, on CPUs without AMX). Built per layer list, so a
+        linear whose kernel the stack does not call. Built per layer list, so a
         shallow copy with its own layers (``shard_model``) never runs the original's."""
         if self._decoder_stack is None or self._decoder_stack[0] is not self.layers:
             self._decoder_stack = (self.layers, _build_decoder_stack(self))
