@@ -65,7 +65,7 @@ def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops,
     if dtype == torch.bfloat16 and machine.selected_isa() != "scalar":
         int8 = [QuantLinear.from_dense_int8(w, None, ops) for w in weights]
         runs["int8"] = lambda i, x: int8[i](x)
-        if int8_vector and int8_kernel(ops) == "amx":
+        if int8_vector and int8_kernel(ops) != "vector":
             vector = [QuantLinear.from_dense_int8(w, None, None) for w in weights]
             for layer in vector:
                 layer.kernels = ops

@@ -4,8 +4,8 @@ llama.cpp at batch 1 on the same GGUF file (its own virtualenv, same threads).
 Rows (``--paths``): ``bfloat16`` and ``float32-fast`` (the dense fast paths), ``int8`` / ``int8-bf16`` (W8A8 int8
 weights, float32 / bfloat16 activations), ``gguf`` / ``gguf-bf16`` (the default model's own Q4_1 blocks, its
 embedding and LM head Q8_0), ``int8-bf16-kv8`` / ``bfloat16-kv8`` (those paths on an int8 KV cache),
-``gguf-python-loop`` (gguf with the decoder layers in the Python loop instead of the C++ decoder stack,
-``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts (greedy, EOS ignored,
+``gguf-python-loop`` / ``bfloat16-python-loop`` (those paths with the decoder layers in the Python loop instead of
+the C++ decoder stack, ``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts (greedy, EOS ignored,
 ``--max-tokens`` each) for tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as
 ``bench_vs_hf.py`` measures it). A second run of the same prompts, one token each, times the prefill; the
 rest of the full run's time, per token decoded after the first, gives the decode throughput. Also: load time
@@ -51,6 +51,7 @@ PATHS = {
     "bfloat16-kv8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
     # The same model with the decoder layers in the Python loop instead of the C++ decoder stack: what it saves.
     "gguf-python-loop": dict(dtype="float32", quantization="gguf", decoder_stack=False),
+    "bfloat16-python-loop": dict(dtype="bfloat16", decoder_stack=False),
 }
 PEER = Path(__file__).resolve().parent / "llama_cpp_peer.py"
 RESULT_PREFIX = "nano-vllm-bench-result: "

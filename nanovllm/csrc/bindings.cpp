@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx512_vnni, avx2 or scalar)");
   m.def("q4x16_available", &q4x16_available, "Whether q4x16_linear was built (the avx512_bf16 build)");
   m.def("q4x16_linear", &q4x16_linear, "x W^T + b over Q4 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
+  m.def("i8x16_linear", &i8x16_linear, "x W^T + b over int8 weights interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("int8_amx_available", &int8_amx_available, "Whether int8_amx_linear runs here (AMX-INT8 CPU, OS, build)");
   m.def("pack_int8_amx", &pack_int8_amx, "int8 weight codes in the AMX tiles' layout, as unsigned w + 128 (CPU)");
   m.def("int8_amx_linear", &int8_amx_linear, "x W^T + b over int8 weights on AMX-INT8 tiles, x int8 per 32 values (CPU)");

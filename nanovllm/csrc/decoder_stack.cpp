@@ -13,19 +13,20 @@
 namespace {
 
 // The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", "onednn" and
-// "onednn+gemv", QuantLinear's "q4x16", "vector" and "amx"). Python names them by these strings (stack_linear()
-// in fast_path.py and quantized.py); a layer whose linear runs anything else keeps the Python loop.
-enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kQuant, kInt8Amx };
+// "onednn+gemv", QuantLinear's "q4x16", "i8x16", "vector" and "amx"). Python names them by these strings
+// (stack_linear() in fast_path.py and quantized.py); a layer whose linear runs anything else keeps the Python loop.
+enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kI8x16, kQuant, kInt8Amx };
 
 LinearKind linear_kind(const std::string& name) {
   if (name == "brgemm") return LinearKind::kBrgemm;
   if (name == "onednn") return LinearKind::kOneDnn;
   if (name == "onednn+gemv") return LinearKind::kOneDnnGemv;
   if (name == "q4x16") return LinearKind::kQ4x16;
+  if (name == "i8x16") return LinearKind::kI8x16;
   if (name == "vector") return LinearKind::kQuant;
   if (name == "amx") return LinearKind::kInt8Amx;
   TORCH_CHECK(false, "DecoderStack: no stacked kernel named '", name,
-              "' (brgemm, onednn, onednn+gemv, q4x16, vector, amx)");
+              "' (brgemm, onednn, onednn+gemv, q4x16, i8x16, vector, amx)");
 }
 
 // oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
@@ -45,7 +46,7 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer's weights and the kernel that multiplies by them (the same call its Python module makes).
 struct StackLinear {
   LinearKind kind;
-  torch::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 codes, quantized codes, or AMX-packed int8 codes
+  torch::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 / I8x16 codes, quantized codes, or AMX-packed int8
   torch::Tensor scales;  // empty for brgemm and oneDNN
   c10::optional<torch::Tensor> mins, bias;
   int64_t out_features, format;
@@ -60,6 +61,7 @@ struct StackLinear {
         return onednn_linear(x, weight, bias);
       case LinearKind::kOneDnn: return onednn_linear(x, weight, bias);
       case LinearKind::kQ4x16: return q4x16_linear(x, weight, scales, *mins, bias, out_features);
+      case LinearKind::kI8x16: return i8x16_linear(x, weight, scales, bias, out_features);
       case LinearKind::kQuant: return quant_linear(x, weight, scales, mins, bias, format);
       case LinearKind::kInt8Amx: return int8_amx_linear(x, weight, scales, bias, out_features);
     }
@@ -150,7 +152,8 @@ void bind_decoder_stack(pybind11::module& m) {
   m.def("stack_linear", &make_stack_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
         py::arg("bias"), py::arg("out_features"), py::arg("format") = 0, py::arg("gemv_weight") = py::none(),
         py::arg("gemv_max_rows") = 0,
-        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'vector' | 'amx', with that "
+        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'i8x16' | 'vector' | "
+        "'amx', with that "
         "kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor>(), py::arg("num_heads"),

@@ -26,6 +26,8 @@ std::string quant_gemm_isa();
 bool q4x16_available();
 torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
                            c10::optional<torch::Tensor> bias, int64_t out_features);
+torch::Tensor i8x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           c10::optional<torch::Tensor> bias, int64_t out_features);
 bool int8_amx_available();
 torch::Tensor pack_int8_amx(torch::Tensor codes);
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,

@@ -128,9 +128,10 @@ inline int quantize32(const T* x, float inv, int8_t* q) {
 #endif
 }
 
-// Per row, per 32 values: int8 codes, their scale d and s = d * sum(codes) (the Q4 offsets' share).
+// Per row, per 32 values: int8 codes, their scale d and s = d * sum(codes) (the Q4 offsets' share); with
+// code_sums, also 128 * sum(codes) as an integer (i8x16's correction for its unsigned weights).
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s, int32_t* code_sums) {
   const int64_t nb = k / QK;
 #pragma omp parallel for if (rows > 8)
   for (int64_t r = 0; r < rows; ++r) {
@@ -140,7 +141,9 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
       const float amax = abs_max(xr + b * QK, QK);
       const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       d[r * nb + b] = scale;
-      s[r * nb + b] = scale * static_cast<float>(quantize32(xr + b * QK, inv, qr + b * QK));
+      const int sum = quantize32(xr + b * QK, inv, qr + b * QK);
+      s[r * nb + b] = scale * static_cast<float>(sum);
+      if (code_sums != nullptr) code_sums[r * nb + b] = 128 * sum;
     }
   }
 }
@@ -444,24 +447,102 @@ inline __m512 load16_bias(const c10::BFloat16* b) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))), 16));
 }
 
-// FB = 1..4 consecutive feature blocks for R rows, as dot_q4x16<R, FB> (a chunk's feature-block count is known at
-// run time only at the end of a thread's range).
-template <int R>
-inline void dot_q4x16_chunk(int64_t blocks, const uint8_t* c, const at::Half* sc, const at::Half* mn,
-                            int64_t block_stride, const int8_t* x, int64_t k, const float* d, const float* s,
-                            int64_t nb, __m512* acc) {
-  switch (blocks) {
-    case 4: if constexpr (R * 4 <= 4) dot_q4x16<R, 4>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
-    case 3: if constexpr (R * 3 <= 4) dot_q4x16<R, 3>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
-    case 2: if constexpr (R * 2 <= 4) dot_q4x16<R, 2>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
-    default: dot_q4x16<R, 1>(c, sc, mn, block_stride, x, k, d, s, nb, acc); break;
+// The Q4 layer for x16_gemm: codes [blocks][K / 32][256 bytes], fp16 scales and offsets [blocks][K / 32][16].
+struct Q4x16Weights {
+  const uint8_t* codes;
+  const at::Half *scales, *mins;
+  int64_t nb;  // blocks of 32 along K
+
+  template <int R, int FB>
+  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float* xs, const int32_t*,
+           __m512* acc) const {
+    dot_q4x16<R, FB>(codes + fb * nb * 256, scales + fb * nb * kX16Features, mins + fb * nb * kX16Features,
+                     nb * 256, x, k, xd, xs, nb, acc);
+  }
+  __m512 finish(__m512 v, int64_t) const { return v; }  // the scales are inside every block's sum
+};
+
+// ---- int8 interleaved by 16 output features (i8x16_linear, the avx512_bf16 build) ---------------------------
+//
+// quantization=int8's weights (one float32 scale per output channel) in the Q4 kernel's scheme, where a CPU has
+// VNNI but no AMX: per block of 16 features and 32 values of K, 512 bytes [v = 0..7][feature 0..15][i = 0..3] of
+// w[feature][4 v + i] + 128 (pack_i8x16 in nanovllm/models/quantized.py). vpdpbusd multiplies unsigned by
+// signed bytes, so the weights are stored unsigned and x stays signed: sum x (w + 128) = sum x w + 128 sum x,
+// and the second term, 128 times the block's sum of x's codes, is subtracted in integers. The sums are then
+// exactly the vector kernel's (quant_linear); the channel scale multiplies once at the end. Against that kernel,
+// which takes each weight row on its own (a horizontal sum per row and block), this one needs no horizontal sum
+// and reads a weight byte once per group of rows, like q4x16.
+template <int R, int FB>
+inline void dot_i8x16(const uint8_t* codes, int64_t block_stride, const int8_t* x, int64_t k, const float* xd,
+                      const int32_t* xc, int64_t nb, __m512* acc) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i even[R][FB], odd[R][FB];  // two int32 chains per row and block: v even and odd
+    for (int r = 0; r < R; ++r)
+      for (int f = 0; f < FB; ++f) even[r][f] = odd[r][f] = _mm512_setzero_si512();
+    for (int v = 0; v < 8; v += 2) {
+      __m512i x0[R], x1[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t a, c;
+        std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
+        std::memcpy(&c, x + r * k + b * QK + 4 * v + 4, 4);
+        x0[r] = _mm512_set1_epi32(a);
+        x1[r] = _mm512_set1_epi32(c);
+      }
+      for (int f = 0; f < FB; ++f) {
+        const uint8_t* block = codes + f * block_stride + b * 512 + 64 * v;
+        const __m512i w0 = _mm512_loadu_si512(block), w1 = _mm512_loadu_si512(block + 64);
+        for (int r = 0; r < R; ++r) {
+          even[r][f] = _mm512_dpbusd_epi32(even[r][f], w0, x0[r]);
+          odd[r][f] = _mm512_dpbusd_epi32(odd[r][f], w1, x1[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i correction = _mm512_set1_epi32(xc[r * nb + b]);
+      const __m512 scale = _mm512_set1_ps(xd[r * nb + b]);
+      for (int f = 0; f < FB; ++f) {
+        const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(even[r][f], odd[r][f]), correction);
+        acc[r * FB + f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r * FB + f]);
+      }
+    }
   }
 }
 
-template <typename T>
-void q4x16_gemm(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const at::Half* scales, const at::Half* mins,
-                const T* bias, T* y, const int8_t* xq, const float* xd, const float* xs) {
-  const int64_t nb = k / QK, block_stride = nb * 256;  // bytes of codes per feature block
+// The int8 layer for x16_gemm: codes [blocks][K / 32][512 bytes], channel scales float32 [16 blocks].
+struct I8x16Weights {
+  const uint8_t* codes;
+  const float* channel_scales;
+  int64_t nb;
+
+  template <int R, int FB>
+  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float*, const int32_t* xc,
+           __m512* acc) const {
+    dot_i8x16<R, FB>(codes + fb * nb * 512, nb * 512, x, k, xd, xc, nb, acc);
+  }
+  __m512 finish(__m512 v, int64_t fb) const {
+    return _mm512_mul_ps(v, _mm512_loadu_ps(channel_scales + fb * kX16Features));
+  }
+};
+
+// FB = 1..4 consecutive feature blocks from fb for R rows, as W::dot<R, FB> (a chunk's feature-block count is
+// known at run time only at the end of a thread's range).
+template <int R, typename W>
+inline void dot_x16_chunk(const W& w, int64_t blocks, int64_t fb, const int8_t* x, int64_t k, const float* d,
+                          const float* s, const int32_t* c, __m512* acc) {
+  switch (blocks) {
+    case 4: if constexpr (R * 4 <= 4) w.template dot<R, 4>(fb, x, k, d, s, c, acc); break;
+    case 3: if constexpr (R * 3 <= 4) w.template dot<R, 3>(fb, x, k, d, s, c, acc); break;
+    case 2: if constexpr (R * 2 <= 4) w.template dot<R, 2>(fb, x, k, d, s, c, acc); break;
+    default: w.template dot<R, 1>(fb, x, k, d, s, c, acc); break;
+  }
+}
+
+// y = x W^T (+ bias) over a layer interleaved by 16 features (Q4x16Weights or I8x16Weights); xq, xd, xs, xc: x's
+// codes, block scales, scaled code sums (Q4's offsets) and 128 x code sums (int8's correction).
+template <typename T, typename W>
+void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* y, const int8_t* xq,
+              const float* xd, const float* xs, const int32_t* xc) {
+  const int64_t nb = k / QK;
   const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
 #pragma omp parallel
   {
@@ -472,26 +553,23 @@ void q4x16_gemm(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const 
     const int64_t begin = used * me / threads, end = used * (me + 1) / threads;
     for (int64_t fb0 = begin; fb0 < end; fb0 += kX16Blocks) {
       const int64_t blocks = std::min<int64_t>(kX16Blocks, end - fb0);
-      const uint8_t* c = codes + fb0 * block_stride;
-      const at::Half* sc = scales + fb0 * nb * kX16Features;
-      const at::Half* mn = mins + fb0 * nb * kX16Features;
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t group = std::min<int64_t>(4, rows - r0);
         const int8_t* x = xq + r0 * k;
         const float* d = xd + r0 * nb;
         const float* s = xs + r0 * nb;
+        const int32_t* c = xc == nullptr ? nullptr : xc + r0 * nb;
         __m512 acc[4][kX16Blocks];  // [row][feature block]
         for (auto& row : acc)
           for (auto& a : row) a = _mm512_setzero_ps();
         if (group == 1) {
-          dot_q4x16_chunk<1>(blocks, c, sc, mn, block_stride, x, k, d, s, nb, acc[0]);
+          dot_x16_chunk<1>(w, blocks, fb0, x, k, d, s, c, acc[0]);
         } else if (group == 2) {
           for (int64_t f0 = 0; f0 < blocks; f0 += 2) {
             const int64_t pair = std::min<int64_t>(2, blocks - f0);
             __m512 part[2 * 2];
             for (auto& a : part) a = _mm512_setzero_ps();
-            dot_q4x16_chunk<2>(pair, c + f0 * block_stride, sc + f0 * nb * kX16Features,
-                               mn + f0 * nb * kX16Features, block_stride, x, k, d, s, nb, part);
+            dot_x16_chunk<2>(w, pair, fb0 + f0, x, k, d, s, c, part);
             for (int r = 0; r < 2; ++r)
               for (int64_t f = 0; f < pair; ++f) acc[r][f0 + f] = part[r * pair + f];
           }
@@ -499,11 +577,8 @@ void q4x16_gemm(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const 
           for (int64_t f = 0; f < blocks; ++f) {
             __m512 part[4];
             for (auto& a : part) a = _mm512_setzero_ps();
-            const uint8_t* cf = c + f * block_stride;
-            const at::Half* sf = sc + f * nb * kX16Features;
-            const at::Half* mf = mn + f * nb * kX16Features;
-            if (group == 4) dot_q4x16<4, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
-            else dot_q4x16<3, 1>(cf, sf, mf, block_stride, x, k, d, s, nb, part);
+            if (group == 4) w.template dot<4, 1>(fb0 + f, x, k, d, s, c, part);
+            else w.template dot<3, 1>(fb0 + f, x, k, d, s, c, part);
             for (int r = 0; r < group; ++r) acc[r][f] = part[r];
           }
         }
@@ -512,7 +587,7 @@ void q4x16_gemm(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const 
             const int64_t col = (fb0 + f) * kX16Features;
             if (col >= n) break;
             const int64_t count = std::min(kX16Features, n - col);
-            __m512 v = acc[r][f];
+            __m512 v = w.finish(acc[r][f], fb0 + f);
             if (bias != nullptr) {
               if (count == kX16Features) {
                 v = _mm512_add_ps(v, load16_bias(bias + col));
@@ -563,20 +638,24 @@ torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, const torch
 }
 
 // x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
+// With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction).
 struct QuantizedRows {
-  torch::Tensor codes, scales, sums;
+  torch::Tensor codes, scales, sums, code_sums;
+  const int32_t* code_sums_ptr() const { return code_sums.defined() ? code_sums.data_ptr<int32_t>() : nullptr; }
 };
-QuantizedRows quantize_activations(const torch::Tensor& x) {
+QuantizedRows quantize_activations(const torch::Tensor& x, bool code_sums = false) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK;
   QuantizedRows q{torch::empty({rows, k}, x.options().dtype(torch::kInt8)),
                   torch::empty({rows, nb}, x.options().dtype(torch::kFloat32)),
-                  torch::empty({rows, nb}, x.options().dtype(torch::kFloat32))};
+                  torch::empty({rows, nb}, x.options().dtype(torch::kFloat32)),
+                  code_sums ? torch::empty({rows, nb}, x.options().dtype(torch::kInt32)) : torch::Tensor()};
+  int32_t* sums = code_sums ? q.code_sums.data_ptr<int32_t>() : nullptr;
   if (x.scalar_type() == torch::kFloat32) {
     quantize_rows(x.data_ptr<float>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
-                  q.sums.data_ptr<float>());
+                  q.sums.data_ptr<float>(), sums);
   } else {
     quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
-                  q.sums.data_ptr<float>());
+                  q.sums.data_ptr<float>(), sums);
   }
   return q;
 }
@@ -647,21 +726,61 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const torch::Tensor bias_c = checked_bias(bias, x, n, "q4x16_linear");
   const QuantizedRows xq = quantize_activations(x);
   auto y = torch::empty({rows, n}, x.options());
+  const Q4x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
   AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
       AT_DISPATCH_CASE(torch::kFloat32, [&] {
-        q4x16_gemm(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                   bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                   xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
+        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(), nullptr);
       })
       AT_DISPATCH_CASE(torch::kBFloat16, [&] {
         using T = c10::BFloat16;
-        q4x16_gemm(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                   bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
-                   xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
+        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
+                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(), nullptr);
       }));
   return y;
 #else
   TORCH_CHECK(false, "q4x16_linear: this kernel build has no AVX-512 VNNI (the avx512_bf16 build has it)");
+  return x;
+#endif
+}
+
+// x [rows, K] float32 or bfloat16 times int8 weights interleaved by 16 features (pack_i8x16 in
+// nanovllm/models/quantized.py: codes uint8 [Nb, K / 32 * 512] of w + 128, channel scales float32 [16 Nb], Nb
+// blocks of 16 features, a multiple of 4) for out_features <= 16 Nb outputs (+ bias [N] in x's dtype).
+torch::Tensor i8x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "i8x16_linear: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "i8x16_linear: x must be float32 or bfloat16");
+#if defined(NANOVLLM_Q4X16)
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
+  TORCH_CHECK(k % QK == 0, "i8x16_linear: K (", k, ") must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == nb * 512 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
+              "i8x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 512] covering N");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+                  scales.numel() == codes.size(0) * kX16Features,
+              "i8x16_linear: scales must be float32 [16 x blocks]");
+  const torch::Tensor bias_c = checked_bias(bias, x, n, "i8x16_linear");
+  const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true);
+  auto y = torch::empty({rows, n}, x.options());
+  const I8x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
+  AT_DISPATCH_SWITCH(x.scalar_type(), "i8x16_linear",
+      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),
+                 xq.code_sums_ptr());
+      })
+      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+        using T = c10::BFloat16;
+        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
+                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),
+                 xq.code_sums_ptr());
+      }));
+  return y;
+#else
+  TORCH_CHECK(false, "i8x16_linear: this kernel build has no AVX-512 VNNI (the avx512_bf16 build has it)");
   return x;
 #endif
 }
@@ -673,8 +792,10 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 TORCH_LIBRARY_FRAGMENT(NANOVLLM_OPS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int format) -> Tensor");
   m.def("q4x16_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, int out_features) -> Tensor");
+  m.def("i8x16_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("q4x16_linear", &q4x16_linear);
+  m.impl("i8x16_linear", &i8x16_linear);
 }

@@ -3,7 +3,8 @@
 Both run nano-vllm's quantized GEMM (``nanovllm/csrc/quant_gemm.cpp``), which reads the packed weights and
 unpacks them in registers, the activations quantized to int8 on the fly; no dequantized copy of a weight is ever
 made. Where the kernel build has them, Q4 layers are stored interleaved by 16 output features (``pack_q4x16``,
-the ``q4x16_linear`` kernel) and int8 ones in the AMX tiles' layout (``int8_kernel``); ``QuantLinear.kernel``
+the ``q4x16_linear`` kernel) and int8 ones in the AMX tiles' layout or interleaved likewise (``int8_kernel``);
+``QuantLinear.kernel``
 says which, and ``canonical()`` gives back the plain layout. Activations, norms, attention and the KV cache
 stay in the engine's ``dtype``.
 
@@ -12,7 +13,8 @@ stay in the engine's ``dtype``.
   weights). Activations get dynamic scales (one scale per token, vLLM's default, cost SmolLM2 2-4% perplexity):
   on CPUs with AMX-INT8 (``int8_kernel``) one scale per token in two int8 digits on the tiles
   (``nanovllm/csrc/int8_amx.cpp``, weights stored in the tiles' layout); elsewhere per token and group of 32
-  values in the vector kernel. Both cost ~0 (docs/quantization.md).
+  values, in ``i8x16_linear`` (weights interleaved by 16 features, AVX-512 VNNI) or the row kernel. Both cost
+  ~0 (docs/quantization.md).
 - ``gguf``: the blocks of a GGUF file as they are stored: Q8_0, Q4_0 and Q4_1 (the default model is Q4_1, its
   embedding Q8_0), activations per 32 values as llama.cpp quantizes them for these blocks. The model is built
   straight from the file (memory-mapped; the blocks are only split into code, scale and offset arrays) without the
@@ -42,18 +44,22 @@ GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
 
 def int8_kernel(kernels) -> str:
     """The kernel an int8 linear runs with the compiled ``kernels`` (None: none): ``amx`` (AMX-INT8 tiles, on
-    the ``amx`` ISA level when the CPU and OS allow them) or ``vector`` (quant_gemm.cpp, every other level)."""
+    the ``amx`` ISA level when the CPU and OS allow them), ``i8x16`` (interleaved by 16 features on VNNI, the
+    ``avx512_bf16`` build's other CPUs) or ``vector`` (quant_gemm.cpp's row kernel, every other level)."""
     from nanovllm import machine
 
-    if kernels is not None and machine.selected_isa() == "amx" and kernels.int8_amx_available():
+    if kernels is None:
+        return "vector"
+    if machine.selected_isa() == "amx" and kernels.int8_amx_available():
         return "amx"
-    return "vector"
+    return "i8x16" if kernels.q4x16_available() else "vector"
 
 
 class QuantLinear(nn.Module):
     """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run on every row
     count by the kernel ``kernel`` names: ``vector`` (the kernels' ``quant_linear`` op), ``amx`` (int8 on AMX-INT8
-    tiles, ``int8_amx_linear``) or ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``), chosen at
+    tiles, ``int8_amx_linear``), ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``) or ``i8x16`` (int8
+    interleaved likewise, ``i8x16_linear``, on VNNI CPUs without AMX-INT8), chosen at
     construction from the CPU and the kernel build. Built at load (``from_dense_int8``, ``GGUFWeights.linear``);
     the engine only calls ``forward``."""
 
@@ -68,10 +74,15 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self.kernels = kernels
         self.kernel = "vector"
-        if fmt == "int8" and int8_kernel(kernels) == "amx":
+        int8 = int8_kernel(kernels) if fmt == "int8" else None
+        if int8 == "amx":
             # Stored once in the tiles' layout (unsigned, padded to whole tiles); ``codes()`` gives them back.
             self.kernel = "amx"
             self.qweight = kernels.pack_int8_amx(qweight)
+        elif int8 == "i8x16":
+            # Interleaved by 16 features as unsigned w + 128, channel scales padded alike: ``canonical()`` undoes it.
+            self.kernel = "i8x16"
+            self.qweight, self.scales = pack_i8x16(qweight, scales)
         elif fmt in ("q4_1", "q4_0") and kernels is not None and kernels.q4x16_available():
             # Interleaved by 16 features (the same 4-bit codes and fp16 scales, moved): ``canonical()`` undoes it.
             self.kernel = "q4x16"
@@ -91,6 +102,8 @@ class QuantLinear(nn.Module):
         [N] or [N, K / 32] scales), of all rows or of ``rows`` (indices), whatever layout this layer stores."""
         if self.kernel == "q4x16":
             return unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
+        if self.kernel == "i8x16":
+            return unpack_i8x16(self.qweight, self.scales, self.out_features, rows)
         codes = self.qweight
         if self.kernel == "amx":  # [blocks, K' / 4, 16, 4] of w + 128 -> [N, K] int8
             k_padded = codes.shape[1] // 16
@@ -136,6 +149,8 @@ class QuantLinear(nn.Module):
             y = self.kernels.int8_amx_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
         elif self.kernel == "q4x16":
             y = self.kernels.q4x16_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.out_features)
+        elif self.kernel == "i8x16":
+            y = self.kernels.i8x16_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
         else:
             y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -163,8 +178,9 @@ class QuantLinear(nn.Module):
         """What runs this layer, for the profile: the format and the kernel build's vector path, or the tiles."""
         if self.kernel == "amx":
             return "int8_amx_linear int8 (AMX-INT8 tiles, activations per token in two digits)"
-        if self.kernel == "q4x16":
-            return f"q4x16_linear {self.fmt} int8-dot, interleaved by 16 features ({self.kernels.quant_gemm_isa()})"
+        if self.kernel in ("q4x16", "i8x16"):
+            return (f"{self.kernel}_linear {self.fmt} int8-dot, interleaved by 16 features "
+                    f"({self.kernels.quant_gemm_isa()})")
         return f"quant_linear {self.fmt} int8-dot ({self.kernels.quant_gemm_isa()})"
 
     def extra_repr(self) -> str:
@@ -193,6 +209,33 @@ def pack_q4x16(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
         return pad(t).view(padded // Q4X16_FEATURES, Q4X16_FEATURES, nb).transpose(1, 2).contiguous()
 
     return packed, per_block(scales), per_block(mins)
+
+
+def pack_i8x16(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per-channel weights ([N, K] codes, [N] float32 scales) interleaved by 16 output features for
+    ``i8x16_linear`` (``nanovllm/csrc/quant_gemm.cpp``): codes [N' / 16, K / 32 * 512] uint8 with each block of 16
+    features and 32 values as [v][feature][i] of w[feature][4 v + i] + 128, scales [N'] float32; N' is N rounded
+    up to 64, the extra features' codes 128 (zero weights) and scales 0. Called once per layer at load."""
+    n, k = codes.shape
+    nb = k // BLOCK
+    padded = -(-n // Q4X16_ITEM) * Q4X16_ITEM
+    unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
+    if padded > n:
+        unsigned = torch.cat([unsigned, unsigned.new_full((padded - n, k), 128)])
+        scales = torch.cat([scales, scales.new_zeros(padded - n)])
+    blocks = unsigned.view(padded // Q4X16_FEATURES, Q4X16_FEATURES, nb, 8, 4)  # [fb, f, b, v, i]
+    packed = blocks.permute(0, 2, 3, 1, 4).contiguous().view(padded // Q4X16_FEATURES, nb * 512)
+    return packed, scales.contiguous()
+
+
+def unpack_i8x16(packed: torch.Tensor, scales: torch.Tensor, n: int, rows: torch.Tensor | None = None):
+    """The inverse of ``pack_i8x16`` for the first ``n`` features (or the features ``rows``): (codes, scales, None)."""
+    nb = packed.shape[1] // 512
+    ids = torch.arange(n) if rows is None else rows
+    fb, f = ids // Q4X16_FEATURES, ids % Q4X16_FEATURES
+    unsigned = packed.view(packed.shape[0], nb, 8, Q4X16_FEATURES, 4)[fb, :, :, f, :]  # [rows, nb, v, i]
+    codes = (unsigned.reshape(len(ids), nb * 32).to(torch.int16) - 128).to(torch.int8)
+    return codes.contiguous(), scales[ids].contiguous(), None
 
 
 def unpack_q4x16(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,

@@ -90,6 +90,46 @@ def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(comp
     assert fused.kernel == layout and torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in plain]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
+def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, dtype, rows, n, k):
+    """i8x16_linear (int8 weights as unsigned w + 128, interleaved by 16 features; the avx512_bf16 build)
+    against the row kernel (quant_linear) on the same codes and activations: every row-group shape (1-4 rows a
+    pass, then the rest), partial last 16-feature blocks and 64-feature items (21, 100), whole ones (128), codes
+    at -127 and 127 (the correction for the unsigned weights at its extremes); its codes and scales come back as
+    stored, single rows and fused. Other builds keep the row kernel and refuse the call."""
+    generator = torch.Generator().manual_seed(rows * 1000 + n)
+    weight = torch.randn(n, k, generator=generator)
+    weight[0, :32] = weight[0].abs().max()  # saturated codes: 127, and -127 below
+    weight[1, :32] = -weight[1].abs().max()
+    plain = QuantLinear.from_dense_int8(weight, None, None)
+    plain.kernels = compiled  # the row kernel, on this build
+    layer = QuantLinear("int8", plain.qweight, plain.scales, None, None, k, compiled)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    if not compiled.q4x16_available():
+        assert layer.kernel == "vector"
+        with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
+            compiled.i8x16_linear(x, plain.qweight, plain.scales, None, n)
+        return
+    assert layer.kernel == "i8x16" and "interleaved by 16 features" in layer.kernel_name()
+    assert layer.qweight.shape == (-(-n // 64) * 4, k // 32 * 512)
+    assert torch.equal(layer.codes(), plain.qweight) and torch.equal(layer.canonical()[1], plain.scales)
+    picked = torch.tensor([n - 1, 0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(layer.canonical(picked)[:2], plain.canonical(picked)[:2]))
+    assert QuantLinear.concat([layer, layer]).kernel == "i8x16"
+    assert torch.equal(QuantLinear.concat([layer, layer]).codes(), torch.cat([plain.qweight, plain.qweight]))
+    bias = torch.randn(n, generator=generator).to(dtype)
+    layer.bias = plain.bias = bias
+    y, expected = layer(x), plain(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    # The same integer sums; only the order of the float block sums (and, in bf16, the output rounding) differs.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (y.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    reference = _quantize_activations(x) @ plain.dequantize().T + bias.float()
+    assert (y.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * reference.abs().max()
+
+
 def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
     """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
     p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
@@ -133,7 +173,8 @@ def test_int8_layers_take_the_tiles_on_the_amx_level_and_give_back_their_codes()
     plain = QuantLinear.from_dense_int8(weight, None, None)
     stored = QuantLinear.from_dense_int8(weight, None, compiled)
     on_tiles = machine.selected_isa() == "amx" and compiled.int8_amx_available()
-    assert plain.kernel == "vector" and stored.kernel == ("amx" if on_tiles else "vector")
+    expected = "amx" if on_tiles else ("i8x16" if compiled.q4x16_available() else "vector")
+    assert plain.kernel == "vector" and stored.kernel == expected
     if on_tiles:
         assert stored.qweight.dtype == torch.uint8 and stored.qweight.shape == (3, 128 * 16)  # K padded to 128
         assert "AMX-INT8" in stored.kernel_name()
