@@ -449,6 +449,7 @@ inline __m512 load16_bias(const c10::BFloat16* b) {
 
 // The Q4 layer for x16_gemm: codes [blocks][K / 32][256 bytes], fp16 scales and offsets [blocks][K / 32][16].
 struct Q4x16Weights {
+  static constexpr bool kPairsOfBlocks = false;  // 3-4 rows take one feature block a pass (registers)
   const uint8_t* codes;
   const at::Half *scales, *mins;
   int64_t nb;  // blocks of 32 along K
@@ -475,10 +476,19 @@ struct Q4x16Weights {
 template <int R, int FB>
 inline void dot_i8x16(const uint8_t* codes, int64_t block_stride, const int8_t* x, int64_t k, const float* xd,
                       const int32_t* xc, int64_t nb, __m512* acc) {
+  // Up to 4 chains (R * FB <= 4), two int32 chains per row and block (v even and odd) hide vpdpbusd's latency;
+  // from 8 on, one each (8 independent chains are enough, and 16 would not fit the registers).
+  constexpr bool kTwoChains = R * FB <= 4;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i even[R][FB], odd[R][FB];  // two int32 chains per row and block: v even and odd
-    for (int r = 0; r < R; ++r)
-      for (int f = 0; f < FB; ++f) even[r][f] = odd[r][f] = _mm512_setzero_si512();
+    __m512i even[R][FB], odd[R][FB];
+    for (int r = 0; r < R; ++r) {
+      // The correction for the unsigned weights starts the sum: sum x (w + 128) - 128 sum x = sum x w.
+      const __m512i start = _mm512_set1_epi32(-xc[r * nb + b]);
+      for (int f = 0; f < FB; ++f) {
+        even[r][f] = start;
+        if constexpr (kTwoChains) odd[r][f] = _mm512_setzero_si512();
+      }
+    }
     for (int v = 0; v < 8; v += 2) {
       __m512i x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
@@ -493,15 +503,15 @@ inline void dot_i8x16(const uint8_t* codes, int64_t block_stride, const int8_t* 
         const __m512i w0 = _mm512_loadu_si512(block), w1 = _mm512_loadu_si512(block + 64);
         for (int r = 0; r < R; ++r) {
           even[r][f] = _mm512_dpbusd_epi32(even[r][f], w0, x0[r]);
-          odd[r][f] = _mm512_dpbusd_epi32(odd[r][f], w1, x1[r]);
+          if constexpr (kTwoChains) odd[r][f] = _mm512_dpbusd_epi32(odd[r][f], w1, x1[r]);
+          else even[r][f] = _mm512_dpbusd_epi32(even[r][f], w1, x1[r]);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i correction = _mm512_set1_epi32(xc[r * nb + b]);
       const __m512 scale = _mm512_set1_ps(xd[r * nb + b]);
       for (int f = 0; f < FB; ++f) {
-        const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(even[r][f], odd[r][f]), correction);
+        const __m512i sums = kTwoChains ? _mm512_add_epi32(even[r][f], odd[r][f]) : even[r][f];
         acc[r * FB + f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r * FB + f]);
       }
     }
@@ -510,6 +520,7 @@ inline void dot_i8x16(const uint8_t* codes, int64_t block_stride, const int8_t* 
 
 // The int8 layer for x16_gemm: codes [blocks][K / 32][512 bytes], channel scales float32 [16 blocks].
 struct I8x16Weights {
+  static constexpr bool kPairsOfBlocks = true;  // 3-4 rows take two feature blocks a pass: x broadcast once for both
   const uint8_t* codes;
   const float* channel_scales;
   int64_t nb;
@@ -574,12 +585,23 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
               for (int64_t f = 0; f < pair; ++f) acc[r][f0 + f] = part[r * pair + f];
           }
         } else {
-          for (int64_t f = 0; f < blocks; ++f) {
-            __m512 part[4];
+          const int64_t step = W::kPairsOfBlocks ? 2 : 1;
+          for (int64_t f = 0; f < blocks; f += step) {
+            const int64_t width = std::min<int64_t>(step, blocks - f);
+            __m512 part[4 * 2];
             for (auto& a : part) a = _mm512_setzero_ps();
-            if (group == 4) w.template dot<4, 1>(fb0 + f, x, k, d, s, c, part);
-            else w.template dot<3, 1>(fb0 + f, x, k, d, s, c, part);
-            for (int r = 0; r < group; ++r) acc[r][f] = part[r];
+            if (width == 2) {
+              if constexpr (W::kPairsOfBlocks) {
+                if (group == 4) w.template dot<4, 2>(fb0 + f, x, k, d, s, c, part);
+                else w.template dot<3, 2>(fb0 + f, x, k, d, s, c, part);
+              }
+            } else if (group == 4) {
+              w.template dot<4, 1>(fb0 + f, x, k, d, s, c, part);
+            } else {
+              w.template dot<3, 1>(fb0 + f, x, k, d, s, c, part);
+            }
+            for (int r = 0; r < group; ++r)
+              for (int64_t j = 0; j < width; ++j) acc[r][f + j] = part[r * width + j];
           }
         }
         for (int64_t r = 0; r < group; ++r) {
