@@ -13,12 +13,13 @@ than staying in cache. Kernels (those this machine runs for the dtype):
   kernel (``nanovllm/csrc/int8_amx.cpp``) where the CPU runs it, the vector kernel (``quant_gemm.cpp``)
   elsewhere; its activation quantization included. ``--int8-vector`` adds the vector kernel on AMX CPUs too.
 - ``q4``: ``quantization="gguf"``'s Q4_1 layers on random blocks of the same shapes: the kernel a gguf model
-  runs here (Q4 interleaved by 16 features in the avx512_bf16 build, else the row kernel), and ``q4-rows``, the
+  runs here (Q4 interleaved by 16 features wherever the build has AVX2, else the row kernel), and ``q4-rows``, the
   row-by-row kernel, where the two differ.
 
     python experiments/bench_linears.py [--dtypes bfloat16,float32] [--rows 1,2,8,32,128,512] [--threads 1,2]
 
-Prints ms per step and each kernel's speed relative to ``onednn`` (above 1: faster), in one process, one
+Prints ms per step and each kernel's speed relative to ``onednn`` (above 1: faster; ``aten``, torch's own
+linear, where oneDNN has no kernel for the dtype: bfloat16 on AVX2), in one process, one
 kernel after the other at each row count. ``NANOVLLM_CPU_ISA`` / ``ONEDNN_MAX_CPU_ISA`` cap the levels as for
 the engine.
 """
@@ -54,10 +55,13 @@ def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops,
     """Each kernel as ``run(i, x)``: linear ``i`` of the step on input ``x``, weights prepared once here."""
     from nanovllm.models.quantized import QuantLinear, int8_kernel
 
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    runs: dict[str, Callable[[int, torch.Tensor], object]] = {
-        "onednn": lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")}
-    if machine.selected_isa() != "scalar":
+    runs: dict[str, Callable[[int, torch.Tensor], object]] = {}
+    try:
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        runs["onednn"] = lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+    except RuntimeError:  # bf16 on AVX2: oneDNN has no bf16 linear here, and the fast path runs ATen's
+        runs["aten"] = lambda i, x: torch.nn.functional.linear(x, weights[i])
+    if machine.selected_isa() != "scalar" and (dtype == torch.float32 or ops.brgemm_bf16_available()):
         blocks = [ops.pack_brgemm_weight(w) for w in weights]
         runs["brgemm"] = lambda i, x: ops.brgemm_linear_op(x, blocks[i], None, weights[i].shape[0])
     if dtype == torch.bfloat16 and ops.gemv_available():
@@ -146,17 +150,18 @@ def main() -> None:
         runs = kernels_for(dtype, weights, ops, args.int8_vector)
         check_agreement(runs, weights, dtype)
         print(f"\n{dtype_name}: {len(shapes)} linears, {megabytes:.0f} MB of distinct weights per step")
+        base = next(iter(runs))  # onednn, or ATen's linear where oneDNN has no kernel for the dtype
         print("| threads | rows | " + " | ".join(f"{name} ms" for name in runs) + " | " +
-              " | ".join(f"{name} vs onednn" for name in runs if name != "onednn") + " |")
+              " | ".join(f"{name} vs {base}" for name in runs if name != base) + " |")
         print("|---" * (2 + 2 * len(runs) - 1) + "|")
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             for rows in (int(r) for r in args.rows.split(",")):
                 times = {name: time_step(run, shapes, rows, dtype) for name, run in runs.items()
                          if name != "gemv" or rows <= 2}
-                ratios = {name: times["onednn"] / t for name, t in times.items() if name != "onednn"}
+                ratios = {name: times[base] / t for name, t in times.items() if name != base}
                 cells = [f"{times[n] * 1e3:.2f}" if n in times else "-" for n in runs]
-                cells += [f"{ratios[n]:.2f}x" if n in ratios else "-" for n in runs if n != "onednn"]
+                cells += [f"{ratios[n]:.2f}x" if n in ratios else "-" for n in runs if n != base]
                 print(f"| {threads} | {rows} | " + " | ".join(cells) + " |", flush=True)
                 results.append(dict(dtype=dtype_name, threads=threads, rows=rows, ms={n: t * 1e3 for n, t in times.items()}))
     if args.json:

@@ -12,12 +12,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "x W^T + b for a few bfloat16 rows, bound by reading W once (CPU)");
   m.def("quant_linear", &quant_linear, "x W^T + b over int8 / GGUF Q8_0 / Q4 weights, x quantized to int8 (CPU)");
   m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx512_vnni, avx2 or scalar)");
-  m.def("q4x16_available", &q4x16_available, "Whether q4x16_linear was built (the avx512_bf16 build)");
+  m.def("q4x16_available", &q4x16_available, "Whether q4x16_linear was built (the avx2, avx512 and avx512_bf16 builds)");
+  m.def("i8x16_available", &i8x16_available, "Whether i8x16_linear was built (the avx512_bf16 build)");
   m.def("q4x16_linear", &q4x16_linear, "x W^T + b over Q4 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("i8x16_linear", &i8x16_linear, "x W^T + b over int8 weights interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("int8_amx_available", &int8_amx_available, "Whether int8_amx_linear runs here (AMX-INT8 CPU, OS, build)");
   m.def("pack_int8_amx", &pack_int8_amx, "int8 weight codes in the AMX tiles' layout, as unsigned w + 128 (CPU)");
   m.def("int8_amx_linear", &int8_amx_linear, "x W^T + b over int8 weights on AMX-INT8 tiles, x int8 per 32 values (CPU)");
+  m.def("brgemm_bf16_available", &brgemm_bf16_available, "Whether brgemm runs bfloat16 on this CPU (AMX or AVX-512 BF16)");
   m.def("pack_brgemm_weight", &pack_brgemm_weight, "A linear's weight in oneDNN brgemm's blocked layout (CPU)");
   m.def("brgemm_linear", &brgemm_linear, "x W^T + b through oneDNN's brgemm micro-kernel, AMX for bf16 (CPU)");
   bind_decoder_stack(m);

@@ -70,6 +70,17 @@ void brgemm_rows(const T* x, const T* packed, const float* bias, T* y, int64_t m
 
 }  // namespace
 
+// Whether oneDNN's brgemm runs bfloat16 on this CPU: it needs AMX or AVX-512 BF16. Elsewhere (AVX2, AVX-512
+// without BF16) torch's brgemm aborts the process instead of raising, so the bf16 calls below refuse first; the
+// fast path takes oneDNN's prepacked linear there (fast_path.linear_kernel).
+bool brgemm_bf16_available() {
+#if defined(__x86_64__) || defined(__i386__)
+  return at::native::cpublas::could_pack(at::kBFloat16) || __builtin_cpu_supports("avx512bf16");
+#else
+  return at::native::cpublas::could_pack(at::kBFloat16);
+#endif
+}
+
 // The weight [N, K] in the micro-kernel's layout: [ceil(N / 32), K * 32], zero-padded to whole blocks. Called
 // once per linear at load time.
 torch::Tensor pack_brgemm_weight(torch::Tensor weight) {
@@ -78,6 +89,8 @@ torch::Tensor pack_brgemm_weight(torch::Tensor weight) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "pack_brgemm_weight: weight must be bfloat16 or float32");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(dtype != at::kBFloat16 || k % 2 == 0, "pack_brgemm_weight: bfloat16 needs an even in_features, got ", k);
+  TORCH_CHECK(dtype != at::kBFloat16 || brgemm_bf16_available(),
+              "pack_brgemm_weight: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks");
   const int64_t n_blocks = (n + BLOCK_N - 1) / BLOCK_N;
   auto padded = torch::zeros({n_blocks * BLOCK_N, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -99,6 +112,8 @@ torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional
                             int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brgemm_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "brgemm_linear: x and the packed weight differ in dtype");
+  TORCH_CHECK(x.scalar_type() != at::kBFloat16 || brgemm_bf16_available(),
+              "brgemm_linear: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.size(1) == k * BLOCK_N && packed.size(0) * BLOCK_N >= out_features,
               "brgemm_linear: the packed weight does not match x's in_features or out_features");

@@ -13,9 +13,11 @@
 namespace {
 
 // The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", "onednn" and
-// "onednn+gemv", QuantLinear's "q4x16", "i8x16", "vector" and "amx"). Python names them by these strings
-// (stack_linear() in fast_path.py and quantized.py); a layer whose linear runs anything else keeps the Python loop.
-enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kI8x16, kQuant, kInt8Amx };
+// "onednn+gemv", QuantLinear's "q4x16", "i8x16", "vector" and "amx", and "aten", torch's own linear, for a plain
+// nn.Linear: bf16 where oneDNN has no bf16 kernel, AVX2). Python names them by these strings (stack_linear() in
+// fast_path.py and quantized.py, llama.py for nn.Linear); a layer whose linear runs anything else keeps the
+// Python loop.
+enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kI8x16, kQuant, kInt8Amx, kAten };
 
 LinearKind linear_kind(const std::string& name) {
   if (name == "brgemm") return LinearKind::kBrgemm;
@@ -25,8 +27,9 @@ LinearKind linear_kind(const std::string& name) {
   if (name == "i8x16") return LinearKind::kI8x16;
   if (name == "vector") return LinearKind::kQuant;
   if (name == "amx") return LinearKind::kInt8Amx;
+  if (name == "aten") return LinearKind::kAten;
   TORCH_CHECK(false, "DecoderStack: no stacked kernel named '", name,
-              "' (brgemm, onednn, onednn+gemv, q4x16, i8x16, vector, amx)");
+              "' (brgemm, onednn, onednn+gemv, q4x16, i8x16, vector, amx, aten)");
 }
 
 // oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
@@ -46,7 +49,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer's weights and the kernel that multiplies by them (the same call its Python module makes).
 struct StackLinear {
   LinearKind kind;
-  torch::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 / I8x16 codes, quantized codes, or AMX-packed int8
+  torch::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 / I8x16 codes, quantized codes, AMX-packed int8,
+                         // or the plain [N, K] weight (aten)
   torch::Tensor scales;  // empty for brgemm and oneDNN
   c10::optional<torch::Tensor> mins, bias;
   int64_t out_features, format;
@@ -64,6 +68,7 @@ struct StackLinear {
       case LinearKind::kI8x16: return i8x16_linear(x, weight, scales, bias, out_features);
       case LinearKind::kQuant: return quant_linear(x, weight, scales, mins, bias, format);
       case LinearKind::kInt8Amx: return int8_amx_linear(x, weight, scales, bias, out_features);
+      case LinearKind::kAten: return at::linear(x, weight, bias);
     }
     TORCH_CHECK(false, "StackLinear: unknown kind");
   }
@@ -76,7 +81,7 @@ StackLinear make_stack_linear(const std::string& kind, torch::Tensor weight, c10
   StackLinear linear{linear_kind(kind), weight, scales.value_or(torch::Tensor()), mins, bias, out_features, format,
                      gemv_weight.value_or(torch::Tensor()), gemv_max_rows};
   const bool dense = linear.kind == LinearKind::kBrgemm || linear.kind == LinearKind::kOneDnn ||
-                     linear.kind == LinearKind::kOneDnnGemv;
+                     linear.kind == LinearKind::kOneDnnGemv || linear.kind == LinearKind::kAten;
   TORCH_CHECK(dense || scales.has_value(), "StackLinear '", kind, "' needs scales");
   TORCH_CHECK(linear.kind != LinearKind::kQ4x16 || mins.has_value(), "StackLinear 'q4x16' needs mins");
   TORCH_CHECK(linear.kind != LinearKind::kOneDnnGemv || (gemv_weight.has_value() && gemv_available()),
@@ -153,7 +158,7 @@ void bind_decoder_stack(pybind11::module& m) {
         py::arg("bias"), py::arg("out_features"), py::arg("format") = 0, py::arg("gemv_weight") = py::none(),
         py::arg("gemv_max_rows") = 0,
         "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'i8x16' | 'vector' | "
-        "'amx', with that "
+        "'amx' | 'aten', with that "
         "kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor>(), py::arg("num_heads"),

@@ -24,6 +24,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
                            c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t format);
 std::string quant_gemm_isa();
 bool q4x16_available();
+bool i8x16_available();
 torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
                            c10::optional<torch::Tensor> bias, int64_t out_features);
 torch::Tensor i8x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -32,6 +33,7 @@ bool int8_amx_available();
 torch::Tensor pack_int8_amx(torch::Tensor codes);
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                               c10::optional<torch::Tensor> bias, int64_t out_features);
+bool brgemm_bf16_available();
 torch::Tensor pack_brgemm_weight(torch::Tensor weight);
 torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                             int64_t out_features);

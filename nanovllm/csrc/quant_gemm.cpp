@@ -626,12 +626,114 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
     }
   }
 }
+#elif defined(__AVX2__)
+// ---- Q4 interleaved by 16 output features on AVX2 (q4x16_linear, the avx2 and avx512 builds) ---------------
+//
+// The layout above, without VNNI. vpmaddubsw multiplies the unsigned codes by x's signed bytes and adds pairs
+// into int16 (|pair| <= 2 * 15 * 127 = 3810); a block's 8 such products per lane (4 groups of K, low and high
+// nibbles) add up in int16 without saturating (<= 30480 < 32767), and one vpmaddwd by ones gives the features'
+// int32 block sums. 16 features are two 256-bit halves; two rows a pass keep the 15 registers it needs.
+#define NANOVLLM_Q4X16_AVX2 1
+constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block; N is padded to 4 blocks at load
+constexpr int64_t kX16RowTile = 64;  // rows per pass over a thread's feature blocks (x's tile stays in L2)
+
+// R (1 or 2) rows of x against one feature block over all of K; acc[r][h]: features 8h..8h+7.
+template <int R>
+inline void dot_q4x16_avx2(const uint8_t* codes, const at::Half* scales, const at::Half* mins, const int8_t* x,
+                           int64_t k, const float* xd, const float* xs, int64_t nb, __m256 (*acc)[2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    for (int v = 0; v < 4; ++v) {
+      const uint8_t* block = codes + b * 256 + 64 * v;
+      const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+      const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32));
+      const __m256i lo0 = _mm256_and_si256(raw0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(raw1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        int32_t a, c;
+        std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
+        std::memcpy(&c, x + r * k + b * QK + 16 + 4 * v, 4);
+        const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
+        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa),
+                                                                   _mm256_maddubs_epi16(hi0, xc)));
+        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa),
+                                                                   _mm256_maddubs_epi16(hi1, xc)));
+      }
+    }
+    const at::Half* d16 = scales + b * kX16Features;
+    const at::Half* m16 = mins + b * kX16Features;
+    __m256 d[2], m[2];
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 8 * h)));
+      m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + 8 * h)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones));
+        acc[r][h] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(d[h], dx), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m[h], sx, acc[r][h]);
+      }
+    }
+  }
+}
+
+// y = x W^T (+ bias) over Q4 blocks interleaved by 16 features; xq, xd, xs: x's codes, scales, scaled code sums.
+template <typename T>
+void q4x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const at::Half* scales,
+                     const at::Half* mins, const T* bias, T* y, const int8_t* xq, const float* xd, const float* xs) {
+  const int64_t nb = k / QK;
+  const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
+#pragma omp parallel
+  {
+    // An even, contiguous range of feature blocks per thread (at batch 1 the slower thread sets the time).
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t begin = used * me / threads, end = used * (me + 1) / threads;
+    for (int64_t t0 = 0; t0 < rows; t0 += kX16RowTile) {
+      const int64_t t1 = std::min(rows, t0 + kX16RowTile);
+      for (int64_t fb = begin; fb < end; ++fb) {
+        const int64_t col = fb * kX16Features, count = std::min(kX16Features, n - col);
+        for (int64_t r0 = t0; r0 < t1; r0 += 2) {
+          const int64_t group = std::min<int64_t>(2, t1 - r0);
+          __m256 acc[2][2];
+          for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+          const uint8_t* c = codes + fb * nb * 256;
+          const at::Half* sc = scales + fb * nb * kX16Features;
+          const at::Half* mn = mins + fb * nb * kX16Features;
+          if (group == 2) dot_q4x16_avx2<2>(c, sc, mn, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, nb, acc);
+          else dot_q4x16_avx2<1>(c, sc, mn, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, nb, acc);
+          for (int64_t r = 0; r < group; ++r) {
+            alignas(32) float out[kX16Features];
+            _mm256_store_ps(out, acc[r][0]);
+            _mm256_store_ps(out + 8, acc[r][1]);
+            T* dst = y + (r0 + r) * n + col;
+            for (int64_t j = 0; j < count; ++j)
+              dst[j] = static_cast<T>(bias != nullptr ? out[j] + to_float(bias[col + j]) : out[j]);
+          }
+        }
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
 
-// Whether this build has q4x16_linear (Q4 interleaved by 16 features, pack_q4x16): the avx512_bf16 build.
+// Whether this build has q4x16_linear (Q4 interleaved by 16 features, pack_q4x16): with VNNI in the
+// avx512_bf16 build, with AVX2's byte multiply-adds in the avx2 and avx512 builds.
 bool q4x16_available() {
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_Q4X16_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether this build has i8x16_linear (int8 interleaved by 16 features, pack_i8x16): the avx512_bf16 build
+// (its unsigned w + 128 codes need VNNI's int32 sums; AVX2's int16 pair sums would saturate).
+bool i8x16_available() {
 #if defined(NANOVLLM_Q4X16)
   return true;
 #else
@@ -735,7 +837,7 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(x.dim() == 2, "q4x16_linear: x must be [rows, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "q4x16_linear: x must be float32 or bfloat16");
-#if defined(NANOVLLM_Q4X16)
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_Q4X16_AVX2)
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "q4x16_linear: K (", k, ") must be a multiple of 32");
@@ -748,6 +850,20 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const torch::Tensor bias_c = checked_bias(bias, x, n, "q4x16_linear");
   const QuantizedRows xq = quantize_activations(x);
   auto y = torch::empty({rows, n}, x.options());
+#if defined(NANOVLLM_Q4X16_AVX2)
+  AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
+      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+        q4x16_gemm_avx2(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+                        bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                        xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+        using T = c10::BFloat16;
+        q4x16_gemm_avx2(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+                        bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
+                        xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
+      }));
+#else
   const Q4x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
   AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
       AT_DISPATCH_CASE(torch::kFloat32, [&] {
@@ -759,9 +875,10 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
         x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
                  xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(), nullptr);
       }));
+#endif
   return y;
 #else
-  TORCH_CHECK(false, "q4x16_linear: this kernel build has no AVX-512 VNNI (the avx512_bf16 build has it)");
+  TORCH_CHECK(false, "q4x16_linear: this kernel build has no AVX2 (the avx2, avx512 and avx512_bf16 builds have it)");
   return x;
 #endif
 }

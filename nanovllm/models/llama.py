@@ -318,7 +318,12 @@ def _build_decoder_stack(model: LlamaForCausalLM):
         linears = []
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             make = getattr(module, "stack_linear", None)
-            linear = make() if make is not None and getattr(module, "kernels", None) is kernels else None
+            if type(module) is nn.Linear and module.weight.device.type == "cpu":
+                # A plain linear (bf16 where oneDNN has no bf16 kernel, AVX2): torch's linear, as its forward.
+                bias = None if module.bias is None else module.bias.detach()
+                linear = kernels.stack_linear("aten", module.weight.detach(), None, None, bias, module.out_features)
+            else:
+                linear = make() if make is not None and getattr(module, "kernels", None) is kernels else None
             if linear is None:
                 return None
             linears.append(linear)

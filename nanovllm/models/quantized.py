@@ -52,7 +52,7 @@ def int8_kernel(kernels) -> str:
         return "vector"
     if machine.selected_isa() == "amx" and kernels.int8_amx_available():
         return "amx"
-    return "i8x16" if kernels.q4x16_available() else "vector"
+    return "i8x16" if kernels.i8x16_available() else "vector"
 
 
 class QuantLinear(nn.Module):

@@ -144,12 +144,20 @@ def test_brgemm_linear_matches_a_float_matmul_at_every_row_block(n, k, dtype, co
     """oneDNN's brgemm micro-kernel through nano-vllm's loop, against float32 math on the same inputs: a tail
     block of output features (37, 33), an odd number of 32-feature blocks, 1 row, a few, and two row blocks (300
     > 256 rows). float32 is exact to rounding; bf16 to its output rounding. Runs in every build: the loop only
-    calls torch's brgemm, which oneDNN compiles for the CPU."""
+    calls torch's brgemm, which oneDNN compiles for the CPU. bf16 needs AMX or AVX-512 BF16: elsewhere both
+    calls refuse with the reason (torch's brgemm would abort the process)."""
     from nanovllm.models.fast_path import PackedLinear
 
     torch.manual_seed(n + k)
     weight = (torch.randn(n, k) / k ** 0.5).to(dtype)
     bias = torch.randn(n).to(dtype)
+    if dtype == torch.bfloat16 and not compiled.brgemm_bf16_available():
+        with pytest.raises(RuntimeError, match="needs AMX or AVX-512 BF16"):
+            compiled.pack_brgemm_weight(weight)
+        blocks = torch.zeros((n + 31) // 32, k * 32, dtype=dtype)
+        with pytest.raises(RuntimeError, match="needs AMX or AVX-512 BF16"):
+            compiled.brgemm_linear(torch.randn(1, k).to(dtype), blocks, None, n)
+        return
     packed = compiled.pack_brgemm_weight(weight)
     assert packed.shape == ((n + 31) // 32, k * 32) and packed.dtype == dtype
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}

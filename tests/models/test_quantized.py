@@ -45,19 +45,20 @@ def test_quant_linear_is_the_integer_dot_product_of_the_codes(compiled, fmt, dty
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])
 @pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
 def test_q4_interleaved_by_16_features_is_the_integer_dot_product_of_the_codes(compiled, fmt, dtype, rows, n, k):
-    """Where the build has it (avx512_bf16), Q4 layers store their blocks interleaved by 16 features and run
-    q4x16_linear: every row-group shape (1, 2, 3 and 4 rows a pass, then the rest), a partial last 16-feature
-    block and 64-feature item (21, 100), whole ones (128); the other builds keep the plain layout."""
+    """Where the build has it (VNNI in avx512_bf16, AVX2 in avx2 and avx512), Q4 layers store their blocks
+    interleaved by 16 features and run q4x16_linear: every row-group shape (1, 2, 3 and 4 rows a pass, then the
+    rest), a partial last 16-feature block and 64-feature item (21, 100), whole ones (128); the scalar build
+    keeps the plain layout."""
     generator = torch.Generator().manual_seed(rows + n)
     plain = random_quant_linear("q4_1", n, k, generator)
     mins = plain.mins if fmt == "q4_1" else (plain.scales.float() * -8).half()
     layer = QuantLinear(fmt, plain.qweight, plain.scales, mins, None, k, compiled)
     if not compiled.q4x16_available():
         assert layer.kernel == "vector"
-        with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
+        with pytest.raises(RuntimeError, match="no AVX2"):
             compiled.q4x16_linear(torch.randn(1, k), plain.qweight, plain.scales, mins, None, n)
         return
     assert layer.kernel == "q4x16" and "interleaved by 16 features" in layer.kernel_name()
@@ -73,7 +74,7 @@ def test_q4_interleaved_by_16_features_is_the_integer_dot_product_of_the_codes(c
 
 
 def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(compiled):
-    """Whichever layout the build stores (interleaved by 16 features in avx512_bf16, plain elsewhere), the
+    """Whichever layout the build stores (interleaved by 16 features where it has AVX2, plain in scalar), the
     blocks, single rows (the embedding's lookups) and fused projections come back as stored."""
     generator = torch.Generator().manual_seed(5)
     plain = [random_quant_linear("q4_1", n, 64, generator) for n in (8, 40)]
@@ -107,7 +108,7 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     plain.kernels = compiled  # the row kernel, on this build
     layer = QuantLinear("int8", plain.qweight, plain.scales, None, None, k, compiled)
     x = torch.randn(rows, k, generator=generator).to(dtype)
-    if not compiled.q4x16_available():
+    if not compiled.i8x16_available():
         assert layer.kernel == "vector"
         with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
             compiled.i8x16_linear(x, plain.qweight, plain.scales, None, n)
@@ -173,7 +174,7 @@ def test_int8_layers_take_the_tiles_on_the_amx_level_and_give_back_their_codes()
     plain = QuantLinear.from_dense_int8(weight, None, None)
     stored = QuantLinear.from_dense_int8(weight, None, compiled)
     on_tiles = machine.selected_isa() == "amx" and compiled.int8_amx_available()
-    expected = "amx" if on_tiles else ("i8x16" if compiled.q4x16_available() else "vector")
+    expected = "amx" if on_tiles else ("i8x16" if compiled.i8x16_available() else "vector")
     assert plain.kernel == "vector" and stored.kernel == expected
     if on_tiles:
         assert stored.qweight.dtype == torch.uint8 and stored.qweight.shape == (3, 128 * 16)  # K padded to 128
