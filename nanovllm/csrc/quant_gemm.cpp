@@ -850,32 +850,25 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const torch::Tensor bias_c = checked_bias(bias, x, n, "q4x16_linear");
   const QuantizedRows xq = quantize_activations(x);
   auto y = torch::empty({rows, n}, x.options());
+  // One call per dtype; the build picks the kernel (VNNI's x16_gemm, or AVX2's byte multiply-adds).
+  auto run = [&](auto* out, const auto* bias_p) {
 #if defined(NANOVLLM_Q4X16_AVX2)
-  AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
-      AT_DISPATCH_CASE(torch::kFloat32, [&] {
-        q4x16_gemm_avx2(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                        bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                        xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
-      })
-      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-        using T = c10::BFloat16;
-        q4x16_gemm_avx2(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                        bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
-                        xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
-      }));
+    q4x16_gemm_avx2(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+                    bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
 #else
-  const Q4x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
+    const Q4x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
+    x16_gemm(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+             xq.sums.data_ptr<float>(), nullptr);
+#endif
+  };
   AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
       AT_DISPATCH_CASE(torch::kFloat32, [&] {
-        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(), nullptr);
+        run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
       })
       AT_DISPATCH_CASE(torch::kBFloat16, [&] {
         using T = c10::BFloat16;
-        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
-                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(), nullptr);
+        run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
       }));
-#endif
   return y;
 #else
   TORCH_CHECK(false, "q4x16_linear: this kernel build has no AVX2 (the avx2, avx512 and avx512_bf16 builds have it)");
