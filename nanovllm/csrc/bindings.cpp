@@ -1,6 +1,10 @@
 // The Python module of nano-vllm's CPU kernels (built by nanovllm/kernels.py).
 #include "kernels.h"
 
+#include <torch/python.h>
+
+void bind_decoder_stack(pybind11::module& m);  // decoder_stack.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Write new K/V into the paged cache, then attend (CPU)");
   m.def("paged_attention_8bit", &paged_attention_8bit, "paged_attention over an int8 / fp8_e4m3 cache (CPU)");

@@ -13,7 +13,8 @@
 //     rounds to the output dtype;
 //   - BLOCK_M = 256 rows: up to it, the weight is read exactly once per call; the float32 tile (32 KB) and the
 //     rows of x in flight stay in each core's L2.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/native/CPUBlas.h>
 
 #include "cpu_vec.h"
@@ -83,7 +84,7 @@ bool brgemm_bf16_available() {
 
 // The weight [N, K] in the micro-kernel's layout: [ceil(N / 32), K * 32], zero-padded to whole blocks. Called
 // once per linear at load time.
-torch::Tensor pack_brgemm_weight(torch::Tensor weight) {
+at::Tensor pack_brgemm_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_brgemm_weight: weight must be a 2-D CPU tensor");
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "pack_brgemm_weight: weight must be bfloat16 or float32");
@@ -92,7 +93,7 @@ torch::Tensor pack_brgemm_weight(torch::Tensor weight) {
   TORCH_CHECK(dtype != at::kBFloat16 || brgemm_bf16_available(),
               "pack_brgemm_weight: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks");
   const int64_t n_blocks = (n + BLOCK_N - 1) / BLOCK_N;
-  auto padded = torch::zeros({n_blocks * BLOCK_N, k}, weight.options());
+  auto padded = at::zeros({n_blocks * BLOCK_N, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   // [n_blocks, K, 32]: each block's K x 32 slice of W^T, row-major.
   auto blocks = padded.view({n_blocks, BLOCK_N, k}).transpose(1, 2).contiguous();
@@ -101,14 +102,14 @@ torch::Tensor pack_brgemm_weight(torch::Tensor weight) {
   // (K/2 rows of [32 features][2 consecutive K]): that layout, made here.
   if (!at::native::cpublas::could_pack(dtype))
     return blocks.view({n_blocks, k / 2, 2, BLOCK_N}).transpose(2, 3).contiguous().view({n_blocks, k * BLOCK_N});
-  auto packed = torch::empty({n_blocks, k * BLOCK_N}, weight.options());
+  auto packed = at::empty({n_blocks, k * BLOCK_N}, weight.options());
   for (int64_t b = 0; b < n_blocks; ++b)
     at::native::cpublas::pack(k, BLOCK_N, BLOCK_N, BLOCK_N, dtype, dtype, blocks[b].data_ptr(), packed[b].data_ptr());
   return packed;
 }
 
 // x [M, K] times the packed weight of ``out_features`` outputs (+ bias), in x's dtype.
-torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                             int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brgemm_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "brgemm_linear: x and the packed weight differ in dtype");
@@ -118,9 +119,9 @@ torch::Tensor brgemm_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   TORCH_CHECK(packed.size(1) == k * BLOCK_N && packed.size(0) * BLOCK_N >= out_features,
               "brgemm_linear: the packed weight does not match x's in_features or out_features");
   auto xc = x.contiguous();
-  auto y = torch::empty({m, out_features}, x.options());
+  auto y = at::empty({m, out_features}, x.options());
   if (m == 0) return y;
-  torch::Tensor bias_f;
+  at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kBFloat16) {

@@ -1,7 +1,8 @@
 // Small helpers shared by the CPU kernels: float32 views of the storage dtypes, scalar and AVX-512.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>

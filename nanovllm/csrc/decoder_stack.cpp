@@ -8,6 +8,8 @@
 // result is bitwise the Python loop's (tests/models/test_decoder_stack.py).
 #include "kernels.h"
 
+#include <torch/python.h>
+
 #include <vector>
 
 namespace {
@@ -35,8 +37,8 @@ LinearKind linear_kind(const std::string& name) {
 // oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
 // PackedLinear.forward makes. It is registered with torch's dispatcher, not declared in a public header, so it is
 // called boxed: a few microseconds, against the ~20 us a Python module call around it costs.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
@@ -49,15 +51,15 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer's weights and the kernel that multiplies by them (the same call its Python module makes).
 struct StackLinear {
   LinearKind kind;
-  torch::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 / I8x16 codes, quantized codes, AMX-packed int8,
+  at::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 / I8x16 codes, quantized codes, AMX-packed int8,
                          // or the plain [N, K] weight (aten)
-  torch::Tensor scales;  // empty for brgemm and oneDNN
-  c10::optional<torch::Tensor> mins, bias;
+  at::Tensor scales;  // empty for brgemm and oneDNN
+  c10::optional<at::Tensor> mins, bias;
   int64_t out_features, format;
-  torch::Tensor gemv_weight;  // "onednn+gemv": the plain [N, K] weight the GEMV reads
+  at::Tensor gemv_weight;  // "onednn+gemv": the plain [N, K] weight the GEMV reads
   int64_t gemv_max_rows;      // the rows up to which "onednn+gemv" runs the GEMV (PackedLinear.GEMV_MAX_ROWS)
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
       case LinearKind::kBrgemm: return brgemm_linear(x, weight, bias, out_features);
       case LinearKind::kOneDnnGemv:
@@ -74,12 +76,12 @@ struct StackLinear {
   }
 };
 
-StackLinear make_stack_linear(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                              c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
-                              int64_t out_features, int64_t format, c10::optional<torch::Tensor> gemv_weight,
+StackLinear make_stack_linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> scales,
+                              c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias,
+                              int64_t out_features, int64_t format, c10::optional<at::Tensor> gemv_weight,
                               int64_t gemv_max_rows) {
-  StackLinear linear{linear_kind(kind), weight, scales.value_or(torch::Tensor()), mins, bias, out_features, format,
-                     gemv_weight.value_or(torch::Tensor()), gemv_max_rows};
+  StackLinear linear{linear_kind(kind), weight, scales.value_or(at::Tensor()), mins, bias, out_features, format,
+                     gemv_weight.value_or(at::Tensor()), gemv_max_rows};
   const bool dense = linear.kind == LinearKind::kBrgemm || linear.kind == LinearKind::kOneDnn ||
                      linear.kind == LinearKind::kOneDnnGemv || linear.kind == LinearKind::kAten;
   TORCH_CHECK(dense || scales.has_value(), "StackLinear '", kind, "' needs scales");
@@ -92,10 +94,10 @@ StackLinear make_stack_linear(const std::string& kind, torch::Tensor weight, c10
 // The decoder layers of one model (Llama family without q/k norm), built once from its fast-path modules.
 class DecoderStack {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, torch::Tensor final_norm)
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, at::Tensor final_norm)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), final_norm_(final_norm) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, StackLinear qkv, StackLinear o,
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, StackLinear qkv, StackLinear o,
                  StackLinear gate_up, StackLinear down) {
     layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down});
   }
@@ -105,9 +107,9 @@ class DecoderStack {
   // residual: the embedded tokens [T, hidden], contiguous, updated in place as the residual stream. cos/sin:
   // float32 rows [T, head_dim]. The KV caches (one pair per layer) and the attention plan (slot_mapping,
   // block_tables, seq, pos) and softmax scale are CpuAttention's for this step. Returns the final RMSNorm of the residual.
-  torch::Tensor forward(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin,
-                        const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                        torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq, torch::Tensor pos,
+  at::Tensor forward(at::Tensor residual, at::Tensor cos, at::Tensor sin,
+                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                        at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq, at::Tensor pos,
                         bool eight_bit_cache, double scale) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecoderStack.forward: one K and one V cache per layer (", layers_.size(), "), got ",
@@ -115,7 +117,7 @@ class DecoderStack {
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "DecoderStack.forward: residual [T, hidden]");
     TORCH_CHECK(!layers_.empty(), "DecoderStack.forward: no layers");
     const int64_t tokens = residual.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    torch::Tensor delta;
+    at::Tensor delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto normed = i == 0 ? rms_norm(residual, layer.input_norm, eps_)
@@ -139,12 +141,12 @@ class DecoderStack {
 
  private:
   struct Layer {
-    torch::Tensor input_norm, post_norm;
+    at::Tensor input_norm, post_norm;
     StackLinear qkv, o, gate_up, down;
   };
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
-  torch::Tensor final_norm_;
+  at::Tensor final_norm_;
   std::vector<Layer> layers_;
 };
 
@@ -161,7 +163,7 @@ void bind_decoder_stack(pybind11::module& m) {
         "'amx' | 'aten', with that "
         "kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())
-      .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor>(), py::arg("num_heads"),
+      .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("final_norm"))
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)

@@ -1,6 +1,7 @@
 // Fused element-wise ops of the fast path: each replaces a chain of small torch ops (and their dtype round
 // trips) by one pass over the rows. Math in float32, one rounding to the storage dtype at the end.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "cpu_vec.h"
 
@@ -139,14 +140,14 @@ void silu_and_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int
 
 // In place on residual [rows, dim] (contiguous): residual += delta; returns weight * rmsnorm(residual). The
 // decoder layer's residual add and the following RMSNorm in one pass (vLLM's fused_add_rms_norm).
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor residual, at::Tensor delta, at::Tensor weight, double eps) {
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && delta.sizes() == residual.sizes() &&
                   weight.dim() == 1 && weight.size(0) == residual.size(1),
               "add_rms_norm_: residual [rows, dim] contiguous, delta [rows, dim], weight [dim]");
   TORCH_CHECK(residual.scalar_type() == delta.scalar_type() && residual.scalar_type() == weight.scalar_type(),
               "add_rms_norm_: residual, delta and weight must share a dtype");
   delta = delta.contiguous();
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm_", [&] {
     add_rms_norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
                                 weight.contiguous().data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
@@ -156,11 +157,11 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor delta, torch::
 }
 
 // gate_up: [rows, 2 * width] (the fused gate/up projection's output). Returns silu(gate) * up, [rows, width].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up must be [rows, 2 * width]");
   gate_up = gate_up.contiguous();
   const int64_t width = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), width}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), width);
   });
@@ -168,11 +169,11 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 // x: [rows, dim] contiguous; weight: [dim]. Returns weight * rmsnorm(x) like transformers' LlamaRMSNorm.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "rms_norm: x [rows, dim], weight [dim]");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
   x = x.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -182,10 +183,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // In place: rotate q [T, Hq, D] and k [T, Hk, D] (views whose last dim is contiguous, e.g. slices of a fused
 // qkv output) by the per-token cos/sin rows [T, D] (float32), in transformers' rotate_half convention.
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
               "rotary_: q and k must be [tokens, heads, head_dim] with a contiguous last dim");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(0) == q.size(0) && cos.size(1) == q.size(2),
               "rotary_: cos and sin must be contiguous float32 [tokens, head_dim]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_: q and k must share a dtype");

@@ -7,7 +7,8 @@
 // AVX-512 BF16 dot-product instruction (pairs of bf16 products summed into float32 lanes), reduced together
 // into 16 outputs, plus the bias, rounded once to bf16. The block's 16 weight rows stay in L1 between the
 // rows of x, so W is read from memory once whatever the number of rows.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "cpu_vec.h"
 
@@ -66,22 +67,22 @@ bool gemv_available() {
 }
 
 // x [rows, K], weight [N, K], bias [N] or None, all bfloat16 and contiguous. Returns [rows, N].
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(gemv_available(), "gemv_bf16 needs a CPU with AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "gemv_bf16: x [rows, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "gemv_bf16: x and weight must be bfloat16");
   TORCH_CHECK(weight.is_contiguous(), "gemv_bf16: weight must be contiguous");
   x = x.contiguous();
   const int64_t rows = x.size(0), n = weight.size(0), k = weight.size(1);
   const c10::BFloat16* b = nullptr;
-  torch::Tensor bias_c;
+  at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == n, "gemv_bf16: bias must be bfloat16 [N]");
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "gemv_bf16: bias must be bfloat16 [N]");
     bias_c = bias->contiguous();
     b = bias_c.data_ptr<c10::BFloat16>();
   }
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)
   gemv_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), b, y.data_ptr<c10::BFloat16>(), rows, n, k);
 #endif

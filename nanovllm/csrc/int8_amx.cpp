@@ -17,7 +17,8 @@
 //
 // Built into the avx512_bf16 build only (the AMX functions are compiled for AMX by a target pragma; every AMX
 // CPU has AVX-512 BF16); int8_amx_available() says whether this CPU and the OS run them.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -250,9 +251,9 @@ void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* 
 
 #if defined(NANOVLLM_AMX_INT8)
 template <typename T>
-void quantize_and_multiply(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                           const torch::Tensor& bias, torch::Tensor& p1, torch::Tensor& p2, torch::Tensor& d,
-                           torch::Tensor& digit_sums, torch::Tensor& y) {
+void quantize_and_multiply(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& bias, at::Tensor& p1, at::Tensor& p2, at::Tensor& d,
+                           at::Tensor& digit_sums, at::Tensor& y) {
   const int64_t rows = x.size(0), k = x.size(1), kp = p1.size(1), n = y.size(1);
   const T* xp = x.data_ptr<T>();
 #pragma omp parallel for if (rows > 8)
@@ -279,49 +280,49 @@ bool int8_amx_available() {
 
 // int8 codes [N, K] in the tiles' layout: uint8 [ceil(N / 16), K' * 16] (K' = K rounded up to 64), each block
 // [K' / 4][16][4] of w + 128, features past N and values past K zero weights. Called once per linear at load.
-torch::Tensor pack_int8_amx(torch::Tensor codes) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.device().is_cpu(),
+at::Tensor pack_int8_amx(at::Tensor codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.device().is_cpu(),
               "pack_int8_amx: codes must be a 2-D int8 CPU tensor");
   const int64_t n = codes.size(0), k = codes.size(1);
   const int64_t n_blocks = (n + kFeatures - 1) / kFeatures, kp = padded_k(k);
-  auto padded = torch::zeros({n_blocks * kFeatures, kp}, codes.options());
+  auto padded = at::zeros({n_blocks * kFeatures, kp}, codes.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(codes);
   // [blocks, 16, K'/4, 4] -> [blocks, K'/4, 16, 4], then + 128 as unsigned bytes.
   auto blocked = padded.view({n_blocks, kFeatures, kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
-  return (blocked.to(torch::kInt16) + 128).to(torch::kUInt8).view({n_blocks, kp * kFeatures});
+  return (blocked.to(at::kShort) + 128).to(at::kByte).view({n_blocks, kp * kFeatures});
 }
 
 // x [rows, K] float32 or bfloat16 times the packed int8 weight of out_features outputs with float32 channel
 // scales [N] (+ bias [N] in x's dtype); [rows, N] in x's dtype.
-torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                              c10::optional<torch::Tensor> bias, int64_t out_features) {
+at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                              c10::optional<at::Tensor> bias, int64_t out_features) {
   TORCH_CHECK(int8_amx_available(), "int8_amx_linear: this CPU, OS or kernel build has no AMX-INT8 tiles");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int8_amx_linear: x must be [rows, K] on the CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_amx_linear: x must be float32 or bfloat16");
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = out_features, kp = padded_k(k);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) == kp * kFeatures && packed.size(0) * kFeatures >= n,
               "int8_amx_linear: the packed weight does not match K or N");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
               "int8_amx_linear: scales must be float32 [N]");
-  torch::Tensor bias_c;
+  at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "int8_amx_linear: bias [N] in x's dtype");
     bias_c = bias->contiguous();
   }
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
 #if defined(NANOVLLM_AMX_INT8)
   if (rows == 0) return y;
   // Whole tiles of rows from 16 rows on (the padding rows' digits are zero and their sums never read).
   const int64_t padded_rows = rows < kTileRows ? rows : (rows + kTileRows - 1) / kTileRows * kTileRows;
-  auto p1 = torch::empty({padded_rows, kp}, x.options().dtype(torch::kInt8));
-  auto p2 = torch::empty({padded_rows, kp}, x.options().dtype(torch::kInt8));
+  auto p1 = at::empty({padded_rows, kp}, x.options().dtype(at::kChar));
+  auto p2 = at::empty({padded_rows, kp}, x.options().dtype(at::kChar));
   for (int8_t* p : {p1.data_ptr<int8_t>(), p2.data_ptr<int8_t>()}) std::fill(p + rows * kp, p + padded_rows * kp, 0);
-  auto d = torch::empty({rows}, x.options().dtype(torch::kFloat32));
-  auto digit_sums = torch::empty({rows, 2}, x.options().dtype(torch::kInt32));
-  if (x.scalar_type() == torch::kFloat32) {
+  auto d = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto digit_sums = at::empty({rows, 2}, x.options().dtype(at::kInt));
+  if (x.scalar_type() == at::kFloat) {
     quantize_and_multiply<float>(x, packed, scales, bias_c, p1, p2, d, digit_sums, y);
   } else {
     quantize_and_multiply<c10::BFloat16>(x, packed, scales, bias_c, p1, p2, d, digit_sums, y);

@@ -8,7 +8,8 @@
 // num_heads / num_kv_heads query heads that share the KV head (GQA without repeating K/V), reading each key
 // once for the whole group. Softmax is exact two-pass (scores, max, exp-sum) in float32, whatever the
 // storage dtype.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "cpu_vec.h"
 
@@ -439,22 +440,22 @@ bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
 
 namespace {
 // t itself if each token's [heads, head_dim] is contiguous (whatever the stride between tokens), else a copy.
-torch::Tensor rows_in_place(const torch::Tensor& t) {
+at::Tensor rows_in_place(const at::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
 // The layout checks both entry points share (the caches' rows hold head_dim + row_extra elements: 0 for a
 // model-dtype cache, the scale's 4 bytes for an 8-bit one); makes q, k, v rows and block_tables contiguous.
-void check_paged_layout(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_cache,
-                        const torch::Tensor& v_cache, const torch::Tensor& slot_mapping, torch::Tensor& block_tables,
-                        const torch::Tensor& seq, const torch::Tensor& pos, int64_t row_extra) {
+void check_paged_layout(at::Tensor& q, at::Tensor& k, at::Tensor& v, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& block_tables,
+                        const at::Tensor& seq, const at::Tensor& pos, int64_t row_extra) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               row_extra ? "caches must be [blocks, bs, kvh, d + 4]" : "caches must be [blocks, bs, kvh, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq.scalar_type() == torch::kInt32 &&
-                  pos.scalar_type() == torch::kInt32,
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq.scalar_type() == at::kInt &&
+                  pos.scalar_type() == at::kInt,
               "block_tables, seq and pos must be int32");
   q = rows_in_place(q);
   k = rows_in_place(k);
@@ -472,16 +473,16 @@ void check_paged_layout(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, co
 }
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                              torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                              torch::Tensor seq, torch::Tensor pos, double scale) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                              at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables,
+                              at::Tensor seq, at::Tensor pos, double scale) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
                   v.scalar_type() == k_cache.scalar_type(),
               "q, k, v and the cache must share one dtype");
   check_paged_layout(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq, pos, 0);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  auto out = torch::empty({num_tokens, num_heads * head_dim}, q.options());
+  auto out = at::empty({num_tokens, num_heads * head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     write_kv<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k.size(0),
@@ -632,10 +633,10 @@ void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, co
 }
 
 template <KVCodes C, typename scalar_t>
-void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-                               const torch::Tensor& block_tables, const torch::Tensor& seq, const torch::Tensor& pos,
-                               torch::Tensor& out, float scale) {
+void paged_attention_8bit_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                               const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& pos,
+                               at::Tensor& out, float scale) {
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
@@ -663,18 +664,18 @@ void paged_attention_8bit_impl(const torch::Tensor& q, const torch::Tensor& k, c
 // paged_attention over an 8-bit cache: q, k, v in the model dtype ([T, H, D], [N, KVH, D]); k_cache, v_cache
 // [blocks, block_size, KVH, D + 4] int8 (kv_cache_dtype=int8) or uint8 (fp8_e4m3). Same arguments and result as
 // paged_attention; the new K/V rows are quantized into their slots first.
-torch::Tensor paged_attention_8bit(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
-                                   torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                   torch::Tensor seq, torch::Tensor pos, double scale) {
+at::Tensor paged_attention_8bit(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                                   at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables,
+                                   at::Tensor seq, at::Tensor pos, double scale) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte),
+                  (k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kByte),
               "an 8-bit cache is int8 (kv_cache_dtype=int8) or uint8 (fp8_e4m3)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "q, k and v must share one dtype");
   check_paged_layout(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq, pos, kScaleBytes);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  auto out = torch::empty({num_tokens, num_heads * head_dim}, q.options());
-  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  auto out = at::empty({num_tokens, num_heads * head_dim}, q.options());
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_8bit", [&] {
     if (int8)
       paged_attention_8bit_impl<KVCodes::kInt8, scalar_t>(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq,

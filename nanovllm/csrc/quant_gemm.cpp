@@ -23,7 +23,8 @@
 // same integer sums; only the float rounding of the block sums' order differs. The avx512_bf16 build also has
 // q4x16_linear (below): Q4 blocks moved at load into a layout interleaved by 16 output features, the layers'
 // kernel there. On AMX CPUs int8 runs on the tiles instead (int8_amx.cpp).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -755,7 +756,7 @@ std::string quant_gemm_isa() {
 namespace {
 
 // bias [N] in x's dtype, contiguous (undefined when there is none).
-torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, const torch::Tensor& x, int64_t n, const char* op) {
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n, const char* op) {
   if (!bias.has_value() || !bias->defined()) return {};
   TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, op, ": bias [N] in x's dtype");
   return bias->contiguous();
@@ -764,17 +765,17 @@ torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, const torch
 // x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
 // With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction).
 struct QuantizedRows {
-  torch::Tensor codes, scales, sums, code_sums;
+  at::Tensor codes, scales, sums, code_sums;
   const int32_t* code_sums_ptr() const { return code_sums.defined() ? code_sums.data_ptr<int32_t>() : nullptr; }
 };
-QuantizedRows quantize_activations(const torch::Tensor& x, bool code_sums = false) {
+QuantizedRows quantize_activations(const at::Tensor& x, bool code_sums = false) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK;
-  QuantizedRows q{torch::empty({rows, k}, x.options().dtype(torch::kInt8)),
-                  torch::empty({rows, nb}, x.options().dtype(torch::kFloat32)),
-                  torch::empty({rows, nb}, x.options().dtype(torch::kFloat32)),
-                  code_sums ? torch::empty({rows, nb}, x.options().dtype(torch::kInt32)) : torch::Tensor()};
+  QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
+                  at::empty({rows, nb}, x.options().dtype(at::kFloat)),
+                  at::empty({rows, nb}, x.options().dtype(at::kFloat)),
+                  code_sums ? at::empty({rows, nb}, x.options().dtype(at::kInt)) : at::Tensor()};
   int32_t* sums = code_sums ? q.code_sums.data_ptr<int32_t>() : nullptr;
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     quantize_rows(x.data_ptr<float>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
                   q.sums.data_ptr<float>(), sums);
   } else {
@@ -789,39 +790,39 @@ QuantizedRows quantize_activations(const torch::Tensor& x, bool code_sums = fals
 // x [rows, K] float32 or bfloat16; qweight int8 [N, K] (int8, q8_0) or uint8 [N, K / 2] (q4); scales float32
 // [N] (int8) or float16 [N, K / 32]; mins float16 [N, K / 32] (q4 only); bias [N] in x's dtype or None.
 // Returns [rows, N] in x's dtype.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                           c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t format) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t format) {
   TORCH_CHECK(format == kInt8 || format == kQ8_0 || format == kQ4, "quant_linear: unknown format ", format);
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16");
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0), nb = k / QK;
   TORCH_CHECK(k % QK == 0, "quant_linear: K (", k, ") must be a multiple of 32");
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "quant_linear: weights must be contiguous");
   if (format == kQ4) {
-    TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && qweight.size(1) * 2 == k, "quant_linear: q4 codes [N, K/2] uint8");
-    TORCH_CHECK(mins.has_value() && mins->scalar_type() == torch::kHalf && mins->is_contiguous() &&
+    TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == k, "quant_linear: q4 codes [N, K/2] uint8");
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
                     mins->numel() == n * nb, "quant_linear: q4 needs float16 mins [N, K/32]");
   } else {
-    TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.size(1) == k, "quant_linear: int8 codes [N, K]");
+    TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == k, "quant_linear: int8 codes [N, K]");
   }
   if (format == kInt8) {
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == n, "quant_linear: int8 scales float32 [N]");
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == n, "quant_linear: int8 scales float32 [N]");
   } else {
-    TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.numel() == n * nb, "quant_linear: float16 scales [N, K/32]");
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == n * nb, "quant_linear: float16 scales [N, K/32]");
   }
-  const torch::Tensor bias_c = checked_bias(bias, x, n, "quant_linear");
+  const at::Tensor bias_c = checked_bias(bias, x, n, "quant_linear");
   const QuantizedRows xq = quantize_activations(x);
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
   const Weights weights{static_cast<QuantFormat>(format), qweight.data_ptr(), scales.data_ptr(),
                         format == kQ4 ? mins->data_ptr<at::Half>() : nullptr};
   AT_DISPATCH_SWITCH(x.scalar_type(), "quant_linear",
-      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+      AT_DISPATCH_CASE(at::kFloat, [&] {
         quant_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
                    xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
       })
-      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
         using T = c10::BFloat16;
         quant_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
                    xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
@@ -832,24 +833,24 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 // x [rows, K] float32 or bfloat16 times Q4 blocks interleaved by 16 features (pack_q4x16 in
 // nanovllm/models/quantized.py: codes uint8 [Nb, K / 32 * 256], scales and mins float16 [Nb, K / 32, 16], Nb
 // blocks of 16 features, a multiple of 4) for out_features <= 16 Nb outputs (+ bias [N] in x's dtype).
-torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
-                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins,
+                           c10::optional<at::Tensor> bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "q4x16_linear: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "q4x16_linear: x must be float32 or bfloat16");
 #if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_Q4X16_AVX2)
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "q4x16_linear: K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
                   codes.size(1) == nb * 256 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
               "q4x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 256] covering N");
   for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == codes.size(0) * nb * kX16Features,
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == codes.size(0) * nb * kX16Features,
                 "q4x16_linear: scales and mins must be float16 [blocks, K / 32, 16]");
-  const torch::Tensor bias_c = checked_bias(bias, x, n, "q4x16_linear");
+  const at::Tensor bias_c = checked_bias(bias, x, n, "q4x16_linear");
   const QuantizedRows xq = quantize_activations(x);
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
   // One call per dtype; the build picks the kernel (VNNI's x16_gemm, or AVX2's byte multiply-adds).
   auto run = [&](auto* out, const auto* bias_p) {
 #if defined(NANOVLLM_Q4X16_AVX2)
@@ -862,10 +863,10 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 #endif
   };
   AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
-      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+      AT_DISPATCH_CASE(at::kFloat, [&] {
         run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
       })
-      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
         using T = c10::BFloat16;
         run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
       }));
@@ -879,32 +880,32 @@ torch::Tensor q4x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 // x [rows, K] float32 or bfloat16 times int8 weights interleaved by 16 features (pack_i8x16 in
 // nanovllm/models/quantized.py: codes uint8 [Nb, K / 32 * 512] of w + 128, channel scales float32 [16 Nb], Nb
 // blocks of 16 features, a multiple of 4) for out_features <= 16 Nb outputs (+ bias [N] in x's dtype).
-torch::Tensor i8x16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                           c10::optional<at::Tensor> bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "i8x16_linear: x must be [rows, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "i8x16_linear: x must be float32 or bfloat16");
 #if defined(NANOVLLM_Q4X16)
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "i8x16_linear: K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
                   codes.size(1) == nb * 512 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
               "i8x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 512] covering N");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == codes.size(0) * kX16Features,
               "i8x16_linear: scales must be float32 [16 x blocks]");
-  const torch::Tensor bias_c = checked_bias(bias, x, n, "i8x16_linear");
+  const at::Tensor bias_c = checked_bias(bias, x, n, "i8x16_linear");
   const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true);
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
   const I8x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
   AT_DISPATCH_SWITCH(x.scalar_type(), "i8x16_linear",
-      AT_DISPATCH_CASE(torch::kFloat32, [&] {
+      AT_DISPATCH_CASE(at::kFloat, [&] {
         x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
                  xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),
                  xq.code_sums_ptr());
       })
-      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
         using T = c10::BFloat16;
         x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
                  xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),

@@ -2,7 +2,8 @@
 // as torch.argmax) and whether the row holds a NaN or +inf (the sampler must never pick a token from such a
 // row). torch needs a float32 copy of the bf16 logits, an isnan pass, an == inf pass and an argmax pass for
 // this, each a full read of [rows, vocab]: at 64 rows x 49152 that was ~20 ms of a ~150 ms decode step.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "cpu_vec.h"
 
@@ -81,12 +82,12 @@ void greedy_rows(const scalar_t* x, int64_t rows, int64_t vocab, int64_t* out, b
 
 // logits: [rows, vocab]. Returns (tokens int64 [rows], bad bool [rows]): the argmax of each row, and whether
 // the row has a NaN or +inf logit (then its token is meaningless).
-std::tuple<torch::Tensor, torch::Tensor> greedy_sample(torch::Tensor logits) {
+std::tuple<at::Tensor, at::Tensor> greedy_sample(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2, "greedy_sample: logits must be [rows, vocab]");
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto tokens = torch::empty({rows}, torch::kInt64);
-  auto bad = torch::empty({rows}, torch::kBool);
+  auto tokens = at::empty({rows}, at::kLong);
+  auto bad = at::empty({rows}, at::kBool);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "greedy_sample", [&] {
     greedy_rows<scalar_t>(logits.data_ptr<scalar_t>(), rows, vocab, tokens.data_ptr<int64_t>(),
                           bad.data_ptr<bool>());
