@@ -11,7 +11,7 @@ than staying in cache. Kernels (those this machine runs for the dtype):
 - ``gemv``: nano-vllm's bf16 GEMV (``nanovllm/csrc/gemv.cpp``), bfloat16 only, at 1 and 2 rows.
 - ``int8``: ``quantization="int8"``'s linear on the same weights made int8 (bfloat16 activations): the AMX-INT8
   kernel (``nanovllm/csrc/int8_amx.cpp``) where the CPU runs it, the vector kernel (``quant_gemm.cpp``)
-  elsewhere; its activation quantization included. ``--int8-vector`` adds the vector kernel on AMX CPUs too.
+  elsewhere; its activation quantization included. ``--int8-vector`` adds the vector (row) kernel where int8 runs another (AMX tiles, i8x16).
 - ``q4``: ``quantization="gguf"``'s Q4_1 layers on random blocks of the same shapes: the kernel a gguf model
   runs here (Q4 interleaved by 16 features wherever the build has AVX2, else the row kernel), and ``q4-rows``, the
   row-by-row kernel, where the two differ.
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,8,32,128,512")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("--int8-vector", action="store_true", help="also time the int8 vector kernel on AMX CPUs")
+    parser.add_argument("--int8-vector", action="store_true", help="also time the int8 vector (row) kernel where int8 runs another (AMX, i8x16)")
     args = parser.parse_args()
     machine.apply_isa_cap()
     ops = compiled_kernels.load()

@@ -20,9 +20,10 @@
 // Vector paths: AVX2 (the avx2 and avx512 builds); in the avx512_bf16 build (every CPU with AVX-512 BF16 has
 // VNNI) two blocks per 512-bit register through VNNI's one-instruction byte dot product, the odd last block
 // through the AVX2 loop with VNNI's 256-bit form; portable loops elsewhere (the scalar build). All compute the
-// same integer sums; only the float rounding of the block sums' order differs. The avx512_bf16 build also has
-// q4x16_linear (below): Q4 blocks moved at load into a layout interleaved by 16 output features, the layers'
-// kernel there. On AMX CPUs int8 runs on the tiles instead (int8_amx.cpp).
+// same integer sums; only the float rounding of the block sums' order differs. Every build with AVX2 also has
+// q4x16_linear and i8x16_linear (below): Q4 and int8 weights moved at load into a layout interleaved by 16 output
+// features, the layers' kernels there (the row kernel above stays for Q8_0 and the scalar build). On AMX CPUs
+// int8 runs on the tiles instead (int8_amx.cpp).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -628,63 +629,119 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
   }
 }
 #elif defined(__AVX2__)
-// ---- Q4 interleaved by 16 output features on AVX2 (q4x16_linear, the avx2 and avx512 builds) ---------------
+// ---- Q4 and int8 interleaved by 16 output features on AVX2 (the avx2 and avx512 builds) --------------------
 //
-// The layout above, without VNNI. vpmaddubsw multiplies the unsigned codes by x's signed bytes and adds pairs
-// into int16 (|pair| <= 2 * 15 * 127 = 3810); a block's 8 such products per lane (4 groups of K, low and high
-// nibbles) add up in int16 without saturating (<= 30480 < 32767), and one vpmaddwd by ones gives the features'
-// int32 block sums. 16 features are two 256-bit halves; two rows a pass keep the 15 registers it needs.
-#define NANOVLLM_Q4X16_AVX2 1
+// The layouts above, without VNNI. 16 features are two 256-bit halves; two rows a pass keep the 15 registers
+// the kernels need. Both add a block's byte products into int32 per feature with vpmaddubsw + vpmaddwd:
+// - Q4: vpmaddubsw multiplies the unsigned codes by x's signed bytes and adds pairs into int16
+//   (|pair| <= 2 * 15 * 127 = 3810); a block's 8 such products per lane (4 groups of K, low and high nibbles) add
+//   up in int16 without saturating (<= 30480 < 32767), and one vpmaddwd by ones gives the int32 block sums.
+// - int8: the stored w + 128 would make the pairs saturate (2 * 255 * 127 > 32767), so the codes are flipped back
+//   to signed w, and |w| is multiplied by x with w's sign (vpsignb): |pair| <= 2 * 128 * 127 = 32512, exact,
+//   with no correction term. Each product goes to int32 at once (two could saturate together).
+#define NANOVLLM_X16_AVX2 1
 constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block; N is padded to 4 blocks at load
 constexpr int64_t kX16RowTile = 64;  // rows per pass over a thread's feature blocks (x's tile stays in L2)
 
-// R (1 or 2) rows of x against one feature block over all of K; acc[r][h]: features 8h..8h+7.
-template <int R>
-inline void dot_q4x16_avx2(const uint8_t* codes, const at::Half* scales, const at::Half* mins, const int8_t* x,
-                           int64_t k, const float* xd, const float* xs, int64_t nb, __m256 (*acc)[2]) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-    for (int v = 0; v < 4; ++v) {
-      const uint8_t* block = codes + b * 256 + 64 * v;
-      const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
-      const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32));
-      const __m256i lo0 = _mm256_and_si256(raw0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low4);
-      const __m256i lo1 = _mm256_and_si256(raw1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low4);
-      for (int r = 0; r < R; ++r) {
-        int32_t a, c;
-        std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
-        std::memcpy(&c, x + r * k + b * QK + 16 + 4 * v, 4);
-        const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
-        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa),
-                                                                   _mm256_maddubs_epi16(hi0, xc)));
-        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa),
-                                                                   _mm256_maddubs_epi16(hi1, xc)));
+// The Q4 layer (pack_q4x16): R (1 or 2) rows of x against feature block fb over all of K; acc[r][h]: features
+// 8h..8h+7, the scales and offsets inside every block's sum.
+struct Q4x16Avx2 {
+  const uint8_t* codes;
+  const at::Half *scales, *mins;
+  int64_t nb;
+
+  template <int R>
+  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float* xs, __m256 (*acc)[2]) const {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const uint8_t* fb_codes = codes + fb * nb * 256;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i sums[R][2];
+      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2  // as in I8x16Avx2::dot (fully unrolled: 1.27x the row kernel at one row, 1.52x so)
+      for (int v = 0; v < 4; ++v) {
+        const uint8_t* block = fb_codes + b * 256 + 64 * v;
+        const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+        const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32));
+        const __m256i lo0 = _mm256_and_si256(raw0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low4);
+        const __m256i lo1 = _mm256_and_si256(raw1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          int32_t a, c;
+          std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
+          std::memcpy(&c, x + r * k + b * QK + 16 + 4 * v, 4);
+          const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
+          sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa),
+                                                                     _mm256_maddubs_epi16(hi0, xc)));
+          sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa),
+                                                                     _mm256_maddubs_epi16(hi1, xc)));
+        }
       }
-    }
-    const at::Half* d16 = scales + b * kX16Features;
-    const at::Half* m16 = mins + b * kX16Features;
-    __m256 d[2], m[2];
-    for (int h = 0; h < 2; ++h) {
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 8 * h)));
-      m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + 8 * h)));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
+      const at::Half* d16 = scales + (fb * nb + b) * kX16Features;
+      const at::Half* m16 = mins + (fb * nb + b) * kX16Features;
+      __m256 d[2], m[2];
       for (int h = 0; h < 2; ++h) {
-        const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones));
-        acc[r][h] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(d[h], dx), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(m[h], sx, acc[r][h]);
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 8 * h)));
+        m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m16 + 8 * h)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][h], ones));
+          acc[r][h] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(d[h], dx), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(m[h], sx, acc[r][h]);
+        }
       }
     }
   }
-}
+  float scale(int64_t, int64_t) const { return 1.f; }
+};
 
-// y = x W^T (+ bias) over Q4 blocks interleaved by 16 features; xq, xd, xs: x's codes, scales, scaled code sums.
-template <typename T>
-void q4x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, const at::Half* scales,
-                     const at::Half* mins, const T* bias, T* y, const int8_t* xq, const float* xd, const float* xs) {
+// The int8 layer (pack_i8x16: w + 128, one float32 scale per channel, applied once at the end).
+struct I8x16Avx2 {
+  const uint8_t* codes;
+  const float* channel_scales;
+  int64_t nb;
+
+  template <int R>
+  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float*, __m256 (*acc)[2]) const {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    const uint8_t* fb_codes = codes + fb * nb * 512;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i sums[R][2];
+      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      // Unrolled by 2, not 8: fully unrolled, GCC hoists loads far ahead and spills the sums to the stack, and
+      // a store-to-load chain through every step made one row slower than two (AVX2 EPYC, 60 streamed
+      // 1536 x 576 layers, one thread: 5.1 ms, against 2.9 unrolled by 2).
+#pragma GCC unroll 2
+      for (int v = 0; v < 8; ++v) {
+        const uint8_t* block = fb_codes + b * 512 + 64 * v;
+        __m256i w[2], w_abs[2];
+        for (int h = 0; h < 2; ++h) {
+          w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * h)), flip);
+          w_abs[h] = _mm256_abs_epi8(w[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
+          const __m256i xa = _mm256_set1_epi32(a);
+          for (int h = 0; h < 2; ++h)
+            sums[r][h] = _mm256_add_epi32(
+                sums[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[h], _mm256_sign_epi8(xa, w[h])), ones));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+        for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), dx, acc[r][h]);
+      }
+    }
+  }
+  float scale(int64_t fb, int64_t j) const { return channel_scales[fb * kX16Features + j]; }
+};
+
+// y = x W^T (+ bias) over a layer interleaved by 16 features (Q4x16Avx2 or I8x16Avx2); xq, xd, xs: x's codes,
+// scales and scaled code sums.
+template <typename T, typename W>
+void x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* y, const int8_t* xq,
+                   const float* xd, const float* xs) {
   const int64_t nb = k / QK;
   const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
 #pragma omp parallel
@@ -700,18 +757,17 @@ void q4x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, c
           const int64_t group = std::min<int64_t>(2, t1 - r0);
           __m256 acc[2][2];
           for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
-          const uint8_t* c = codes + fb * nb * 256;
-          const at::Half* sc = scales + fb * nb * kX16Features;
-          const at::Half* mn = mins + fb * nb * kX16Features;
-          if (group == 2) dot_q4x16_avx2<2>(c, sc, mn, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, nb, acc);
-          else dot_q4x16_avx2<1>(c, sc, mn, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, nb, acc);
+          if (group == 2) w.template dot<2>(fb, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, acc);
+          else w.template dot<1>(fb, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, acc);
           for (int64_t r = 0; r < group; ++r) {
             alignas(32) float out[kX16Features];
             _mm256_store_ps(out, acc[r][0]);
             _mm256_store_ps(out + 8, acc[r][1]);
             T* dst = y + (r0 + r) * n + col;
-            for (int64_t j = 0; j < count; ++j)
-              dst[j] = static_cast<T>(bias != nullptr ? out[j] + to_float(bias[col + j]) : out[j]);
+            for (int64_t j = 0; j < count; ++j) {
+              const float value = out[j] * w.scale(fb, j);
+              dst[j] = static_cast<T>(bias != nullptr ? value + to_float(bias[col + j]) : value);
+            }
           }
         }
       }
@@ -725,17 +781,17 @@ void q4x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const uint8_t* codes, c
 // Whether this build has q4x16_linear (Q4 interleaved by 16 features, pack_q4x16): with VNNI in the
 // avx512_bf16 build, with AVX2's byte multiply-adds in the avx2 and avx512 builds.
 bool q4x16_available() {
-#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_Q4X16_AVX2)
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
   return true;
 #else
   return false;
 #endif
 }
 
-// Whether this build has i8x16_linear (int8 interleaved by 16 features, pack_i8x16): the avx512_bf16 build
-// (its unsigned w + 128 codes need VNNI's int32 sums; AVX2's int16 pair sums would saturate).
+// Whether this build has i8x16_linear (int8 interleaved by 16 features, pack_i8x16): VNNI's in the avx512_bf16
+// build, AVX2's sign-and-multiply in the avx2 and avx512 builds.
 bool i8x16_available() {
-#if defined(NANOVLLM_Q4X16)
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
   return true;
 #else
   return false;
@@ -838,7 +894,7 @@ at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
   TORCH_CHECK(x.dim() == 2, "q4x16_linear: x must be [rows, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "q4x16_linear: x must be float32 or bfloat16");
-#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_Q4X16_AVX2)
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "q4x16_linear: K (", k, ") must be a multiple of 32");
@@ -853,9 +909,10 @@ at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
   auto y = at::empty({rows, n}, x.options());
   // One call per dtype; the build picks the kernel (VNNI's x16_gemm, or AVX2's byte multiply-adds).
   auto run = [&](auto* out, const auto* bias_p) {
-#if defined(NANOVLLM_Q4X16_AVX2)
-    q4x16_gemm_avx2(rows, k, n, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-                    bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>());
+#if defined(NANOVLLM_X16_AVX2)
+    const Q4x16Avx2 weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
+    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+                  xq.sums.data_ptr<float>());
 #else
     const Q4x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
     x16_gemm(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
@@ -885,7 +942,7 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
   TORCH_CHECK(x.dim() == 2, "i8x16_linear: x must be [rows, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "i8x16_linear: x must be float32 or bfloat16");
-#if defined(NANOVLLM_Q4X16)
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "i8x16_linear: K (", k, ") must be a multiple of 32");
@@ -896,24 +953,32 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
                   scales.numel() == codes.size(0) * kX16Features,
               "i8x16_linear: scales must be float32 [16 x blocks]");
   const at::Tensor bias_c = checked_bias(bias, x, n, "i8x16_linear");
-  const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true);
   auto y = at::empty({rows, n}, x.options());
-  const I8x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
+  // One call per dtype; the build picks the kernel (VNNI's x16_gemm, or AVX2's sign-and-multiply).
+  auto run = [&](auto* out, const auto* bias_p) {
+#if defined(NANOVLLM_X16_AVX2)
+    const QuantizedRows xq = quantize_activations(x);
+    const I8x16Avx2 weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
+    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+                  xq.sums.data_ptr<float>());
+#else
+    const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true);  // VNNI's correction for w + 128
+    const I8x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
+    x16_gemm(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+             xq.sums.data_ptr<float>(), xq.code_sums_ptr());
+#endif
+  };
   AT_DISPATCH_SWITCH(x.scalar_type(), "i8x16_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),
-                 xq.code_sums_ptr());
+        run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         using T = c10::BFloat16;
-        x16_gemm(rows, k, n, weights, bias_c.defined() ? bias_c.data_ptr<T>() : nullptr, y.data_ptr<T>(),
-                 xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),
-                 xq.code_sums_ptr());
+        run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
       }));
   return y;
 #else
-  TORCH_CHECK(false, "i8x16_linear: this kernel build has no AVX-512 VNNI (the avx512_bf16 build has it)");
+  TORCH_CHECK(false, "i8x16_linear: this kernel build has no AVX2 (the avx2, avx512 and avx512_bf16 builds have it)");
   return x;
 #endif
 }

@@ -13,7 +13,7 @@ stay in the engine's ``dtype``.
   weights). Activations get dynamic scales (one scale per token, vLLM's default, cost SmolLM2 2-4% perplexity):
   on CPUs with AMX-INT8 (``int8_kernel``) one scale per token in two int8 digits on the tiles
   (``nanovllm/csrc/int8_amx.cpp``, weights stored in the tiles' layout); elsewhere per token and group of 32
-  values, in ``i8x16_linear`` (weights interleaved by 16 features, AVX-512 VNNI) or the row kernel. Both cost
+  values, in ``i8x16_linear`` (weights interleaved by 16 features; AVX-512 VNNI or AVX2) or the row kernel. Both cost
   ~0 (docs/quantization.md).
 - ``gguf``: the blocks of a GGUF file as they are stored: Q8_0, Q4_0 and Q4_1 (the default model is Q4_1, its
   embedding Q8_0), activations per 32 values as llama.cpp quantizes them for these blocks. The model is built
@@ -44,8 +44,9 @@ GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
 
 def int8_kernel(kernels) -> str:
     """The kernel an int8 linear runs with the compiled ``kernels`` (None: none): ``amx`` (AMX-INT8 tiles, on
-    the ``amx`` ISA level when the CPU and OS allow them), ``i8x16`` (interleaved by 16 features on VNNI, the
-    ``avx512_bf16`` build's other CPUs) or ``vector`` (quant_gemm.cpp's row kernel, every other level)."""
+    the ``amx`` ISA level when the CPU and OS allow them), ``i8x16`` (interleaved by 16 features: VNNI in the
+    ``avx512_bf16`` build's other CPUs, AVX2 in the avx2 and avx512 builds) or ``vector`` (quant_gemm.cpp's row kernel,
+    the scalar build)."""
     from nanovllm import machine
 
     if kernels is None:
@@ -59,7 +60,7 @@ class QuantLinear(nn.Module):
     """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run on every row
     count by the kernel ``kernel`` names: ``vector`` (the kernels' ``quant_linear`` op), ``amx`` (int8 on AMX-INT8
     tiles, ``int8_amx_linear``), ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``) or ``i8x16`` (int8
-    interleaved likewise, ``i8x16_linear``, on VNNI CPUs without AMX-INT8), chosen at
+    interleaved likewise, ``i8x16_linear``, on AVX2 and VNNI CPUs without AMX-INT8), chosen at
     construction from the CPU and the kernel build. Built at load (``from_dense_int8``, ``GGUFWeights.linear``);
     the engine only calls ``forward``."""
 

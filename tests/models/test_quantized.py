@@ -92,14 +92,15 @@ def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(comp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33, 70])
 @pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
 def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, dtype, rows, n, k):
-    """i8x16_linear (int8 weights as unsigned w + 128, interleaved by 16 features; the avx512_bf16 build)
-    against the row kernel (quant_linear) on the same codes and activations: every row-group shape (1-4 rows a
-    pass, then the rest), partial last 16-feature blocks and 64-feature items (21, 100), whole ones (128), codes
-    at -127 and 127 (the correction for the unsigned weights at its extremes); its codes and scales come back as
-    stored, single rows and fused. Other builds keep the row kernel and refuse the call."""
+    """i8x16_linear (int8 weights as unsigned w + 128, interleaved by 16 features; VNNI in the avx512_bf16 build,
+    AVX2's sign-and-multiply in the avx2 and avx512 builds) against the row kernel (quant_linear) on the same
+    codes and activations: every row-group shape (1-4 rows a pass, then the rest; AVX2's second tile of 64 rows),
+    partial last 16-feature blocks and 64-feature items (21, 100), whole ones (128), codes at -127 and 127 (the
+    correction for the unsigned weights, and AVX2's largest byte pairs); its codes and scales come back as
+    stored, single rows and fused. The scalar build keeps the row kernel and refuses the call."""
     generator = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=generator)
     weight[0, :32] = weight[0].abs().max()  # saturated codes: 127, and -127 below
@@ -110,7 +111,7 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     x = torch.randn(rows, k, generator=generator).to(dtype)
     if not compiled.i8x16_available():
         assert layer.kernel == "vector"
-        with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
+        with pytest.raises(RuntimeError, match="no AVX2"):
             compiled.i8x16_linear(x, plain.qweight, plain.scales, None, n)
         return
     assert layer.kernel == "i8x16" and "interleaved by 16 features" in layer.kernel_name()
