@@ -121,6 +121,7 @@ def load(level: str | None = None) -> ModuleType:
     module.int8_amx_linear_op = ops.int8_amx_linear
     module.q4x16_linear_op = ops.q4x16_linear
     module.i8x16_linear_op = ops.i8x16_linear
+    module.q8x16_linear_op = ops.q8x16_linear
     return module
 
 

@@ -43,7 +43,7 @@ from nanovllm.kernels import ISA_CFLAGS
 LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise",
                         *(f"nanovllm_{build}::{op}" for build in ISA_CFLAGS  # each kernel build's ops
                           for op in ("gemv_bf16", "quant_linear", "brgemm_linear", "int8_amx_linear",
-                                     "q4x16_linear", "i8x16_linear"))})
+                                     "q4x16_linear", "i8x16_linear", "q8x16_linear"))})
 SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
 
 

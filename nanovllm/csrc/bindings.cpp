@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx512_vnni, avx2 or scalar)");
   m.def("q4x16_available", &q4x16_available, "Whether q4x16_linear was built (the avx2, avx512 and avx512_bf16 builds)");
   m.def("i8x16_available", &i8x16_available, "Whether i8x16_linear was built (the avx512_bf16 build)");
+  m.def("q8x16_available", &q8x16_available, "Whether q8x16_linear was built (the avx2 and avx512 builds)");
+  m.def("q8x16_linear", &q8x16_linear, "x W^T + b over GGUF Q8_0 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("q4x16_linear", &q4x16_linear, "x W^T + b over Q4 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("i8x16_linear", &i8x16_linear, "x W^T + b over int8 weights interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("int8_amx_available", &int8_amx_available, "Whether int8_amx_linear runs here (AMX-INT8 CPU, OS, build)");

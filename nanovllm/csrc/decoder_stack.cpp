@@ -15,11 +15,11 @@
 namespace {
 
 // The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", "onednn" and
-// "onednn+gemv", QuantLinear's "q4x16", "i8x16", "vector" and "amx", and "aten", torch's own linear, for a plain
+// "onednn+gemv", QuantLinear's "q4x16", "i8x16", "q8x16", "vector" and "amx", and "aten", torch's own linear, for a plain
 // nn.Linear: bf16 where oneDNN has no bf16 kernel, AVX2). Python names them by these strings (stack_linear() in
 // fast_path.py and quantized.py, llama.py for nn.Linear); a layer whose linear runs anything else keeps the
 // Python loop.
-enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kI8x16, kQuant, kInt8Amx, kAten };
+enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kI8x16, kQ8x16, kQuant, kInt8Amx, kAten };
 
 LinearKind linear_kind(const std::string& name) {
   if (name == "brgemm") return LinearKind::kBrgemm;
@@ -27,11 +27,12 @@ LinearKind linear_kind(const std::string& name) {
   if (name == "onednn+gemv") return LinearKind::kOneDnnGemv;
   if (name == "q4x16") return LinearKind::kQ4x16;
   if (name == "i8x16") return LinearKind::kI8x16;
+  if (name == "q8x16") return LinearKind::kQ8x16;
   if (name == "vector") return LinearKind::kQuant;
   if (name == "amx") return LinearKind::kInt8Amx;
   if (name == "aten") return LinearKind::kAten;
   TORCH_CHECK(false, "DecoderStack: no stacked kernel named '", name,
-              "' (brgemm, onednn, onednn+gemv, q4x16, i8x16, vector, amx, aten)");
+              "' (brgemm, onednn, onednn+gemv, q4x16, i8x16, q8x16, vector, amx, aten)");
 }
 
 // oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
@@ -68,6 +69,7 @@ struct StackLinear {
       case LinearKind::kOneDnn: return onednn_linear(x, weight, bias);
       case LinearKind::kQ4x16: return q4x16_linear(x, weight, scales, *mins, bias, out_features);
       case LinearKind::kI8x16: return i8x16_linear(x, weight, scales, bias, out_features);
+      case LinearKind::kQ8x16: return q8x16_linear(x, weight, scales, bias, out_features);
       case LinearKind::kQuant: return quant_linear(x, weight, scales, mins, bias, format);
       case LinearKind::kInt8Amx: return int8_amx_linear(x, weight, scales, bias, out_features);
       case LinearKind::kAten: return at::linear(x, weight, bias);
@@ -159,7 +161,7 @@ void bind_decoder_stack(pybind11::module& m) {
   m.def("stack_linear", &make_stack_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
         py::arg("bias"), py::arg("out_features"), py::arg("format") = 0, py::arg("gemv_weight") = py::none(),
         py::arg("gemv_max_rows") = 0,
-        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'i8x16' | 'vector' | "
+        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'i8x16' | 'q8x16' | 'vector' | "
         "'amx' | 'aten', with that "
         "kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())

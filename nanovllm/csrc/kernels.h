@@ -30,10 +30,13 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,
 std::string quant_gemm_isa();
 bool q4x16_available();
 bool i8x16_available();
+bool q8x16_available();
 at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins,
                            c10::optional<at::Tensor> bias, int64_t out_features);
 at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
                            c10::optional<at::Tensor> bias, int64_t out_features);
+at::Tensor q8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> bias,
+                        int64_t out_features);
 bool int8_amx_available();
 at::Tensor pack_int8_amx(at::Tensor codes);
 at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,

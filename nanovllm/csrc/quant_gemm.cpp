@@ -695,10 +695,14 @@ struct Q4x16Avx2 {
   float scale(int64_t, int64_t) const { return 1.f; }
 };
 
-// The int8 layer (pack_i8x16: w + 128, one float32 scale per channel, applied once at the end).
-struct I8x16Avx2 {
+// The int8 layers: quantization=int8's (pack_i8x16: w + 128, one float32 scale per channel, applied once at the
+// end; kBlockScales false) and GGUF's Q8_0 (pack_q8x16: the same codes, and the file's fp16 scale per block of 32
+// values and feature, stored [feature block][K / 32][16] as Q4's; kBlockScales true).
+template <bool kBlockScales>
+struct Int8x16Avx2 {
   const uint8_t* codes;
-  const float* channel_scales;
+  const float* channel_scales;  // int8: [16 x feature blocks]
+  const at::Half* block_scales;  // Q8_0: [feature blocks][K / 32][16]
   int64_t nb;
 
   template <int R>
@@ -728,14 +732,25 @@ struct I8x16Avx2 {
                 sums[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[h], _mm256_sign_epi8(xa, w[h])), ones));
         }
       }
+      __m256 dw[2];
+      if constexpr (kBlockScales) {
+        const at::Half* d16 = block_scales + (fb * nb + b) * kX16Features;
+        for (int h = 0; h < 2; ++h)
+          dw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d16 + 8 * h)));
+      }
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
-        for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), dx, acc[r][h]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 scale = kBlockScales ? _mm256_mul_ps(dw[h], dx) : dx;
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), scale, acc[r][h]);
+        }
       }
     }
   }
-  float scale(int64_t fb, int64_t j) const { return channel_scales[fb * kX16Features + j]; }
+  float scale(int64_t fb, int64_t j) const { return kBlockScales ? 1.f : channel_scales[fb * kX16Features + j]; }
 };
+using I8x16Avx2 = Int8x16Avx2<false>;
+using Q8x16Avx2 = Int8x16Avx2<true>;
 
 // y = x W^T (+ bias) over a layer interleaved by 16 features (Q4x16Avx2 or I8x16Avx2); xq, xd, xs: x's codes,
 // scales and scaled code sums.
@@ -792,6 +807,16 @@ bool q4x16_available() {
 // build, AVX2's sign-and-multiply in the avx2 and avx512 builds.
 bool i8x16_available() {
 #if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether this build has q8x16_linear (GGUF's Q8_0 interleaved by 16 features, pack_q8x16): the avx2 and avx512
+// builds (the avx512_bf16 build's row kernel takes two Q8_0 blocks per 512-bit VNNI instruction instead).
+bool q8x16_available() {
+#if defined(NANOVLLM_X16_AVX2)
   return true;
 #else
   return false;
@@ -958,7 +983,7 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
   auto run = [&](auto* out, const auto* bias_p) {
 #if defined(NANOVLLM_X16_AVX2)
     const QuantizedRows xq = quantize_activations(x);
-    const I8x16Avx2 weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
+    const I8x16Avx2 weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, nb};
     x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
                   xq.sums.data_ptr<float>());
 #else
@@ -983,6 +1008,48 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
 #endif
 }
 
+// x [rows, K] float32 or bfloat16 times GGUF Q8_0 blocks interleaved by 16 features (pack_q8x16 in
+// nanovllm/models/quantized.py: codes uint8 [Nb, K / 32 * 512] of w + 128 as pack_i8x16's, scales float16
+// [Nb, K / 32, 16], Nb blocks of 16 features, a multiple of 4) for out_features <= 16 Nb outputs (+ bias [N] in
+// x's dtype).
+at::Tensor q8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> bias,
+                        int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "q8x16_linear: x must be [rows, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q8x16_linear: x must be float32 or bfloat16");
+#if defined(NANOVLLM_X16_AVX2)
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
+  TORCH_CHECK(k % QK == 0, "q8x16_linear: K (", k, ") must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == nb * 512 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
+              "q8x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 512] covering N");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == codes.size(0) * nb * kX16Features,
+              "q8x16_linear: scales must be float16 [blocks, K / 32, 16]");
+  const at::Tensor bias_c = checked_bias(bias, x, n, "q8x16_linear");
+  const QuantizedRows xq = quantize_activations(x);
+  auto y = at::empty({rows, n}, x.options());
+  const Q8x16Avx2 weights{codes.data_ptr<uint8_t>(), nullptr, scales.data_ptr<at::Half>(), nb};
+  auto run = [&](auto* out, const auto* bias_p) {
+    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+                  xq.sums.data_ptr<float>());
+  };
+  AT_DISPATCH_SWITCH(x.scalar_type(), "q8x16_linear",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        using T = c10::BFloat16;
+        run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
+      }));
+  return y;
+#else
+  TORCH_CHECK(false, "q8x16_linear: this kernel build has no AVX2 interleaved kernels (the avx2 and avx512 builds have them)");
+  return x;
+#endif
+}
+
 // A torch operator too (torch.ops.<build namespace>.quant_linear), so profiles count it as a linear layer.
 #ifndef NANOVLLM_OPS
 #define NANOVLLM_OPS nanovllm
@@ -991,9 +1058,11 @@ TORCH_LIBRARY_FRAGMENT(NANOVLLM_OPS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int format) -> Tensor");
   m.def("q4x16_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, int out_features) -> Tensor");
   m.def("i8x16_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("q8x16_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("q4x16_linear", &q4x16_linear);
   m.impl("i8x16_linear", &i8x16_linear);
+  m.impl("q8x16_linear", &q8x16_linear);
 }

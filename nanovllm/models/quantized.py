@@ -59,8 +59,9 @@ def int8_kernel(kernels) -> str:
 class QuantLinear(nn.Module):
     """A linear layer over quantized weights (``qweight`` codes, ``scales``, ``mins`` for Q4), run on every row
     count by the kernel ``kernel`` names: ``vector`` (the kernels' ``quant_linear`` op), ``amx`` (int8 on AMX-INT8
-    tiles, ``int8_amx_linear``), ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``) or ``i8x16`` (int8
-    interleaved likewise, ``i8x16_linear``, on AVX2 and VNNI CPUs without AMX-INT8), chosen at
+    tiles, ``int8_amx_linear``), ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``), ``i8x16`` (int8
+    interleaved likewise, ``i8x16_linear``, on AVX2 and VNNI CPUs without AMX-INT8) or ``q8x16`` (GGUF's Q8_0
+    interleaved likewise, ``q8x16_linear``, the avx2 and avx512 builds), chosen at
     construction from the CPU and the kernel build. Built at load (``from_dense_int8``, ``GGUFWeights.linear``);
     the engine only calls ``forward``."""
 
@@ -88,6 +89,10 @@ class QuantLinear(nn.Module):
             # Interleaved by 16 features (the same 4-bit codes and fp16 scales, moved): ``canonical()`` undoes it.
             self.kernel = "q4x16"
             self.qweight, self.scales, self.mins = pack_q4x16(qweight, scales, mins)
+        elif fmt == "q8_0" and kernels is not None and kernels.q8x16_available():
+            # Interleaved likewise (codes as unsigned w + 128, fp16 block scales as Q4's): ``canonical()`` undoes it.
+            self.kernel = "q8x16"
+            self.qweight, self.scales = pack_q8x16(qweight, scales)
 
     @classmethod
     def from_dense_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "QuantLinear":
@@ -105,6 +110,8 @@ class QuantLinear(nn.Module):
             return unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
         if self.kernel == "i8x16":
             return unpack_i8x16(self.qweight, self.scales, self.out_features, rows)
+        if self.kernel == "q8x16":
+            return unpack_q8x16(self.qweight, self.scales, self.out_features, rows)
         codes = self.qweight
         if self.kernel == "amx":  # [blocks, K' / 4, 16, 4] of w + 128 -> [N, K] int8
             k_padded = codes.shape[1] // 16
@@ -152,6 +159,8 @@ class QuantLinear(nn.Module):
             y = self.kernels.q4x16_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.out_features)
         elif self.kernel == "i8x16":
             y = self.kernels.i8x16_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
+        elif self.kernel == "q8x16":
+            y = self.kernels.q8x16_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
         else:
             y = self.kernels.quant_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.format_id)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -179,7 +188,7 @@ class QuantLinear(nn.Module):
         """What runs this layer, for the profile: the format and the kernel build's vector path, or the tiles."""
         if self.kernel == "amx":
             return "int8_amx_linear int8 (AMX-INT8 tiles, activations per token in two digits)"
-        if self.kernel in ("q4x16", "i8x16"):
+        if self.kernel in ("q4x16", "i8x16", "q8x16"):
             return (f"{self.kernel}_linear {self.fmt} int8-dot, interleaved by 16 features "
                     f"({self.kernels.quant_gemm_isa()})")
         return f"quant_linear {self.fmt} int8-dot ({self.kernels.quant_gemm_isa()})"
@@ -217,26 +226,56 @@ def pack_i8x16(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
     ``i8x16_linear`` (``nanovllm/csrc/quant_gemm.cpp``): codes [N' / 16, K / 32 * 512] uint8 with each block of 16
     features and 32 values as [v][feature][i] of w[feature][4 v + i] + 128, scales [N'] float32; N' is N rounded
     up to 64, the extra features' codes 128 (zero weights) and scales 0. Called once per layer at load."""
+    n = codes.shape[0]
+    padded = -(-n // Q4X16_ITEM) * Q4X16_ITEM
+    if padded > n:
+        scales = torch.cat([scales, scales.new_zeros(padded - n)])
+    return _interleave_int8(codes), scales.contiguous()
+
+
+def pack_q8x16(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 blocks ([N, K] int8 codes, [N, K / 32] fp16 scales) interleaved by 16 output features for
+    ``q8x16_linear``: the codes as ``pack_i8x16`` stores them, the scales as ``pack_q4x16`` does ([N' / 16, K / 32,
+    16], the extra features' zero). Called once per layer at load."""
+    n, nb = scales.shape
+    padded = -(-n // Q4X16_ITEM) * Q4X16_ITEM
+    if padded > n:
+        scales = torch.cat([scales, scales.new_zeros(padded - n, nb)])
+    return _interleave_int8(codes), scales.view(padded // Q4X16_FEATURES, Q4X16_FEATURES, nb).transpose(1, 2).contiguous()
+
+
+def _interleave_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] as [N' / 16, K / 32 * 512] uint8: per block of 16 features and 32 values, [v][feature][i]
+    of w[feature][4 v + i] + 128; N' is N rounded up to 64, the extra features' codes 128 (zero weights)."""
     n, k = codes.shape
     nb = k // BLOCK
     padded = -(-n // Q4X16_ITEM) * Q4X16_ITEM
     unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
     if padded > n:
         unsigned = torch.cat([unsigned, unsigned.new_full((padded - n, k), 128)])
-        scales = torch.cat([scales, scales.new_zeros(padded - n)])
     blocks = unsigned.view(padded // Q4X16_FEATURES, Q4X16_FEATURES, nb, 8, 4)  # [fb, f, b, v, i]
-    packed = blocks.permute(0, 2, 3, 1, 4).contiguous().view(padded // Q4X16_FEATURES, nb * 512)
-    return packed, scales.contiguous()
+    return blocks.permute(0, 2, 3, 1, 4).contiguous().view(padded // Q4X16_FEATURES, nb * 512)
+
+
+def _deinterleave_int8(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The int8 codes [len(ids), K] of features ``ids`` from ``_interleave_int8``'s layout."""
+    nb = packed.shape[1] // 512
+    fb, f = ids // Q4X16_FEATURES, ids % Q4X16_FEATURES
+    unsigned = packed.view(packed.shape[0], nb, 8, Q4X16_FEATURES, 4)[fb, :, :, f, :]  # [rows, nb, v, i]
+    return (unsigned.reshape(len(ids), nb * 32).to(torch.int16) - 128).to(torch.int8).contiguous()
 
 
 def unpack_i8x16(packed: torch.Tensor, scales: torch.Tensor, n: int, rows: torch.Tensor | None = None):
     """The inverse of ``pack_i8x16`` for the first ``n`` features (or the features ``rows``): (codes, scales, None)."""
-    nb = packed.shape[1] // 512
+    ids = torch.arange(n) if rows is None else rows
+    return _deinterleave_int8(packed, ids), scales[ids].contiguous(), None
+
+
+def unpack_q8x16(packed: torch.Tensor, scales: torch.Tensor, n: int, rows: torch.Tensor | None = None):
+    """The inverse of ``pack_q8x16`` for the first ``n`` features (or the features ``rows``): (codes, scales, None)."""
     ids = torch.arange(n) if rows is None else rows
     fb, f = ids // Q4X16_FEATURES, ids % Q4X16_FEATURES
-    unsigned = packed.view(packed.shape[0], nb, 8, Q4X16_FEATURES, 4)[fb, :, :, f, :]  # [rows, nb, v, i]
-    codes = (unsigned.reshape(len(ids), nb * 32).to(torch.int16) - 128).to(torch.int8)
-    return codes.contiguous(), scales[ids].contiguous(), None
+    return _deinterleave_int8(packed, ids), scales[fb, :, f].contiguous(), None
 
 
 def unpack_q4x16(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,

@@ -132,6 +132,43 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     assert (y.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * reference.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 70])
+@pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
+def test_q8_0_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, dtype, rows, n, k):
+    """q8x16_linear (GGUF Q8_0 codes as i8x16 stores them, fp16 block scales as q4x16 does; the avx2 and avx512
+    builds) against the row kernel on the same blocks: 1-2 rows a pass, a second tile of 64 rows, partial last
+    16-feature blocks and 64-feature items, codes at -128 and 127 (AVX2's largest byte pairs: |w| = 128 stays
+    unsigned); its codes and scales come back as stored, single rows (the tied embedding's lookups) and fused.
+    Other builds keep the row kernel and refuse the call."""
+    generator = torch.Generator().manual_seed(rows * 7 + n)
+    plain = random_quant_linear("q8_0", n, k, generator)
+    plain.qweight[0, :32], plain.qweight[1, :32] = 127, -128
+    plain.kernels = compiled  # the row kernel, on this build
+    layer = QuantLinear("q8_0", plain.qweight, plain.scales, None, None, k, compiled)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    if not compiled.q8x16_available():
+        assert layer.kernel == "vector"
+        with pytest.raises(RuntimeError, match="no AVX2 interleaved kernels"):
+            compiled.q8x16_linear(x, plain.qweight, plain.scales, None, n)
+        return
+    assert layer.kernel == "q8x16" and "interleaved by 16 features" in layer.kernel_name()
+    assert layer.qweight.shape == (-(-n // 64) * 4, k // 32 * 512)
+    assert all(torch.equal(a, b) for a, b in zip(layer.canonical()[:2], (plain.qweight, plain.scales)))
+    picked = torch.tensor([n - 1, 0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(layer.canonical(picked)[:2], plain.canonical(picked)[:2]))
+    fused = QuantLinear.concat([layer, layer])
+    assert fused.kernel == "q8x16" and torch.equal(fused.codes(), torch.cat([plain.qweight, plain.qweight]))
+    bias = torch.randn(n, generator=generator).to(dtype)
+    layer.bias = plain.bias = bias
+    y, expected = layer(x), plain(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (y.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    reference = _quantize_activations(x) @ plain.dequantize().T + bias.float()
+    assert (y.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * reference.abs().max()
+
+
 def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
     """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
     p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
@@ -343,9 +380,10 @@ def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
     dense_bytes = sum(p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert weight_bytes < 0.25 * dense_bytes  # 4-5 bits a weight against float32's 32
     table = format_kernels(model, [1, 16])
-    layers = "q4x16_linear q4_1 int8-dot" if quantized.engine.runner.model.kernels.q4x16_available() else \
-        "quant_linear q4_1 int8-dot"
-    assert layers in table and "quant_linear q8_0" in table
+    compiled = quantized.engine.runner.model.kernels
+    layers = "q4x16_linear q4_1 int8-dot" if compiled.q4x16_available() else "quant_linear q4_1 int8-dot"
+    lm_head = "q8x16_linear q8_0 int8-dot" if compiled.q8x16_available() else "quant_linear q8_0 int8-dot"
+    assert layers in table and lm_head in table
     out = quantized.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
                              use_tqdm=False)[0]
     assert len(out.token_ids) == 8 and "Paris" in out.text
