@@ -10,9 +10,10 @@ run every path the machine has.
 
 The cache (``$NANOVLLM_CACHE/extensions``, default ``~/.cache/nanovllm``) is keyed by the sources, the flags,
 the compiler and the torch version, not by the virtualenv's path: every clone and venv on a machine shares one
-build, which is loaded straight from its ``.so``. Builders take an OS file lock (``filelock``: released by the
-kernel when its holder dies, however it dies), so a build interrupted by Ctrl-C or a kill never blocks a later
-start; a process that waits for another's build says so once on stderr.
+build, loaded straight from its ``.so`` once its ``built`` marker says the build finished (never a half-linked
+one). Builders take an OS file lock (``filelock``: released by the kernel when its holder dies, however it
+dies), so a build interrupted by Ctrl-C or a kill never blocks a later start; a process that waits for
+another's build says so once on stderr.
 """
 
 from __future__ import annotations
@@ -101,12 +102,16 @@ def load(level: str | None = None) -> ModuleType:
     name = build_name(build)
     build_dir = kernel_cache_dir() / name
     library = build_dir / f"{name}.so"
+    # The linker writes the .so in place, so its existence says nothing: another process may be mid-link (a
+    # load then fails with "file too short"). The marker is made only after a whole build, under the lock.
+    ready = build_dir / "built"
     try:
-        if not library.exists():
+        if not ready.exists():
             build_dir.mkdir(parents=True, exist_ok=True)
             with _build_lock(build_dir / "build.lock"):
-                if not library.exists():  # another process may have built it while we waited
+                if not ready.exists():  # another process may have built it while we waited
                     _build(name, build, build_dir)
+                    ready.touch()
         module = _import_built(name, library)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
         raise RuntimeError(

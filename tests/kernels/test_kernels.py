@@ -273,6 +273,31 @@ def test_a_start_that_waits_for_another_build_says_so_once(tmp_path):
     assert sum(message in line for line in lines) == 1, lines
 
 
+def test_a_library_another_process_is_still_linking_is_never_loaded(tmp_path):
+    """The failure a fresh-cache suite run hit: one process found the .so another was still linking ("file too
+    short") and loaded it. A .so without the build's ``built`` marker is a build in progress: a start waits for
+    the builder's lock (and says so) instead of loading it."""
+    name = kernels.build_name("scalar")
+    build_dir = tmp_path / "extensions" / name
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{name}.so").write_bytes(b"\x7fELF")  # what a half-written link leaves
+    message = "waiting for another process's kernel build"
+    with kernels._build_lock(build_dir / "build.lock"):  # the builder, mid-link
+        waiter = _start_build(tmp_path)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(waiter.stderr), daemon=True)
+        reader.start()
+        try:
+            _wait_for(lambda: any(message in line for line in lines), waiter, "waiting message")
+            assert waiter.poll() is None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(waiter.pid, signal.SIGKILL)
+            waiter.wait(timeout=60)
+            reader.join(timeout=60)
+    assert not any("file too short" in line or "could not build" in line for line in lines), lines
+
+
 def test_bad_isa_levels_are_clear_errors():
     with pytest.raises(ValueError, match="isa='avx9' is not an ISA level; choose one of amx, avx512_bf16"):
         kernels.load("avx9")
