@@ -843,6 +843,28 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, const at::Tensor&
   return bias->contiguous();
 }
 
+// run(out, bias) once, with the pointers of x's dtype (float32 or bfloat16): the interleaved kernels' dispatch.
+template <typename Run>
+void dispatch_x_dtype(const at::Tensor& x, at::Tensor& y, const at::Tensor& bias_c, const char* op, Run&& run) {
+  using BF16 = c10::BFloat16;
+  switch (x.scalar_type()) {
+    case at::kFloat: run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr); break;
+    case at::kBFloat16: run(y.data_ptr<BF16>(), bias_c.defined() ? bias_c.data_ptr<BF16>() : nullptr); break;
+    default: TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
+  }
+}
+
+#if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
+// Codes interleaved by 16 features: uint8 [feature blocks (a multiple of 4), nb * block_bytes] covering n outputs.
+void check_x16_codes(const at::Tensor& codes, int64_t nb, int64_t block_bytes, int64_t n, const char* op) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == nb * block_bytes && codes.size(0) % kX16Blocks == 0 &&
+                  n <= codes.size(0) * kX16Features,
+              op, ": codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * ", block_bytes,
+              "] covering N");
+}
+#endif
+
 // x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
 // With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction).
 struct QuantizedRows {
@@ -923,9 +945,7 @@ at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "q4x16_linear: K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
-                  codes.size(1) == nb * 256 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
-              "q4x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 256] covering N");
+  check_x16_codes(codes, nb, 256, n, "q4x16_linear");
   for (const auto* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == codes.size(0) * nb * kX16Features,
                 "q4x16_linear: scales and mins must be float16 [blocks, K / 32, 16]");
@@ -944,14 +964,7 @@ at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
              xq.sums.data_ptr<float>(), nullptr);
 #endif
   };
-  AT_DISPATCH_SWITCH(x.scalar_type(), "q4x16_linear",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        using T = c10::BFloat16;
-        run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
-      }));
+  dispatch_x_dtype(x, y, bias_c, "q4x16_linear", run);
   return y;
 #else
   TORCH_CHECK(false, "q4x16_linear: this kernel build has no AVX2 (the avx2, avx512 and avx512_bf16 builds have it)");
@@ -971,9 +984,7 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "i8x16_linear: K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
-                  codes.size(1) == nb * 512 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
-              "i8x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 512] covering N");
+  check_x16_codes(codes, nb, 512, n, "i8x16_linear");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == codes.size(0) * kX16Features,
               "i8x16_linear: scales must be float32 [16 x blocks]");
@@ -993,14 +1004,7 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
              xq.sums.data_ptr<float>(), xq.code_sums_ptr());
 #endif
   };
-  AT_DISPATCH_SWITCH(x.scalar_type(), "i8x16_linear",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        using T = c10::BFloat16;
-        run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
-      }));
+  dispatch_x_dtype(x, y, bias_c, "i8x16_linear", run);
   return y;
 #else
   TORCH_CHECK(false, "i8x16_linear: this kernel build has no AVX2 (the avx2, avx512 and avx512_bf16 builds have it)");
@@ -1021,9 +1025,7 @@ at::Tensor q8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK, n = out_features;
   TORCH_CHECK(k % QK == 0, "q8x16_linear: K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
-                  codes.size(1) == nb * 512 && codes.size(0) % kX16Blocks == 0 && n <= codes.size(0) * kX16Features,
-              "q8x16_linear: codes must be uint8 [blocks of 16 features (a multiple of 4), K / 32 * 512] covering N");
+  check_x16_codes(codes, nb, 512, n, "q8x16_linear");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.numel() == codes.size(0) * nb * kX16Features,
               "q8x16_linear: scales must be float16 [blocks, K / 32, 16]");
@@ -1035,14 +1037,7 @@ at::Tensor q8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
     x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
                   xq.sums.data_ptr<float>());
   };
-  AT_DISPATCH_SWITCH(x.scalar_type(), "q8x16_linear",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        run(y.data_ptr<float>(), bias_c.defined() ? bias_c.data_ptr<float>() : nullptr);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        using T = c10::BFloat16;
-        run(y.data_ptr<T>(), bias_c.defined() ? bias_c.data_ptr<T>() : nullptr);
-      }));
+  dispatch_x_dtype(x, y, bias_c, "q8x16_linear", run);
   return y;
 #else
   TORCH_CHECK(false, "q8x16_linear: this kernel build has no AVX2 interleaved kernels (the avx2 and avx512 builds have them)");
