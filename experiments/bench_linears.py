@@ -9,6 +9,9 @@ than staying in cache. Kernels (those this machine runs for the dtype):
 - ``brgemm``: nano-vllm's ``brgemm_linear`` (``nanovllm/csrc/brgemm_linear.cpp``): oneDNN's brgemm micro-kernel
   over 32-feature weight blocks packed once (AMX tiles for bfloat16 on AMX).
 - ``gemv``: nano-vllm's bf16 GEMV (``nanovllm/csrc/gemv.cpp``), bfloat16 only, at 1 and 2 rows.
+- ``bf16-fma``: nano-vllm's ``bf16_fma_linear`` (``nanovllm/csrc/bf16_fma_linear.cpp``), bfloat16 only, wherever
+  the build has AVX2: bf16 weights widened to float32 in registers, float32 FMAs (the fast path's bf16 kernel on
+  AVX2, where the base is ``aten``).
 - ``int8``: ``quantization="int8"``'s linear on the same weights made int8 (bfloat16 activations): the AMX-INT8
   kernel (``nanovllm/csrc/int8_amx.cpp``) where the CPU runs it, the vector kernel (``quant_gemm.cpp``)
   elsewhere; its activation quantization included. ``--int8-vector`` adds the vector (row) kernel where int8 runs another (AMX tiles, i8x16).
@@ -66,6 +69,9 @@ def kernels_for(dtype: torch.dtype, weights: list[torch.Tensor], ops,
         runs["brgemm"] = lambda i, x: ops.brgemm_linear_op(x, blocks[i], None, weights[i].shape[0])
     if dtype == torch.bfloat16 and ops.gemv_available():
         runs["gemv"] = lambda i, x: ops.gemv_bf16_op(x, weights[i], None)
+    if dtype == torch.bfloat16 and ops.bf16_fma_available():
+        fma_blocks = [ops.pack_bf16_fma_weight(w) for w in weights]
+        runs["bf16-fma"] = lambda i, x: ops.bf16_fma_linear_op(x, fma_blocks[i], None, weights[i].shape[0])
     if dtype == torch.bfloat16 and machine.selected_isa() != "scalar":
         int8 = [QuantLinear.from_dense_int8(w, None, ops) for w in weights]
         runs["int8"] = lambda i, x: int8[i](x)

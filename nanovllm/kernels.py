@@ -35,7 +35,8 @@ from nanovllm.paths import kernel_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp",
-                                       "int8_amx.cpp", "brgemm_linear.cpp", "decoder_stack.cpp",
+                                       "int8_amx.cpp", "brgemm_linear.cpp", "bf16_fma_linear.cpp",
+                                       "decoder_stack.cpp",
                                        "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h", CSRC / "kernels.h"]
 CFLAGS = ["-O3", "-fopenmp"]
@@ -127,6 +128,7 @@ def load(level: str | None = None) -> ModuleType:
     module.q4x16_linear_op = ops.q4x16_linear
     module.i8x16_linear_op = ops.i8x16_linear
     module.q8x16_linear_op = ops.q8x16_linear
+    module.bf16_fma_linear_op = ops.bf16_fma_linear
     return module
 
 

@@ -43,7 +43,8 @@ from nanovllm.kernels import ISA_CFLAGS
 LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise",
                         *(f"nanovllm_{build}::{op}" for build in ISA_CFLAGS  # each kernel build's ops
                           for op in ("gemv_bf16", "quant_linear", "brgemm_linear", "int8_amx_linear",
-                                     "q4x16_linear", "i8x16_linear", "q8x16_linear"))})
+                                     "q4x16_linear", "i8x16_linear", "q8x16_linear",
+                                     "bf16_fma_linear"))})
 SECTIONS = ("attention", "lm_head_sampling", "scheduler_preparation")
 
 
@@ -131,6 +132,8 @@ def kernel_of(linear: nn.Module, rows: int) -> str:
             unit = "AMX tiles" if machine.selected_isa() == "amx" and linear.packed.dtype == torch.bfloat16 else \
                 f"ISA up to {machine.selected_isa()}"
             return f"nano-vllm brgemm_linear (oneDNN brgemm, {unit})"
+        if linear.kernel == "bf16-fma":
+            return f"nano-vllm bf16_fma_linear (bf16 weights, float32 FMA, {linear.kernels.isa})"
         if linear.kernel == "onednn+gemv" and rows <= linear.GEMV_MAX_ROWS:
             return f"nano-vllm gemv_bf16 ({linear.kernels.isa})"
         return f"oneDNN prepacked GEMM (ISA up to {machine.selected_isa()})"

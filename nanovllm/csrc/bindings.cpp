@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x W^T + b over int8 / GGUF Q8_0 / Q4 weights, x quantized to int8 (CPU)");
   m.def("quant_gemm_isa", &quant_gemm_isa, "The vector path of this build's quantized GEMM (avx512_vnni, avx2 or scalar)");
   m.def("q4x16_available", &q4x16_available, "Whether q4x16_linear was built (the avx2, avx512 and avx512_bf16 builds)");
-  m.def("i8x16_available", &i8x16_available, "Whether i8x16_linear was built (the avx512_bf16 build)");
+  m.def("i8x16_available", &i8x16_available, "Whether i8x16_linear was built (the avx2, avx512 and avx512_bf16 builds)");
   m.def("q8x16_available", &q8x16_available, "Whether q8x16_linear was built (the avx2 and avx512 builds)");
   m.def("q8x16_linear", &q8x16_linear, "x W^T + b over GGUF Q8_0 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("q4x16_linear", &q4x16_linear, "x W^T + b over Q4 blocks interleaved by 16 features, x int8 per 32 values (CPU)");
@@ -28,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_bf16_available", &brgemm_bf16_available, "Whether brgemm runs bfloat16 on this CPU (AMX or AVX-512 BF16)");
   m.def("pack_brgemm_weight", &pack_brgemm_weight, "A linear's weight in oneDNN brgemm's blocked layout (CPU)");
   m.def("brgemm_linear", &brgemm_linear, "x W^T + b through oneDNN's brgemm micro-kernel, AMX for bf16 (CPU)");
+  m.def("bf16_fma_available", &bf16_fma_available, "Whether bf16_fma_linear was built (every build with AVX2)");
+  m.def("pack_bf16_fma_weight", &pack_bf16_fma_weight, "A bf16 linear's weight in bf16_fma_linear's layout (CPU)");
+  m.def("bf16_fma_linear", &bf16_fma_linear, "x W^T + b in bf16 with float32 FMAs, for CPUs without bf16 arithmetic");
   bind_decoder_stack(m);
   m.def("greedy_sample", &greedy_sample, "Per-row argmax and NaN/+inf flag of logits in one read (CPU)");
 }

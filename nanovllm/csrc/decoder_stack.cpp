@@ -14,17 +14,18 @@
 
 namespace {
 
-// The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", "onednn" and
-// "onednn+gemv", QuantLinear's "q4x16", "i8x16", "q8x16", "vector" and "amx", and "aten", torch's own linear, for a plain
-// nn.Linear: bf16 where oneDNN has no bf16 kernel, AVX2). Python names them by these strings (stack_linear() in
-// fast_path.py and quantized.py, llama.py for nn.Linear); a layer whose linear runs anything else keeps the
-// Python loop.
-enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kQ4x16, kI8x16, kQ8x16, kQuant, kInt8Amx, kAten };
+// The kernels a stacked linear can run: the fast path's CPU linears (PackedLinear "brgemm", "onednn",
+// "onednn+gemv" and "bf16-fma", QuantLinear's "q4x16", "i8x16", "q8x16", "vector" and "amx", and "aten", torch's
+// own linear, for a plain nn.Linear: bf16 at the scalar level, where no packed kernel takes it). Python names them
+// by these strings (stack_linear() in fast_path.py and quantized.py, llama.py for nn.Linear); a layer whose linear
+// runs anything else keeps the Python loop.
+enum class LinearKind { kBrgemm, kOneDnn, kOneDnnGemv, kBf16Fma, kQ4x16, kI8x16, kQ8x16, kQuant, kInt8Amx, kAten };
 
 LinearKind linear_kind(const std::string& name) {
   if (name == "brgemm") return LinearKind::kBrgemm;
   if (name == "onednn") return LinearKind::kOneDnn;
   if (name == "onednn+gemv") return LinearKind::kOneDnnGemv;
+  if (name == "bf16-fma") return LinearKind::kBf16Fma;
   if (name == "q4x16") return LinearKind::kQ4x16;
   if (name == "i8x16") return LinearKind::kI8x16;
   if (name == "q8x16") return LinearKind::kQ8x16;
@@ -32,7 +33,7 @@ LinearKind linear_kind(const std::string& name) {
   if (name == "amx") return LinearKind::kInt8Amx;
   if (name == "aten") return LinearKind::kAten;
   TORCH_CHECK(false, "DecoderStack: no stacked kernel named '", name,
-              "' (brgemm, onednn, onednn+gemv, q4x16, i8x16, q8x16, vector, amx, aten)");
+              "' (brgemm, onednn, onednn+gemv, bf16-fma, q4x16, i8x16, q8x16, vector, amx, aten)");
 }
 
 // oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
@@ -52,8 +53,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 // One linear layer's weights and the kernel that multiplies by them (the same call its Python module makes).
 struct StackLinear {
   LinearKind kind;
-  at::Tensor weight;  // packed brgemm or oneDNN weight, Q4x16 / I8x16 codes, quantized codes, AMX-packed int8,
-                         // or the plain [N, K] weight (aten)
+  at::Tensor weight;  // packed brgemm, oneDNN or bf16-fma weight, Q4x16 / I8x16 codes, quantized codes,
+                      // AMX-packed int8, or the plain [N, K] weight (aten)
   at::Tensor scales;  // empty for brgemm and oneDNN
   c10::optional<at::Tensor> mins, bias;
   int64_t out_features, format;
@@ -67,6 +68,7 @@ struct StackLinear {
         if (x.size(0) <= gemv_max_rows) return gemv_bf16(x, gemv_weight, bias);
         return onednn_linear(x, weight, bias);
       case LinearKind::kOneDnn: return onednn_linear(x, weight, bias);
+      case LinearKind::kBf16Fma: return bf16_fma_linear(x, weight, bias, out_features);
       case LinearKind::kQ4x16: return q4x16_linear(x, weight, scales, *mins, bias, out_features);
       case LinearKind::kI8x16: return i8x16_linear(x, weight, scales, bias, out_features);
       case LinearKind::kQ8x16: return q8x16_linear(x, weight, scales, bias, out_features);
@@ -85,7 +87,8 @@ StackLinear make_stack_linear(const std::string& kind, at::Tensor weight, c10::o
   StackLinear linear{linear_kind(kind), weight, scales.value_or(at::Tensor()), mins, bias, out_features, format,
                      gemv_weight.value_or(at::Tensor()), gemv_max_rows};
   const bool dense = linear.kind == LinearKind::kBrgemm || linear.kind == LinearKind::kOneDnn ||
-                     linear.kind == LinearKind::kOneDnnGemv || linear.kind == LinearKind::kAten;
+                     linear.kind == LinearKind::kOneDnnGemv || linear.kind == LinearKind::kBf16Fma ||
+                     linear.kind == LinearKind::kAten;
   TORCH_CHECK(dense || scales.has_value(), "StackLinear '", kind, "' needs scales");
   TORCH_CHECK(linear.kind != LinearKind::kQ4x16 || mins.has_value(), "StackLinear 'q4x16' needs mins");
   TORCH_CHECK(linear.kind != LinearKind::kOneDnnGemv || (gemv_weight.has_value() && gemv_available()),
@@ -161,9 +164,8 @@ void bind_decoder_stack(pybind11::module& m) {
   m.def("stack_linear", &make_stack_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
         py::arg("bias"), py::arg("out_features"), py::arg("format") = 0, py::arg("gemv_weight") = py::none(),
         py::arg("gemv_max_rows") = 0,
-        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'q4x16' | 'i8x16' | 'q8x16' | 'vector' | "
-        "'amx' | 'aten', with that "
-        "kernel's arguments");
+        "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'bf16-fma' | 'q4x16' | 'i8x16' | 'q8x16' | "
+        "'vector' | 'amx' | 'aten', with that kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("final_norm"))

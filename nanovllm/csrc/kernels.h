@@ -45,3 +45,6 @@ bool brgemm_bf16_available();
 at::Tensor pack_brgemm_weight(at::Tensor weight);
 at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                             int64_t out_features);
+bool bf16_fma_available();
+at::Tensor pack_bf16_fma_weight(at::Tensor weight);
+at::Tensor bf16_fma_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t out_features);

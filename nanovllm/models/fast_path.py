@@ -13,8 +13,12 @@ layout its kernel reads, so no matmul reorders its weight again on every call. W
   (a prefill chunk). One copy per weight, so no switch by row count: the whole-run benchmarks decide.
 - ``onednn+gemv``: bfloat16 without AMX (AVX-512 BF16): oneDNN's prepacked linear, and nano-vllm's bf16 GEMV for
   at most ``PackedLinear.GEMV_MAX_ROWS`` rows.
-- ``onednn``: oneDNN's prepacked linear at every row count (bfloat16 below AVX-512 BF16, float32 on the scalar
-  level).
+- ``bf16-fma``: bfloat16 on AVX2 (no AVX-512): nano-vllm's kernel (``nanovllm/csrc/bf16_fma_linear.cpp``), bf16
+  weights widened to float32 in registers and multiplied with float32 FMAs. oneDNN has no bf16 GEMM below
+  AVX-512, and ATen's own bf16 matmul, what ran before, is ~5x slower from 8 rows on (AVX2 EPYC, SmolLM2-135M's
+  linears, ``experiments/bench_linears.py --dtypes bfloat16``; docs/speed.md).
+- ``onednn``: oneDNN's prepacked linear at every row count (bfloat16 on AVX-512 without BF16, float32 on the
+  scalar level).
 
 Both dtypes are held to the close standard (``python -m nanovllm.validate``), not the exact one.
 """
@@ -42,10 +46,16 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked linear exists on this CPU build for this weight (float32, or bfloat16 where the CPU
-    has it)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def can_prepack(weight: torch.Tensor, kernels=None) -> bool:
+    """A ``PackedLinear`` can hold this weight: oneDNN's prepacked linear exists on this CPU build for it (float32,
+    or bfloat16 where oneDNN has bf16), or, with the compiled ``kernels``, it is bfloat16 at the level where
+    ``linear_kernel`` picks nano-vllm's ``bf16-fma``."""
+    if weight.device.type != "cpu":
+        return False
+    if (weight.dtype == torch.bfloat16 and kernels is not None and linear_kernel(weight.dtype) == "bf16-fma"
+            and kernels.bf16_fma_available()):
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -59,11 +69,13 @@ BRGEMM_FLOAT32_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2")
 
 def linear_kernel(dtype: torch.dtype, isa: str | None = None) -> str:
     """The kernel a fast-path CPU linear of ``dtype`` runs at ISA level ``isa`` (None: the level in force):
-    ``brgemm``, ``onednn+gemv`` or ``onednn`` (this module's docstring says why each)."""
+    ``brgemm``, ``onednn+gemv``, ``bf16-fma`` or ``onednn`` (this module's docstring says why each)."""
     isa = machine.selected_isa() if isa is None else isa
     if dtype == torch.bfloat16:
         if isa == "amx":
             return "brgemm"
+        if isa == "avx2":
+            return "bf16-fma"
         return "onednn+gemv" if isa == "avx512_bf16" else "onednn"
     return "brgemm" if isa in BRGEMM_FLOAT32_LEVELS else "onednn"
 
@@ -94,9 +106,10 @@ class PackedLinear(nn.Module):
         self.kernel = kernel
         self.kernels = kernels  # the C++ decoder stack calls this layer's kernel through them, oneDNN's too
         self.packed = self.weight = None
-        if kernel == "brgemm":
-            self.packed = kernels.pack_brgemm_weight(weight)
-            # float32 once here, not per call: the kernel adds the bias to its float32 tile.
+        if kernel in ("brgemm", "bf16-fma"):
+            pack = kernels.pack_brgemm_weight if kernel == "brgemm" else kernels.pack_bf16_fma_weight
+            self.packed = pack(weight)
+            # float32 once here, not per call: both kernels add the bias to their float32 sums.
             self.bias = None if bias is None else bias.detach().float().contiguous()
             return
         # The batch size only guides oneDNN's choice of layout; any number of rows runs.
@@ -110,16 +123,17 @@ class PackedLinear(nn.Module):
         ``forward``), or None without the compiled kernels. Called once, when the model builds its stack."""
         if self.kernels is None:
             return None
-        if self.kernel == "brgemm":
-            return self.kernels.stack_linear("brgemm", self.packed, None, None, self.bias, self.out_features)
+        if self.kernel in ("brgemm", "bf16-fma"):
+            return self.kernels.stack_linear(self.kernel, self.packed, None, None, self.bias, self.out_features)
         return self.kernels.stack_linear(self.kernel, self.packed, None, None, self.bias, self.out_features,
                                          gemv_weight=self.weight, gemv_max_rows=self.GEMV_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "brgemm":
+        if self.kernel in ("brgemm", "bf16-fma"):
             # Through the dispatcher (registered by the kernels' library) so profiles count it as a linear.
             rows = x.reshape(-1, self.in_features)
-            out = self.kernels.brgemm_linear_op(rows, self.packed, self.bias, self.out_features)
+            op = self.kernels.brgemm_linear_op if self.kernel == "brgemm" else self.kernels.bf16_fma_linear_op
+            out = op(rows, self.packed, self.bias, self.out_features)
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
         if self.kernel == "onednn+gemv" and x.dim() == 2 and x.shape[0] <= self.GEMV_MAX_ROWS:
             return self.kernels.gemv_bf16_op(x, self.weight, self.bias)
@@ -136,5 +150,5 @@ def prepack(module: nn.Module, names: tuple[str, ...], kernels=None, quantizatio
             continue
         if quantization == "int8":
             setattr(module, name, QuantLinear.from_dense_int8(linear.weight, linear.bias, kernels))
-        elif can_prepack(linear.weight):
+        elif can_prepack(linear.weight, kernels):
             setattr(module, name, PackedLinear(linear.weight, linear.bias, kernels=kernels))

@@ -231,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         if quantization == "int8":
             # One layer for the whole head: the int8 kernel streams any number of rows (no chunking to help).
             self.lm_head_chunks = nn.ModuleList([QuantLinear.from_dense_int8(weight, None, kernels)])
-        elif can_prepack(weight):
+        elif can_prepack(weight, kernels):
             self.lm_head_chunks = nn.ModuleList(PackedLinear(w, kernels=kernels)
                                                      for w in weight.detach().split(self.LOGITS_CHUNK))
         self.fast_path = True
@@ -319,7 +319,8 @@ def _build_decoder_stack(model: LlamaForCausalLM):
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             make = getattr(module, "stack_linear", None)
             if type(module) is nn.Linear and module.weight.device.type == "cpu":
-                # A plain linear (bf16 where oneDNN has no bf16 kernel, AVX2): torch's linear, as its forward.
+                # A plain linear (bf16 at the scalar level, where no packed kernel takes it): torch's linear, as
+                # its forward.
                 bias = None if module.bias is None else module.bias.detach()
                 linear = kernels.stack_linear("aten", module.weight.detach(), None, None, bias, module.out_features)
             else:

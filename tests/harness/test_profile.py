@@ -32,7 +32,7 @@ def test_run_gemm_floor_counts_every_step_s_matmuls_once_per_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_breakdown_counts_every_fast_path_linear_kernel_as_a_linear(dtype):
-    """Whichever kernel this CPU's fast path picks (brgemm, oneDNN, the GEMV), the profile's "linears" column
+    """Whichever kernel this CPU's fast path picks (brgemm, oneDNN, the GEMV, bf16-fma), the profile's "linears" column
     counts its calls: one profiled call per row count must show up there."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -41,9 +41,9 @@ def test_breakdown_counts_every_fast_path_linear_kernel_as_a_linear(dtype):
     from nanovllm.profile import breakdown
 
     weight = torch.randn(96, 64).to(dtype)
-    if can_prepack(weight):
+    if can_prepack(weight, kernels.load()):
         linear = PackedLinear(weight, kernels=kernels.load())
-    else:  # the fast path keeps a plain nn.Linear where oneDNN has no prepacked one (bf16 on older CPUs)
+    else:  # the fast path keeps a plain nn.Linear where no packed kernel takes the weight (bf16 at the scalar level)
         linear = torch.nn.Linear(64, 96, bias=False, dtype=dtype)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for rows in (1, 2, 32):

@@ -185,13 +185,81 @@ def test_brgemm_linear_refuses_mismatched_inputs(compiled):
         compiled.pack_brgemm_weight(torch.randn(64, 33).bfloat16())
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (16, 33), (1, 7)])
+def test_bf16_fma_linear_matches_a_float_matmul_at_every_row_group(n, k, compiled):
+    """bf16 weights widened to float32 in registers (AVX2's bf16 linear) against float32 math on the same inputs:
+    feature tails (37, 1), K tails (33, 7), every row-group size (1-6 rows, 8 = 4 + 4, 13 = 5 + 4 + 4), a second
+    row tile (70, 130 > 64). Bias or none. Builds without AVX2 refuse with the reason."""
+    from nanovllm.models.fast_path import PackedLinear, linear_kernel
+
+    torch.manual_seed(n + k)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n)
+    packed = compiled.pack_bf16_fma_weight(weight)
+    assert packed.shape == ((n + 15) // 16, k * 16) and packed.dtype == torch.bfloat16
+    if not compiled.bf16_fma_available():
+        assert compiled.isa == "scalar"
+        with pytest.raises(RuntimeError, match="no AVX2"):
+            compiled.bf16_fma_linear(torch.randn(1, k).bfloat16(), packed, None, n)
+        return
+    for rows in (1, 2, 3, 4, 5, 6, 8, 13, 70, 130):
+        x = torch.randn(rows, k).bfloat16()
+        expected = x.float() @ weight.float().T
+        got = compiled.bf16_fma_linear(x, packed, bias, n)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # float32 sums in another order, then one rounding to bf16: within bf16's half ulp and a little more.
+        torch.testing.assert_close(got.float(), expected + bias, atol=2e-2, rtol=8e-3)
+        no_bias = compiled.bf16_fma_linear_op(x, packed, None, n)  # the operator the linears call
+        torch.testing.assert_close(no_bias.float(), expected, atol=2e-2, rtol=8e-3)
+    if linear_kernel(torch.bfloat16) == "bf16-fma":  # this CPU's fast path runs it: PackedLinear stores it so
+        linear = PackedLinear(weight, bias.bfloat16(), kernels=compiled)
+        assert linear.kernel == "bf16-fma"
+        x = torch.randn(2, 3, k).bfloat16()  # leading dimensions pass through
+        torch.testing.assert_close(linear(x).float(), x.float() @ weight.float().T + bias.bfloat16().float(),
+                                   atol=2e-2, rtol=8e-3)
+
+
+def test_bf16_fma_linear_rounds_to_bf16_as_torch_does(compiled):
+    """With K = 1 each output is one float32 product plus the bias, so the kernel's float32 result is torch's to
+    the bit, and the outputs must equal torch's bf16 rounding exactly: ties to even (bf16 x bf16 products are exact
+    in float32, and many land on a tie), infinities, and NaN from the input."""
+    if not compiled.bf16_fma_available():
+        pytest.skip("the scalar build has no bf16_fma_linear (the test above checks that it refuses)")
+    torch.manual_seed(3)
+    n = 64
+    weight = torch.randn(n, 1).bfloat16()
+    bias = torch.randn(n).bfloat16().float()  # a bf16 value in float32: the sum x w + b rounds once, in float32
+    x = torch.randn(40, 1).bfloat16()
+    x[0, 0], x[1, 0], x[2, 0] = float("nan"), float("inf"), 3e38  # NaN, inf, and a finite sum past bf16's range
+    got = compiled.bf16_fma_linear(x, compiled.pack_bf16_fma_weight(weight), bias, n)
+    expected = (x.float() * weight.float().T + bias).bfloat16()
+    ties = ((x.float() * weight.float().T + bias).view(torch.int32) & 0xFFFF) == 0x8000
+    assert ties.sum() > 0  # the case that tells round-half-even from round-half-up is exercised
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got[~got.isnan()], expected[~expected.isnan()])
+
+
+def test_bf16_fma_linear_refuses_mismatched_inputs(compiled):
+    weight = torch.randn(64, 32).bfloat16()
+    packed = compiled.pack_bf16_fma_weight(weight)
+    with pytest.raises(RuntimeError, match="in_features"):
+        compiled.bf16_fma_linear(torch.randn(2, 48).bfloat16(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="x must be a 2-D bfloat16"):
+        compiled.bf16_fma_linear(torch.randn(2, 32), packed, None, 64)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        compiled.bf16_fma_linear(torch.randn(2, 32).bfloat16(), packed, torch.randn(64).bfloat16(), 64)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D bfloat16"):
+        compiled.pack_bf16_fma_weight(torch.randn(64, 32))
+
+
 @pytest.mark.parametrize("isa", ["amx", "avx512_bf16", "avx512", "avx2", "scalar"])
 def test_each_isa_level_names_its_linear_kernel(isa):
-    """bf16 runs brgemm on AMX tiles only, the GEMV + oneDNN pair with AVX-512 BF16, oneDNN below; float32 runs
-    brgemm wherever oneDNN has JIT kernels (not the scalar level, which caps them off)."""
+    """bf16 runs brgemm on AMX tiles only, the GEMV + oneDNN pair with AVX-512 BF16, oneDNN on AVX-512 without
+    BF16, nano-vllm's float32-FMA kernel on AVX2 (oneDNN has no bf16 there), oneDNN at the scalar level; float32
+    runs brgemm wherever oneDNN has JIT kernels (not the scalar level, which caps them off)."""
     from nanovllm.models.fast_path import linear_kernel
 
-    bf16 = {"amx": "brgemm", "avx512_bf16": "onednn+gemv"}.get(isa, "onednn")
+    bf16 = {"amx": "brgemm", "avx512_bf16": "onednn+gemv", "avx2": "bf16-fma"}.get(isa, "onednn")
     assert linear_kernel(torch.bfloat16, isa) == bf16
     assert linear_kernel(torch.float32, isa) == ("onednn" if isa == "scalar" else "brgemm")
 
