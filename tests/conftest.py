@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -101,29 +102,46 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_references(llm, hf_model, parity_prompts):
+def hf_references(llm, hf_model, parity_prompts, tmp_path_factory, worker_id):
     """transformers' greedy tokens and per-position top-5 on the parity prompts by dtype, computed on first use
-    (one reference model each) and shared by every module that holds a path to the close standard."""
+    (one reference model each) and shared by every module that holds a path to the close standard.
+
+    Computed once per test session, not once per pytest-xdist worker: the first worker to need a dtype computes
+    it under a file lock and writes it to the session's shared temporary directory, and the others read that
+    file. Each worker computing its own cost ~30 s per dtype on a 2-core AVX2 machine."""
+    import filelock
     import torch
     from transformers import AutoModelForCausalLM
 
     from nanovllm.validate import reference_greedy_top
 
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent  # the session's directory, above each worker's own
     cache: dict[str, list] = {}
+
+    def compute(dtype: str) -> list:
+        model = hf_model if dtype == "float32" else AutoModelForCausalLM.from_pretrained(
+            llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
+        return reference_greedy_top(model, parity_prompts, PARITY_MAX_TOKENS)
 
     def get(dtype: str) -> list:
         if dtype not in cache:
-            model = hf_model if dtype == "float32" else AutoModelForCausalLM.from_pretrained(
-                llm.engine.model_dir, dtype=getattr(torch, dtype)).eval()
-            cache[dtype] = reference_greedy_top(model, parity_prompts, PARITY_MAX_TOKENS)
+            path = shared / f"hf_references_{dtype}.json"
+            with filelock.FileLock(f"{path}.lock"):
+                if path.exists():
+                    stored = json.loads(path.read_text())
+                else:
+                    stored = [[tokens, [sorted(top) for top in tops]] for tokens, tops in compute(dtype)]
+                    path.write_text(json.dumps(stored))
+            cache[dtype] = [(tokens, [set(top) for top in tops]) for tokens, tops in stored]
         return cache[dtype]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(hf_model, parity_prompts) -> list[list[int]]:
-    """transformers `generate` greedy outputs, one prompt at a time (no padding), EOS-terminated."""
-    from nanovllm.validate import reference_greedy
-
-    return reference_greedy(hf_model, parity_prompts, PARITY_MAX_TOKENS)
+def hf_greedy(hf_references) -> list[list[int]]:
+    """transformers `generate` greedy outputs, one prompt at a time (no padding), EOS-terminated, float32: the
+    tokens of ``hf_references("float32")`` (the same ``generate`` call, which also keeps the logits)."""
+    return [tokens for tokens, _ in hf_references("float32")]
