@@ -15,8 +15,8 @@ layout its kernel reads, so no matmul reorders its weight again on every call. W
   at most ``PackedLinear.GEMV_MAX_ROWS`` rows.
 - ``bf16-fma``: bfloat16 on AVX2 (no AVX-512): nano-vllm's kernel (``nanovllm/csrc/bf16_fma_linear.cpp``), bf16
   weights widened to float32 in registers and multiplied with float32 FMAs. oneDNN has no bf16 GEMM below
-  AVX-512, and ATen's own bf16 matmul, what ran before, is ~5x slower from 8 rows on (AVX2 EPYC, SmolLM2-135M's
-  linears, ``experiments/bench_linears.py --dtypes bfloat16``; docs/speed.md).
+  AVX-512, and ATen's own bf16 matmul, what ran before, is 1.3-1.4x slower at one row and 3-5.4x from 8 rows on
+  (AVX2 EPYC, SmolLM2-135M's linears, ``experiments/bench_linears.py --dtypes bfloat16``; docs/speed.md).
 - ``onednn``: oneDNN's prepacked linear at every row count (bfloat16 on AVX-512 without BF16, float32 on the
   scalar level).
 
