@@ -1,4 +1,4 @@
-// Small helpers shared by the CPU kernels: float32 views of the storage dtypes, scalar and AVX-512.
+// Small helpers shared by the CPU kernels: float32 views of the storage dtypes, scalar, AVX2 and AVX-512.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,42 @@ inline __m512 sum_each16(const __m512* v) {
   const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], even), _mm512_shuffle_f32x4(x[0], x[1], odd));
   const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], even), _mm512_shuffle_f32x4(x[2], x[3], odd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, even), _mm512_shuffle_f32x4(y0, y1, odd));
+}
+#endif
+
+#if defined(__AVX2__)
+// 8 consecutive values as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+// exp(x) as exp16 computes it, 8 lanes: the same reduction and polynomial; 2^n is built in the exponent bits, so
+// x is clamped to -87 (2^n stays a normal float), where exp16 goes to -104: the result there is ~1e-38 instead of
+// smaller, which no softmax numerator (exp(s - max) against the max's 1) can tell apart.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for an exact r
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+// Lane i of the result is the sum of the 8 lanes of v[i].
+inline __m256 sum_each8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 x = _mm256_hadd_ps(a, b), y = _mm256_hadd_ps(c, d);  // per 128-bit half: v0..v3 | v4..v7 partials
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
 }
 #endif
 

@@ -29,6 +29,9 @@ using nanovllm::to_float;
 #if defined(__AVX512F__)
 using nanovllm::load16;
 using nanovllm::sum_each16;
+#elif defined(__AVX2__)
+using nanovllm::load8;
+using nanovllm::sum_each8;
 #endif
 
 // 8-bit caches (kv_cache_dtype=int8 / fp8_e4m3): the codes' format, and the float32 scale that follows a row's
@@ -120,6 +123,26 @@ void attend(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const 
   }
 }
 
+
+#if defined(__AVX2__)
+// Calls fn(std::integral_constant<int, D>, std::integral_constant<int, G>) for the head_dim D and GQA group
+// size G the vectorized kernels are instantiated for (their registers are sized at compile time); false, without
+// calling, for any other shape, which then takes the portable loop.
+template <typename Fn>
+bool with_head_shape(int64_t head_dim, int64_t group, Fn&& fn) {
+#define NANOVLLM_SHAPE(D, G)                                                     \
+  if (head_dim == D && group == G) {                                             \
+    fn(std::integral_constant<int, D>{}, std::integral_constant<int, G>{});      \
+    return true;                                                                 \
+  }
+  NANOVLLM_SHAPE(64, 1) NANOVLLM_SHAPE(64, 2) NANOVLLM_SHAPE(64, 3) NANOVLLM_SHAPE(64, 4)
+  NANOVLLM_SHAPE(64, 5) NANOVLLM_SHAPE(64, 6) NANOVLLM_SHAPE(64, 7) NANOVLLM_SHAPE(64, 8)
+  NANOVLLM_SHAPE(128, 1) NANOVLLM_SHAPE(128, 2) NANOVLLM_SHAPE(128, 3) NANOVLLM_SHAPE(128, 4)
+  NANOVLLM_SHAPE(128, 5) NANOVLLM_SHAPE(128, 6) NANOVLLM_SHAPE(128, 7) NANOVLLM_SHAPE(128, 8)
+#undef NANOVLLM_SHAPE
+  return false;
+}
+#endif  // __AVX2__
 
 #if defined(__AVX512F__)
 // Softmax numerators exp(s - max) of one query head's scores ``sg`` over ``num_keys`` keys, 16 at a time (lanes
@@ -396,24 +419,6 @@ void attend_vectorized(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
                                                         seq, pos, out, num_tokens, num_kv_heads, block_size, scale);
 }
 
-// Calls fn(std::integral_constant<int, D>, std::integral_constant<int, G>) for the head_dim D and GQA group
-// size G the vectorized kernels are instantiated for (their registers are sized at compile time); false, without
-// calling, for any other shape, which then takes the portable loop.
-template <typename Fn>
-bool with_head_shape(int64_t head_dim, int64_t group, Fn&& fn) {
-#define NANOVLLM_SHAPE(D, G)                                                     \
-  if (head_dim == D && group == G) {                                             \
-    fn(std::integral_constant<int, D>{}, std::integral_constant<int, G>{});      \
-    return true;                                                                 \
-  }
-  NANOVLLM_SHAPE(64, 1) NANOVLLM_SHAPE(64, 2) NANOVLLM_SHAPE(64, 3) NANOVLLM_SHAPE(64, 4)
-  NANOVLLM_SHAPE(64, 5) NANOVLLM_SHAPE(64, 6) NANOVLLM_SHAPE(64, 7) NANOVLLM_SHAPE(64, 8)
-  NANOVLLM_SHAPE(128, 1) NANOVLLM_SHAPE(128, 2) NANOVLLM_SHAPE(128, 3) NANOVLLM_SHAPE(128, 4)
-  NANOVLLM_SHAPE(128, 5) NANOVLLM_SHAPE(128, 6) NANOVLLM_SHAPE(128, 7) NANOVLLM_SHAPE(128, 8)
-#undef NANOVLLM_SHAPE
-  return false;
-}
-
 // Runs the AVX-512 path when it has an instantiation for this dtype, head_dim and group size.
 template <typename scalar_t>
 bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
@@ -430,6 +435,127 @@ bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
   return false;
 }
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The AVX2 path (the avx2 build; AVX-512 builds run attend_avx512): attend's arithmetic in 8-wide vectors, with
+// 16 registers. For each work item (token, KV head):
+// - pass 1, 8 keys at a time: the 8 key rows become a float32 tile once; for each query head, 8 partial dot
+//   products (one register each, the query read from L1 one 8-wide slice at a time) are reduced together into 8
+//   scores (sum_each8), not one horizontal sum per key;
+// - the softmax numerators with the vectorized exp (exp8, cpu_vec.h), normalized once at the end;
+// - pass 2, the weighted sum of values, in slices of head_dim so that the group's accumulators, one broadcast
+//   probability per head and the value vector fit the registers (G heads x C vectors of 8).
+template <typename scalar_t, int D, int G>
+void attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+                 const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
+                 scalar_t* out, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, float scale) {
+  constexpr int V = D / 8;                                     // vectors per head row
+  constexpr int C = G <= 3 ? std::min(V, 4) : G <= 6 ? 2 : 1;  // vectors per slice in pass 2
+  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * D;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    alignas(32) float tile[8][D];
+    alignas(32) float qf[G][D];
+    alignas(32) float result[G * D];
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
+      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 7) / 8 * 8;
+      const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
+      const auto slot_row = [&](const scalar_t* cache, int64_t key) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        return cache + slot * kv_row + h * D;
+      };
+      scores.resize(G * stride);
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < V; ++j)
+          _mm256_store_ps(&qf[g][8 * j], _mm256_mul_ps(load8(q + t * q_stride + (h * G + g) * D + 8 * j),
+                                                       _mm256_set1_ps(scale)));
+      // Pass 1: scores, 8 keys at a time (rows past the last key are zeros).
+      for (int64_t first = 0; first < num_keys; first += 8) {
+        const int n = static_cast<int>(std::min<int64_t>(8, num_keys - first));
+        for (int k = 0; k < 8; ++k) {
+          const scalar_t* kp = k < n ? slot_row(k_cache, first + k) : nullptr;
+          for (int j = 0; j < V; ++j)
+            _mm256_store_ps(&tile[k][8 * j], kp != nullptr ? load8(kp + 8 * j) : _mm256_setzero_ps());
+        }
+        for (int g = 0; g < G; ++g) {
+          __m256 dots[8];
+          for (int k = 0; k < 8; ++k) dots[k] = _mm256_setzero_ps();
+          for (int j = 0; j < V; ++j) {
+            const __m256 qj = _mm256_load_ps(&qf[g][8 * j]);
+            for (int k = 0; k < 8; ++k) dots[k] = _mm256_fmadd_ps(qj, _mm256_load_ps(&tile[k][8 * j]), dots[k]);
+          }
+          _mm256_storeu_ps(scores.data() + g * stride + first, sum_each8(dots));
+        }
+      }
+      // Softmax numerators exp(s - max) in place (lanes past the last key set to 0); normalization at the end.
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * stride;
+        float mx = sg[0];
+        for (int64_t key = 1; key < num_keys; ++key) mx = sg[key] > mx ? sg[key] : mx;
+        const __m256 max = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t key = 0; key < stride; key += 8) {
+          __m256 e = nanovllm::exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + key), max));
+          if (num_keys - key < 8) {  // the last, partial group: zero the lanes past the last key
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(num_keys - key)), lane);
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(valid));
+          }
+          _mm256_storeu_ps(sg + key, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, sum);
+        float total = 0.f;
+        for (float lane_sum : lanes) total += lane_sum;
+        inv_sum[g] = 1.f / total;
+      }
+      // Pass 2: the weighted sum of values, C vectors of each head's row at a time, accumulators in registers.
+      for (int c0 = 0; c0 < V; c0 += C) {
+        __m256 acc[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < C; ++j) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t key = 0; key < num_keys; ++key) {
+          const scalar_t* vp = slot_row(v_cache, key) + 8 * c0;
+          __m256 p[G];
+          for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores.data() + g * stride + key);
+          for (int j = 0; j < C; ++j) {
+            const __m256 vv = load8(vp + 8 * j);
+            for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(p[g], vv, acc[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < C; ++j)
+            _mm256_store_ps(result + g * D + 8 * (c0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv_sum[g])));
+      }
+      for (int g = 0; g < G; ++g) {
+        scalar_t* oh = out + (t * num_heads + h * G + g) * D;
+        for (int d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(result[g * D + d]);
+      }
+    }
+  }
+}
+
+// Runs the AVX2 path when it has an instantiation for this dtype, head_dim and group size.
+template <typename scalar_t>
+bool try_attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+                     const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
+                     scalar_t* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, float scale) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    return with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
+      attend_avx2<scalar_t, decltype(d)::value, decltype(g)::value>(q, q_stride, k_cache, v_cache, block_tables,
+                                                                    max_blocks, seq, pos, out, num_tokens,
+                                                                    num_kv_heads, block_size, scale);
+    });
+  }
+  return false;
+}
+#endif  // __AVX2__ && !__AVX512F__
 
 }  // namespace
 
@@ -493,6 +619,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
                                     block_tables.size(1), seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
                                     out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads, head_dim,
                                     block_size, static_cast<float>(scale)))
+      return;
+#elif defined(__AVX2__)
+    if (try_attend_avx2<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                                  v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                                  block_tables.size(1), seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
+                                  out.data_ptr<scalar_t>(), num_tokens, num_heads, num_kv_heads, head_dim,
+                                  block_size, static_cast<float>(scale)))
       return;
 #endif
     attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
