@@ -27,6 +27,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -64,11 +66,7 @@ inline float to_float(c10::BFloat16 x) {
 // ---- activations -> int8 -----------------------------------------------------------------------------------
 
 #if defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using nanovllm::load8;  // cpu_vec.h: 8 values of x as float32 lanes
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));

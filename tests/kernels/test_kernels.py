@@ -17,6 +17,7 @@ import torch
 
 from nanovllm import kernels, machine
 from nanovllm.models.llama import RMSNorm, apply_rotary
+from tests.conftest import KERNEL_BUILDS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -219,12 +220,13 @@ def test_bf16_fma_linear_matches_a_float_matmul_at_every_row_group(n, k, compile
                                    atol=2e-2, rtol=8e-3)
 
 
-def test_bf16_fma_linear_rounds_to_bf16_as_torch_does(compiled):
+@pytest.mark.parametrize("build", [build for build in KERNEL_BUILDS if build != "scalar"])
+def test_bf16_fma_linear_rounds_to_bf16_as_torch_does(build):
     """With K = 1 each output is one float32 product plus the bias, so the kernel's float32 result is torch's to
     the bit, and the outputs must equal torch's bf16 rounding exactly: ties to even (bf16 x bf16 products are exact
-    in float32, and many land on a tie), infinities, and NaN from the input."""
-    if not compiled.bf16_fma_available():
-        pytest.skip("the scalar build has no bf16_fma_linear (the test above checks that it refuses)")
+    in float32, and many land on a tie), infinities, and NaN from the input. Every build with AVX2 (the scalar
+    build has no such kernel; the test above checks that it refuses)."""
+    compiled = kernels.load(build)
     torch.manual_seed(3)
     n = 64
     weight = torch.randn(n, 1).bfloat16()
@@ -318,27 +320,40 @@ def test_a_build_killed_mid_way_does_not_block_the_next_start(tmp_path):
     assert "waiting for another process" not in stderr
 
 
-def test_a_start_that_waits_for_another_build_says_so_once(tmp_path):
-    """While another process holds the build lock (here: this test), a start waits, and says so once, however
-    long it waits (here: until it has said so, and two seconds more)."""
-    build_dir = tmp_path / "extensions" / kernels.build_name("scalar")
-    build_dir.mkdir(parents=True)
-    message = "waiting for another process's kernel build"
+WAITING = "waiting for another process's kernel build"
+
+
+def _wait_under_held_lock(tmp_path, build_dir: Path, then=lambda waiter: None) -> list[str]:
+    """Hold ``build_dir``'s build lock (as a builder would), start a process that loads the scalar kernels, wait
+    until it says it is waiting, run ``then(waiter)`` with the lock still held, kill it; its stderr lines."""
     with kernels._build_lock(build_dir / "build.lock"):
         waiter = _start_build(tmp_path)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(waiter.stderr), daemon=True)
         reader.start()
         try:
-            _wait_for(lambda: any(message in line for line in lines), waiter, "waiting message")
-            time.sleep(2)
-            assert waiter.poll() is None  # still waiting: the lock is held
+            _wait_for(lambda: any(WAITING in line for line in lines), waiter, "waiting message")
+            then(waiter)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(waiter.pid, signal.SIGKILL)
             waiter.wait(timeout=60)
             reader.join(timeout=60)
-    assert sum(message in line for line in lines) == 1, lines
+    return lines
+
+
+def test_a_start_that_waits_for_another_build_says_so_once(tmp_path):
+    """While another process holds the build lock (here: this test), a start waits, and says so once, however
+    long it waits (here: until it has said so, and two seconds more)."""
+    build_dir = tmp_path / "extensions" / kernels.build_name("scalar")
+    build_dir.mkdir(parents=True)
+
+    def still_waiting_two_seconds_later(waiter: subprocess.Popen) -> None:
+        time.sleep(2)
+        assert waiter.poll() is None  # still waiting: the lock is held
+
+    lines = _wait_under_held_lock(tmp_path, build_dir, still_waiting_two_seconds_later)
+    assert sum(WAITING in line for line in lines) == 1, lines
 
 
 def test_a_library_another_process_is_still_linking_is_never_loaded(tmp_path):
@@ -349,20 +364,11 @@ def test_a_library_another_process_is_still_linking_is_never_loaded(tmp_path):
     build_dir = tmp_path / "extensions" / name
     build_dir.mkdir(parents=True)
     (build_dir / f"{name}.so").write_bytes(b"\x7fELF")  # what a half-written link leaves
-    message = "waiting for another process's kernel build"
-    with kernels._build_lock(build_dir / "build.lock"):  # the builder, mid-link
-        waiter = _start_build(tmp_path)
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(waiter.stderr), daemon=True)
-        reader.start()
-        try:
-            _wait_for(lambda: any(message in line for line in lines), waiter, "waiting message")
-            assert waiter.poll() is None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(waiter.pid, signal.SIGKILL)
-            waiter.wait(timeout=60)
-            reader.join(timeout=60)
+
+    def still_waiting(waiter: subprocess.Popen) -> None:
+        assert waiter.poll() is None
+
+    lines = _wait_under_held_lock(tmp_path, build_dir, still_waiting)  # the builder, mid-link
     assert not any("file too short" in line or "could not build" in line for line in lines), lines
 
 
