@@ -45,6 +45,11 @@ inline float row_scale(const uint8_t* row, int64_t head_dim) {
   return scale;
 }
 
+// The factor the vector kernels' decoded codes are off by, absorbed into the row's scale: 1 for int8; 256 for
+// e4m3, which they decode through float16's bit layout (decode16 / decode8 below), giving the value times 2^-8.
+template <KVCodes C>
+constexpr float decode_factor() { return C == KVCodes::kInt8 ? 1.f : 256.f; }
+
 // Each of the group's rows of scores (num_keys each) replaced by its softmax, in place: the portable loops'
 // normalization, shared by the model-dtype and the 8-bit kernels.
 inline void softmax_rows(float* scores, int64_t group, int64_t num_keys) {
@@ -180,9 +185,6 @@ inline __m512 decode16(const uint8_t* p) {
     return _mm512_cvtph_ps(half);
   }
 }
-
-template <KVCodes C>
-constexpr float decode_factor() { return C == KVCodes::kInt8 ? 1.f : 256.f; }
 
 // How attend_avx512 reads the cache's rows: head_dim values in the model dtype, as stored.
 template <typename scalar_t, int D>
@@ -437,6 +439,41 @@ bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
 #endif  // __AVX512F__
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
+// How attend_avx2 reads the cache's rows: head_dim values in the model dtype, as stored.
+template <typename scalar_t, int D>
+struct ModelRowsAvx2 {
+  using Cache = scalar_t;
+  static constexpr int64_t kRow = D;  // cache elements per (token, KV head) row
+  static constexpr bool kScaled = false;
+  static __m256 load(const scalar_t* p) { return load8(p); }
+  static float scale(const scalar_t*) { return 1.f; }
+};
+
+// 8 codes of an 8-bit row as float32 lanes, up to decode_factor<C>(): decode16's two ways (int8 sign-extended;
+// e4m3 through float16's bit layout, one exact F16C conversion) at 8 lanes.
+template <KVCodes C>
+inline __m256 decode8(const uint8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == KVCodes::kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  } else {
+    const __m128i b = _mm_cvtepu8_epi16(raw);
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(half);
+  }
+}
+
+// head_dim 8-bit codes then the row's float32 scale (nanovllm/attention/kv_quant.py's layout), as EightBitRows.
+template <KVCodes C, int D>
+struct EightBitRowsAvx2 {
+  using Cache = uint8_t;
+  static constexpr int64_t kRow = D + kScaleBytes;
+  static constexpr bool kScaled = true;
+  static __m256 load(const uint8_t* p) { return decode8<C>(p); }
+  static float scale(const uint8_t* row) { return row_scale(row, D) * decode_factor<C>(); }
+};
+
 // The AVX2 path (the avx2 build; AVX-512 builds run attend_avx512): attend's arithmetic in 8-wide vectors, with
 // 16 registers. For each work item (token, KV head):
 // - pass 1, 8 keys at a time: the 8 key rows become a float32 tile once; for each query head, 8 partial dot
@@ -445,13 +482,19 @@ bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
 // - the softmax numerators with the vectorized exp (exp8, cpu_vec.h), normalized once at the end;
 // - pass 2, the weighted sum of values, in slices of head_dim so that the group's accumulators, one broadcast
 //   probability per head and the value vector fit the registers (G heads x C vectors of 8).
-template <typename scalar_t, int D, int G>
-void attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
-                 const int32_t* block_tables, int64_t max_blocks, const int32_t* seq, const int32_t* pos,
-                 scalar_t* out, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, float scale) {
+//
+// Rows is how it reads the cache, as for attend_avx512: ModelRowsAvx2 (the model dtype as stored) or
+// EightBitRowsAvx2 (8-bit codes decoded 8 at a time; the row's scale multiplies its key's tile row and its value's
+// probability).
+template <typename scalar_t, typename Rows, int D, int G>
+void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache* k_cache,
+                 const typename Rows::Cache* v_cache, const int32_t* block_tables, int64_t max_blocks,
+                 const int32_t* seq, const int32_t* pos, scalar_t* out, int64_t num_tokens, int64_t num_kv_heads,
+                 int64_t block_size, float scale) {
+  using Cache = typename Rows::Cache;
   constexpr int V = D / 8;                                     // vectors per head row
   constexpr int C = G <= 3 ? std::min(V, 4) : G <= 6 ? 2 : 1;  // vectors per slice in pass 2
-  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * D;
+  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * Rows::kRow;
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -463,9 +506,9 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, c
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 7) / 8 * 8;
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
-      const auto slot_row = [&](const scalar_t* cache, int64_t key) {
+      const auto slot_row = [&](const Cache* cache, int64_t key) {
         const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
-        return cache + slot * kv_row + h * D;
+        return cache + slot * kv_row + h * Rows::kRow;
       };
       scores.resize(G * stride);
       for (int g = 0; g < G; ++g)
@@ -476,9 +519,16 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, c
       for (int64_t first = 0; first < num_keys; first += 8) {
         const int n = static_cast<int>(std::min<int64_t>(8, num_keys - first));
         for (int k = 0; k < 8; ++k) {
-          const scalar_t* kp = k < n ? slot_row(k_cache, first + k) : nullptr;
-          for (int j = 0; j < V; ++j)
-            _mm256_store_ps(&tile[k][8 * j], kp != nullptr ? load8(kp + 8 * j) : _mm256_setzero_ps());
+          if (k >= n) {
+            for (int j = 0; j < V; ++j) _mm256_store_ps(&tile[k][8 * j], _mm256_setzero_ps());
+            continue;
+          }
+          const Cache* kp = slot_row(k_cache, first + k);
+          const __m256 key_scale = _mm256_set1_ps(Rows::scale(kp));  // 1 for model-dtype rows
+          for (int j = 0; j < V; ++j) {
+            const __m256 row = Rows::load(kp + 8 * j);
+            _mm256_store_ps(&tile[k][8 * j], Rows::kScaled ? _mm256_mul_ps(row, key_scale) : row);
+          }
         }
         for (int g = 0; g < G; ++g) {
           __m256 dots[8];
@@ -520,11 +570,17 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, c
         for (int g = 0; g < G; ++g)
           for (int j = 0; j < C; ++j) acc[g][j] = _mm256_setzero_ps();
         for (int64_t key = 0; key < num_keys; ++key) {
-          const scalar_t* vp = slot_row(v_cache, key) + 8 * c0;
+          const Cache* row = slot_row(v_cache, key);
+          const Cache* vp = row + 8 * c0;
           __m256 p[G];
-          for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores.data() + g * stride + key);
+          if constexpr (Rows::kScaled) {
+            const float value_scale = Rows::scale(row);  // folded into the key's weight
+            for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * stride + key] * value_scale);
+          } else {
+            for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores.data() + g * stride + key);
+          }
           for (int j = 0; j < C; ++j) {
-            const __m256 vv = load8(vp + 8 * j);
+            const __m256 vv = Rows::load(vp + 8 * j);
             for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(p[g], vv, acc[g][j]);
           }
         }
@@ -548,9 +604,9 @@ bool try_attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cach
                      int64_t block_size, float scale) {
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     return with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
-      attend_avx2<scalar_t, decltype(d)::value, decltype(g)::value>(q, q_stride, k_cache, v_cache, block_tables,
-                                                                    max_blocks, seq, pos, out, num_tokens,
-                                                                    num_kv_heads, block_size, scale);
+      attend_avx2<scalar_t, ModelRowsAvx2<scalar_t, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
+          q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens, num_kv_heads,
+          block_size, scale);
     });
   }
   return false;
@@ -645,8 +701,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
 // (127, or 448 for e4m3), codes = x / scale rounded half-to-even (int8) or to e4m3, the same float32 operations
 // as the torch reference, so both write the same bytes. Attention is the plain loop of ``attend`` with each key
 // and value row decoded to float32 once (for the whole query group); the row's scale multiplies its score and its
-// probability instead of every element. That loop is the portable path on every build; on AVX-512 builds, the
-// head shapes the vectorized kernels know run attend_avx512 over EightBitRows (its arithmetic on decoded rows).
+// probability instead of every element. That loop is the portable path on every build; the head shapes the
+// vectorized kernels know run attend_avx512 over EightBitRows on AVX-512 builds, and attend_avx2 over
+// EightBitRowsAvx2 on the avx2 build (their arithmetic on decoded rows).
 namespace {
 
 // e4m3 code -> float32, built once from c10's conversion (a table lookup instead of bit fiddling per value).
@@ -780,6 +837,16 @@ void paged_attention_8bit_impl(const at::Tensor& q, const at::Tensor& k, const a
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
           attend_avx512<scalar_t, EightBitRows<C, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
+              q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+              seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
+              block_size, scale);
+        }))
+      return;
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
+          attend_avx2<scalar_t, EightBitRowsAvx2<C, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
               q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
               seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
               block_size, scale);
