@@ -147,6 +147,75 @@ bool with_head_shape(int64_t head_dim, int64_t group, Fn&& fn) {
 #undef NANOVLLM_SHAPE
   return false;
 }
+
+// ---- how the vector kernels read cache rows (attend_avx512 on AVX-512 builds, attend_avx2 on the avx2 build) ----
+#if defined(__AVX512F__)
+// 16 codes of an 8-bit row as float32 lanes, up to the factor decode_factor<C>() that the row's scale absorbs.
+// int8: sign-extended. e4m3: each byte becomes the float16 with the same sign, exponent and mantissa bits
+// (s eeee mmm -> s 0eeee mmm0000000), which is the e4m3 value times 2^-8 for normal and subnormal codes alike
+// (float16's exponent bias is 15, e4m3's 7), so one exact conversion instruction replaces the table lookup.
+template <KVCodes C>
+inline __m512 decode16(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == KVCodes::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi16(raw);
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(half);
+  }
+}
+
+using Lanes = __m512;  // the build's float32 vector: 16 lanes here, 8 on the avx2 build
+template <typename T>
+inline Lanes load_lanes(const T* p) { return load16(p); }
+template <KVCodes C>
+inline Lanes decode_lanes(const uint8_t* p) { return decode16<C>(p); }
+#else
+// 8 codes of an 8-bit row as float32 lanes, up to decode_factor<C>(): decode16's two ways (int8 sign-extended;
+// e4m3 through float16's bit layout, one exact F16C conversion) at 8 lanes.
+template <KVCodes C>
+inline __m256 decode8(const uint8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == KVCodes::kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  } else {
+    const __m128i b = _mm_cvtepu8_epi16(raw);
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(half);
+  }
+}
+
+using Lanes = __m256;
+template <typename T>
+inline Lanes load_lanes(const T* p) { return load8(p); }
+template <KVCodes C>
+inline Lanes decode_lanes(const uint8_t* p) { return decode8<C>(p); }
+#endif
+
+// Rows in the model dtype: head_dim values as stored.
+template <typename scalar_t, int D>
+struct ModelRows {
+  using Cache = scalar_t;
+  static constexpr int64_t kRow = D;  // cache elements per (token, KV head) row
+  static constexpr bool kScaled = false;
+  static Lanes load(const scalar_t* p) { return load_lanes(p); }
+  static float scale(const scalar_t*) { return 1.f; }
+};
+
+// Rows of an 8-bit cache: head_dim codes then the row's float32 scale (nanovllm/attention/kv_quant.py's layout).
+// Half the bytes of a bfloat16 row per key, and two instructions per vector of values to decode.
+template <KVCodes C, int D>
+struct EightBitRows {
+  using Cache = uint8_t;
+  static constexpr int64_t kRow = D + kScaleBytes;
+  static constexpr bool kScaled = true;
+  static Lanes load(const uint8_t* p) { return decode_lanes<C>(p); }
+  static float scale(const uint8_t* row) { return row_scale(row, D) * decode_factor<C>(); }
+};
+
 #endif  // __AVX2__
 
 #if defined(__AVX512F__)
@@ -168,44 +237,6 @@ inline float softmax_numerators(const float* sg, int64_t num_keys, Store store) 
   }
   return 1.f / _mm512_reduce_add_ps(sum);
 }
-
-// 16 codes of an 8-bit row as float32 lanes, up to the factor decode_factor<C>() that the row's scale absorbs.
-// int8: sign-extended. e4m3: each byte becomes the float16 with the same sign, exponent and mantissa bits
-// (s eeee mmm -> s 0eeee mmm0000000), which is the e4m3 value times 2^-8 for normal and subnormal codes alike
-// (float16's exponent bias is 15, e4m3's 7), so one exact conversion instruction replaces the table lookup.
-template <KVCodes C>
-inline __m512 decode16(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (C == KVCodes::kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-  } else {
-    const __m256i b = _mm256_cvtepu8_epi16(raw);
-    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_cvtph_ps(half);
-  }
-}
-
-// How attend_avx512 reads the cache's rows: head_dim values in the model dtype, as stored.
-template <typename scalar_t, int D>
-struct ModelRows {
-  using Cache = scalar_t;
-  static constexpr int64_t kRow = D;  // cache elements per (token, KV head) row
-  static constexpr bool kScaled = false;
-  static __m512 load(const scalar_t* p) { return load16(p); }
-  static float scale(const scalar_t*) { return 1.f; }
-};
-
-// head_dim 8-bit codes then the row's float32 scale (nanovllm/attention/kv_quant.py's layout). Half the bytes of
-// a bfloat16 row per key, and two instructions per 16 values to decode.
-template <KVCodes C, int D>
-struct EightBitRows {
-  using Cache = uint8_t;
-  static constexpr int64_t kRow = D + kScaleBytes;
-  static constexpr bool kScaled = true;
-  static __m512 load(const uint8_t* p) { return decode16<C>(p); }
-  static float scale(const uint8_t* row) { return row_scale(row, D) * decode_factor<C>(); }
-};
 
 // The AVX-512 path: the same arithmetic as ``attend`` above, organised for the vector unit. For each work item
 // (token, KV head) it runs, 16 keys at a time: convert the 16 key rows to a float32 tile once, take each query
@@ -439,41 +470,6 @@ bool try_attend_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
 #endif  // __AVX512F__
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// How attend_avx2 reads the cache's rows: head_dim values in the model dtype, as stored.
-template <typename scalar_t, int D>
-struct ModelRowsAvx2 {
-  using Cache = scalar_t;
-  static constexpr int64_t kRow = D;  // cache elements per (token, KV head) row
-  static constexpr bool kScaled = false;
-  static __m256 load(const scalar_t* p) { return load8(p); }
-  static float scale(const scalar_t*) { return 1.f; }
-};
-
-// 8 codes of an 8-bit row as float32 lanes, up to decode_factor<C>(): decode16's two ways (int8 sign-extended;
-// e4m3 through float16's bit layout, one exact F16C conversion) at 8 lanes.
-template <KVCodes C>
-inline __m256 decode8(const uint8_t* p) {
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  if constexpr (C == KVCodes::kInt8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-  } else {
-    const __m128i b = _mm_cvtepu8_epi16(raw);
-    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_cvtph_ps(half);
-  }
-}
-
-// head_dim 8-bit codes then the row's float32 scale (nanovllm/attention/kv_quant.py's layout), as EightBitRows.
-template <KVCodes C, int D>
-struct EightBitRowsAvx2 {
-  using Cache = uint8_t;
-  static constexpr int64_t kRow = D + kScaleBytes;
-  static constexpr bool kScaled = true;
-  static __m256 load(const uint8_t* p) { return decode8<C>(p); }
-  static float scale(const uint8_t* row) { return row_scale(row, D) * decode_factor<C>(); }
-};
-
 // The AVX2 path (the avx2 build; AVX-512 builds run attend_avx512): attend's arithmetic in 8-wide vectors, with
 // 16 registers. For each work item (token, KV head):
 // - pass 1, 8 keys at a time: the 8 key rows become a float32 tile once; for each query head, 8 partial dot
@@ -483,9 +479,8 @@ struct EightBitRowsAvx2 {
 // - pass 2, the weighted sum of values, in slices of head_dim so that the group's accumulators, one broadcast
 //   probability per head and the value vector fit the registers (G heads x C vectors of 8).
 //
-// Rows is how it reads the cache, as for attend_avx512: ModelRowsAvx2 (the model dtype as stored) or
-// EightBitRowsAvx2 (8-bit codes decoded 8 at a time; the row's scale multiplies its key's tile row and its value's
-// probability).
+// Rows is how it reads the cache, as for attend_avx512: ModelRows (the model dtype as stored) or EightBitRows
+// (8-bit codes decoded 8 at a time; the row's scale multiplies its key's tile row and its value's probability).
 template <typename scalar_t, typename Rows, int D, int G>
 void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache* k_cache,
                  const typename Rows::Cache* v_cache, const int32_t* block_tables, int64_t max_blocks,
@@ -604,7 +599,7 @@ bool try_attend_avx2(const scalar_t* q, int64_t q_stride, const scalar_t* k_cach
                      int64_t block_size, float scale) {
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     return with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
-      attend_avx2<scalar_t, ModelRowsAvx2<scalar_t, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
+      attend_avx2<scalar_t, ModelRows<scalar_t, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
           q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens, num_kv_heads,
           block_size, scale);
     });
@@ -703,7 +698,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
 // and value row decoded to float32 once (for the whole query group); the row's scale multiplies its score and its
 // probability instead of every element. That loop is the portable path on every build; the head shapes the
 // vectorized kernels know run attend_avx512 over EightBitRows on AVX-512 builds, and attend_avx2 over
-// EightBitRowsAvx2 on the avx2 build (their arithmetic on decoded rows).
+// EightBitRows on the avx2 build (their arithmetic on decoded rows).
 namespace {
 
 // e4m3 code -> float32, built once from c10's conversion (a table lookup instead of bit fiddling per value).
@@ -846,7 +841,7 @@ void paged_attention_8bit_impl(const at::Tensor& q, const at::Tensor& k, const a
 #elif defined(__AVX2__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
-          attend_avx2<scalar_t, EightBitRowsAvx2<C, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
+          attend_avx2<scalar_t, EightBitRows<C, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
               q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
               seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
               block_size, scale);
