@@ -109,7 +109,8 @@ def test_8bit_cache_over_many_steps_of_prefill_decode_and_preemption(fmt, kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_8bit_code_decodes_exactly_in_the_cpu_kernel(fmt, dtype, kernel_isa):
     """Each of the format's finite codes is read back as the value kv_quant.dequantize gives it, on every kernel
-    build (the AVX-512 kernels decode e4m3 through float16's bit layout, the portable loop through a table).
+    build (the AVX-512 and AVX2 kernels decode e4m3 through float16's bit layout, the portable loop through a
+    table).
     One sequence per code: its cached key 0 is a value row of that code (scale 1), key 1 the step's new all-zero
     row; a zero query weighs both keys 1/2, so the output is exactly half the decoded code."""
     spec = kv_quant.FORMATS[fmt]
