@@ -45,6 +45,12 @@ inline float row_scale(const uint8_t* row, int64_t head_dim) {
   return scale;
 }
 
+// The cache slot of key ``key`` of a sequence, from its block table ``table`` (paged: block key / block_size,
+// row key % block_size within it).
+inline int64_t key_slot(const int32_t* table, int64_t key, int64_t block_size) {
+  return static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+}
+
 // The factor the vector kernels' decoded codes are off by, absorbed into the row's scale: 1 for int8; 256 for
 // e4m3, which they decode through float16's bit layout (decode16 / decode8 below), giving the value times 2^-8.
 template <KVCodes C>
@@ -97,7 +103,7 @@ void attend(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const 
       }
       // Pass 1: scores of every key for every query head of the group.
       for (int64_t key = 0; key < num_keys; ++key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         const scalar_t* kp = k_cache + slot * kv_row + h * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
@@ -111,7 +117,7 @@ void attend(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const 
       // Pass 2: the probability-weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t key = 0; key < num_keys; ++key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         const scalar_t* vp = v_cache + slot * kv_row + h * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * num_keys + key];
@@ -266,7 +272,7 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
       const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
       const auto slot_row = [&](const Cache* cache, int64_t key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         return cache + slot * kv_row + h * Rows::kRow;
       };
       scores.resize(G * stride);
@@ -360,7 +366,7 @@ void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
       const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
       const auto slot_row = [&](const c10::BFloat16* cache, int64_t key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         return cache + slot * kv_row + h * D;
       };
       scores.resize(G * stride);
@@ -493,6 +499,7 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache
 #pragma omp parallel
   {
     std::vector<float> scores;
+    std::vector<const Cache*> value_rows;
     alignas(32) float tile[8][D];
     alignas(32) float qf[G][D];
     alignas(32) float result[G * D];
@@ -502,7 +509,7 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache
       const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 7) / 8 * 8;
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
       const auto slot_row = [&](const Cache* cache, int64_t key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         return cache + slot * kv_row + h * Rows::kRow;
       };
       scores.resize(G * stride);
@@ -559,21 +566,25 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache
         for (float lane_sum : lanes) total += lane_sum;
         inv_sum[g] = 1.f / total;
       }
+      // Each value row located once (pass 2 reads it once per slice), and an 8-bit row's scale folded into its
+      // key's weights (after the exp-sum, which the normalization divides by).
+      value_rows.resize(num_keys);
+      for (int64_t key = 0; key < num_keys; ++key) {
+        value_rows[key] = slot_row(v_cache, key);
+        if constexpr (Rows::kScaled) {
+          const float value_scale = Rows::scale(value_rows[key]);
+          for (int g = 0; g < G; ++g) scores[g * stride + key] *= value_scale;
+        }
+      }
       // Pass 2: the weighted sum of values, C vectors of each head's row at a time, accumulators in registers.
       for (int c0 = 0; c0 < V; c0 += C) {
         __m256 acc[G][C];
         for (int g = 0; g < G; ++g)
           for (int j = 0; j < C; ++j) acc[g][j] = _mm256_setzero_ps();
         for (int64_t key = 0; key < num_keys; ++key) {
-          const Cache* row = slot_row(v_cache, key);
-          const Cache* vp = row + 8 * c0;
+          const Cache* vp = value_rows[key] + 8 * c0;
           __m256 p[G];
-          if constexpr (Rows::kScaled) {
-            const float value_scale = Rows::scale(row);  // folded into the key's weight
-            for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * stride + key] * value_scale);
-          } else {
-            for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores.data() + g * stride + key);
-          }
+          for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores.data() + g * stride + key);
           for (int j = 0; j < C; ++j) {
             const __m256 vv = Rows::load(vp + 8 * j);
             for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(p[g], vv, acc[g][j]);
@@ -781,7 +792,7 @@ void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, co
       float* kf = decoded.data();
       // Pass 1: scores of every key for every query head of the group.
       for (int64_t key = 0; key < num_keys; ++key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         const uint8_t* kp = k_cache + slot * kv_row + h * row;
         decode_row<C>(kp, head_dim, kf);
         const float key_scale = row_scale(kp, head_dim);
@@ -798,7 +809,7 @@ void attend_8bit(const scalar_t* q, int64_t q_stride, const uint8_t* k_cache, co
       std::fill(acc.begin(), acc.end(), 0.f);
       float* vf = decoded.data();
       for (int64_t key = 0; key < num_keys; ++key) {
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const int64_t slot = key_slot(table, key, block_size);
         const uint8_t* vp = v_cache + slot * kv_row + h * row;
         decode_row<C>(vp, head_dim, vf);
         const float value_scale = row_scale(vp, head_dim);
