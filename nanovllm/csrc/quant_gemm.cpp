@@ -128,10 +128,22 @@ inline int quantize32(const T* x, float inv, int8_t* q) {
 #endif
 }
 
+// A block's 32 codes split in nibbles for the AVX2 int8 layers (Int8x16Avx2): the high ones hi = (x + 8) >> 4 in
+// [-8, 8], then the low ones x - 16 hi in [-8, 7].
+inline void split_codes(const int8_t* codes, int8_t* split) {
+  for (int i = 0; i < QK; ++i) {
+    const int hi = (codes[i] + 8) >> 4;  // arithmetic shift: floor, for negative codes too
+    split[i] = static_cast<int8_t>(hi);
+    split[QK + i] = static_cast<int8_t>(codes[i] - 16 * hi);
+  }
+}
+
 // Per row, per 32 values: int8 codes, their scale d and s = d * sum(codes) (the Q4 offsets' share); with
-// code_sums, also 128 * sum(codes) as an integer (i8x16's correction for its unsigned weights).
+// code_sums, also 128 * sum(codes) as an integer (i8x16's correction for its unsigned weights); with split, the
+// codes split in nibbles too ([rows, 2 K], split_codes).
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s, int32_t* code_sums) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s, int32_t* code_sums,
+                   int8_t* split = nullptr) {
   const int64_t nb = k / QK;
 #pragma omp parallel for if (rows > 8)
   for (int64_t r = 0; r < rows; ++r) {
@@ -144,6 +156,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
       const int sum = quantize32(xr + b * QK, inv, qr + b * QK);
       s[r * nb + b] = scale * static_cast<float>(sum);
       if (code_sums != nullptr) code_sums[r * nb + b] = 128 * sum;
+      if (split != nullptr) split_codes(qr + b * QK, split + r * 2 * k + b * 2 * QK);
     }
   }
 }
@@ -630,13 +643,12 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
 // ---- Q4 and int8 interleaved by 16 output features on AVX2 (the avx2 and avx512 builds) --------------------
 //
 // The layouts above, without VNNI. 16 features are two 256-bit halves; two rows a pass keep the 15 registers
-// the kernels need. Both add a block's byte products into int32 per feature with vpmaddubsw + vpmaddwd:
+// the kernels need. Both add a block's byte products up in int16 with vpmaddubsw, then into int32 per feature:
 // - Q4: vpmaddubsw multiplies the unsigned codes by x's signed bytes and adds pairs into int16
 //   (|pair| <= 2 * 15 * 127 = 3810); a block's 8 such products per lane (4 groups of K, low and high nibbles) add
 //   up in int16 without saturating (<= 30480 < 32767), and one vpmaddwd by ones gives the int32 block sums.
-// - int8: the stored w + 128 would make the pairs saturate (2 * 255 * 127 > 32767), so the codes are flipped back
-//   to signed w, and |w| is multiplied by x with w's sign (vpsignb): |pair| <= 2 * 128 * 127 = 32512, exact,
-//   with no correction term. Each product goes to int32 at once (two could saturate together).
+// - int8: the stored w + 128 times a full code would saturate a pair (2 * 255 * 127 > 32767), so x comes split
+//   in two nibbles of at most 8 in size, each a product of its own (Int8x16Avx2 below).
 #define NANOVLLM_X16_AVX2 1
 constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block; N is padded to 4 blocks at load
 constexpr int64_t kX16RowTile = 64;  // rows per pass over a thread's feature blocks (x's tile stays in L2)
@@ -648,8 +660,11 @@ struct Q4x16Avx2 {
   const at::Half *scales, *mins;
   int64_t nb;
 
+  static constexpr int64_t kCodeStride = 1;  // x's row stride in units of K: its codes as quantize_rows wrote them
+
   template <int R>
-  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float* xs, __m256 (*acc)[2]) const {
+  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float* xs, const int32_t*,
+           __m256 (*acc)[2]) const {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const uint8_t* fb_codes = codes + fb * nb * 256;
     for (int64_t b = 0; b < nb; ++b) {
@@ -696,6 +711,48 @@ struct Q4x16Avx2 {
 // The int8 layers: quantization=int8's (pack_i8x16: w + 128, one float32 scale per channel, applied once at the
 // end; kBlockScales false) and GGUF's Q8_0 (pack_q8x16: the same codes, and the file's fp16 scale per block of 32
 // values and feature, stored [feature block][K / 32][16] as Q4's; kBlockScales true).
+//
+// Without VNNI, byte products run on the two vector multiply pipes (vpmaddubsw, vpmaddwd, vpsignb and the float
+// FMAs share them: 2 a cycle for any mix on the AVX2 EPYC). A full-range signed weight times a signed code costs
+// three of them per 32 products (vpsignb, vpmaddubsw, then vpmaddwd at once, as two such pairs can saturate
+// int16). Here x's codes come split in two nibbles, x = 16 hi + lo with hi in [-8, 8] and lo in [-8, 7]
+// (split_codes), and the stored u = w + 128 in [0, 255] is vpmaddubsw's unsigned side as it is: a pair of
+// products is at most 2 * 255 * 8 = 4080 in size, so a block's 8 steps add up in int16 (<= 32640 < 32767) for
+// each nibble. That is two multiplies and two adds per 32 products, and per block
+// sum x w = 16 sum u hi + sum u lo - 128 sum x (the last term is quantize_rows' code_sums, as VNNI's).
+// The same integers as every other int8 kernel, so the same outputs.
+//
+// Two rows' step is inline assembly: with intrinsics GCC writes each int16 sum to a fresh register and copies it
+// back (8 copies and a spill a step), which made the kernel no faster than three multiplies (AVX2 EPYC, 30
+// decoder layers at 32 rows, one thread: 59 ms against 67-69 ms for intrinsics and for vpsignb's kernel).
+#define NANOVLLM_NIBBLE_ROW(A, H0, H1, L0, L1)                                                         \
+  "vpbroadcastd (%[" A "]), %[t]\n\t"                                                                 \
+  "vpmaddubsw %[t], %[u0], %[m]\n\tvpaddw %[m], %[" H0 "], %[" H0 "]\n\t"                             \
+  "vpmaddubsw %[t], %[u1], %[m]\n\tvpaddw %[m], %[" H1 "], %[" H1 "]\n\t"                             \
+  "vpbroadcastd 32(%[" A "]), %[t]\n\t"                                                               \
+  "vpmaddubsw %[t], %[u0], %[m]\n\tvpaddw %[m], %[" L0 "], %[" L0 "]\n\t"                             \
+  "vpmaddubsw %[t], %[u1], %[m]\n\tvpaddw %[m], %[" L1 "], %[" L1 "]\n\t"
+
+// One step v (4 values of K, 16 features) of a block: the weights u0, u1 (features 0-7, 8-15) times row a's
+// nibbles (a[0..3] high, a[32..35] low) into that row's sums; sums[r] = {hi 0-7, hi 8-15, lo 0-7, lo 8-15}.
+inline void nibble_step(__m256i u0, __m256i u1, const int8_t* a, __m256i (&s)[4]) {
+  __m256i t, m;
+  __asm__(NANOVLLM_NIBBLE_ROW("a", "h0", "h1", "l0", "l1")
+          : [h0] "+x"(s[0]), [h1] "+x"(s[1]), [l0] "+x"(s[2]), [l1] "+x"(s[3]), [t] "=&x"(t), [m] "=&x"(m)
+          : [u0] "x"(u0), [u1] "x"(u1), [a] "r"(a)
+          : "memory");
+}
+inline void nibble_step(__m256i u0, __m256i u1, const int8_t* a, const int8_t* b, __m256i (&s)[4],
+                        __m256i (&z)[4]) {
+  __m256i t, m;
+  __asm__(NANOVLLM_NIBBLE_ROW("a", "h0", "h1", "l0", "l1") NANOVLLM_NIBBLE_ROW("b", "g0", "g1", "k0", "k1")
+          : [h0] "+x"(s[0]), [h1] "+x"(s[1]), [l0] "+x"(s[2]), [l1] "+x"(s[3]), [g0] "+x"(z[0]), [g1] "+x"(z[1]),
+            [k0] "+x"(z[2]), [k1] "+x"(z[3]), [t] "=&x"(t), [m] "=&x"(m)
+          : [u0] "x"(u0), [u1] "x"(u1), [a] "r"(a), [b] "r"(b)
+          : "memory");
+}
+#undef NANOVLLM_NIBBLE_ROW
+
 template <bool kBlockScales>
 struct Int8x16Avx2 {
   const uint8_t* codes;
@@ -703,32 +760,26 @@ struct Int8x16Avx2 {
   const at::Half* block_scales;  // Q8_0: [feature blocks][K / 32][16]
   int64_t nb;
 
+  static constexpr int64_t kCodeStride = 2;  // x's rows as split_codes writes them
+
+  // x: R rows of split codes (row stride 2 k: per block, 32 high nibbles then 32 low ones); xc: 128 sum(codes).
   template <int R>
-  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float*, __m256 (*acc)[2]) const {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float*, const int32_t* xc,
+           __m256 (*acc)[2]) const {
+    const __m256i sixteen = _mm256_set1_epi16(16), ones = _mm256_set1_epi16(1);
     const uint8_t* fb_codes = codes + fb * nb * 512;
     for (int64_t b = 0; b < nb; ++b) {
-      __m256i sums[R][2];
-      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-      // Unrolled by 2, not 8: fully unrolled, GCC hoists loads far ahead and spills the sums to the stack, and
-      // a store-to-load chain through every step made one row slower than two (AVX2 EPYC, 60 streamed
-      // 1536 x 576 layers, one thread: 5.1 ms, against 2.9 unrolled by 2).
-#pragma GCC unroll 2
+      __m256i sums[2][4];
+      for (auto& row : sums)
+        for (auto& v : row) v = _mm256_setzero_si256();
+      const int8_t* xb = x + b * 2 * QK;
+#pragma GCC unroll 8
       for (int v = 0; v < 8; ++v) {
         const uint8_t* block = fb_codes + b * 512 + 64 * v;
-        __m256i w[2], w_abs[2];
-        for (int h = 0; h < 2; ++h) {
-          w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * h)), flip);
-          w_abs[h] = _mm256_abs_epi8(w[h]);
-        }
-        for (int r = 0; r < R; ++r) {
-          int32_t a;
-          std::memcpy(&a, x + r * k + b * QK + 4 * v, 4);
-          const __m256i xa = _mm256_set1_epi32(a);
-          for (int h = 0; h < 2; ++h)
-            sums[r][h] = _mm256_add_epi32(
-                sums[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[h], _mm256_sign_epi8(xa, w[h])), ones));
-        }
+        const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+        const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32));
+        if constexpr (R == 2) nibble_step(u0, u1, xb + 4 * v, xb + 2 * k + 4 * v, sums[0], sums[1]);
+        else nibble_step(u0, u1, xb + 4 * v, sums[0]);
       }
       __m256 dw[2];
       if constexpr (kBlockScales) {
@@ -738,9 +789,13 @@ struct Int8x16Avx2 {
       }
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+        const __m256i correction = _mm256_set1_epi32(xc[r * nb + b]);
         for (int h = 0; h < 2; ++h) {
+          const __m256i block_sums = _mm256_sub_epi32(
+              _mm256_add_epi32(_mm256_madd_epi16(sums[r][h], sixteen), _mm256_madd_epi16(sums[r][2 + h], ones)),
+              correction);
           const __m256 scale = kBlockScales ? _mm256_mul_ps(dw[h], dx) : dx;
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), scale, acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums), scale, acc[r][h]);
         }
       }
     }
@@ -750,11 +805,11 @@ struct Int8x16Avx2 {
 using I8x16Avx2 = Int8x16Avx2<false>;
 using Q8x16Avx2 = Int8x16Avx2<true>;
 
-// y = x W^T (+ bias) over a layer interleaved by 16 features (Q4x16Avx2 or I8x16Avx2); xq, xd, xs: x's codes,
-// scales and scaled code sums.
+// y = x W^T (+ bias) over a layer interleaved by 16 features (Q4x16Avx2, I8x16Avx2 or Q8x16Avx2); xq, xd, xs,
+// xc: x's codes (split_codes' for the int8 layers), scales, scaled code sums (Q4) and 128 x code sums (int8).
 template <typename T, typename W>
 void x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* y, const int8_t* xq,
-                   const float* xd, const float* xs) {
+                   const float* xd, const float* xs, const int32_t* xc) {
   const int64_t nb = k / QK;
   const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
 #pragma omp parallel
@@ -770,8 +825,11 @@ void x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias
           const int64_t group = std::min<int64_t>(2, t1 - r0);
           __m256 acc[2][2];
           for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
-          if (group == 2) w.template dot<2>(fb, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, acc);
-          else w.template dot<1>(fb, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb, acc);
+          const int8_t* x = xq + r0 * W::kCodeStride * k;
+          const float* s = xs == nullptr ? nullptr : xs + r0 * nb;
+          const int32_t* c = xc == nullptr ? nullptr : xc + r0 * nb;
+          if (group == 2) w.template dot<2>(fb, x, k, xd + r0 * nb, s, c, acc);
+          else w.template dot<1>(fb, x, k, xd + r0 * nb, s, c, acc);
           for (int64_t r = 0; r < group; ++r) {
             alignas(32) float out[kX16Features];
             _mm256_store_ps(out, acc[r][0]);
@@ -802,7 +860,7 @@ bool q4x16_available() {
 }
 
 // Whether this build has i8x16_linear (int8 interleaved by 16 features, pack_i8x16): VNNI's in the avx512_bf16
-// build, AVX2's sign-and-multiply in the avx2 and avx512 builds.
+// build, AVX2's multiply by split codes in the avx2 and avx512 builds.
 bool i8x16_available() {
 #if defined(NANOVLLM_Q4X16) || defined(NANOVLLM_X16_AVX2)
   return true;
@@ -866,25 +924,28 @@ void check_x16_codes(const at::Tensor& codes, int64_t nb, int64_t block_bytes, i
 // x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
 // With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction).
 struct QuantizedRows {
-  at::Tensor codes, scales, sums, code_sums;
+  at::Tensor codes, scales, sums, code_sums, split;
   const int32_t* code_sums_ptr() const { return code_sums.defined() ? code_sums.data_ptr<int32_t>() : nullptr; }
 };
-QuantizedRows quantize_activations(const at::Tensor& x, bool code_sums = false) {
+QuantizedRows quantize_activations(const at::Tensor& x, bool code_sums = false, bool split = false) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK;
   QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
                   at::empty({rows, nb}, x.options().dtype(at::kFloat)),
                   at::empty({rows, nb}, x.options().dtype(at::kFloat)),
-                  code_sums ? at::empty({rows, nb}, x.options().dtype(at::kInt)) : at::Tensor()};
+                  code_sums ? at::empty({rows, nb}, x.options().dtype(at::kInt)) : at::Tensor(),
+                  split ? at::empty({rows, 2 * k}, x.options().dtype(at::kChar)) : at::Tensor()};
   int32_t* sums = code_sums ? q.code_sums.data_ptr<int32_t>() : nullptr;
+  int8_t* halves = split ? q.split.data_ptr<int8_t>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
     quantize_rows(x.data_ptr<float>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
-                  q.sums.data_ptr<float>(), sums);
+                  q.sums.data_ptr<float>(), sums, halves);
   } else {
     quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
-                  q.sums.data_ptr<float>(), sums);
+                  q.sums.data_ptr<float>(), sums, halves);
   }
   return q;
 }
+
 
 }  // namespace
 
@@ -955,7 +1016,7 @@ at::Tensor q4x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
 #if defined(NANOVLLM_X16_AVX2)
     const Q4x16Avx2 weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
     x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
-                  xq.sums.data_ptr<float>());
+                  xq.sums.data_ptr<float>(), nullptr);
 #else
     const Q4x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nb};
     x16_gemm(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
@@ -988,13 +1049,13 @@ at::Tensor i8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
               "i8x16_linear: scales must be float32 [16 x blocks]");
   const at::Tensor bias_c = checked_bias(bias, x, n, "i8x16_linear");
   auto y = at::empty({rows, n}, x.options());
-  // One call per dtype; the build picks the kernel (VNNI's x16_gemm, or AVX2's sign-and-multiply).
+  // One call per dtype; the build picks the kernel (VNNI's x16_gemm, or AVX2's multiply by split codes).
   auto run = [&](auto* out, const auto* bias_p) {
 #if defined(NANOVLLM_X16_AVX2)
-    const QuantizedRows xq = quantize_activations(x);
+    const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true, /*split=*/true);
     const I8x16Avx2 weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, nb};
-    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
-                  xq.sums.data_ptr<float>());
+    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.split.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+                  nullptr, xq.code_sums_ptr());
 #else
     const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true);  // VNNI's correction for w + 128
     const I8x16Weights weights{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nb};
@@ -1028,12 +1089,12 @@ at::Tensor q8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
                   scales.numel() == codes.size(0) * nb * kX16Features,
               "q8x16_linear: scales must be float16 [blocks, K / 32, 16]");
   const at::Tensor bias_c = checked_bias(bias, x, n, "q8x16_linear");
-  const QuantizedRows xq = quantize_activations(x);
+  const QuantizedRows xq = quantize_activations(x, /*code_sums=*/true, /*split=*/true);
   auto y = at::empty({rows, n}, x.options());
   const Q8x16Avx2 weights{codes.data_ptr<uint8_t>(), nullptr, scales.data_ptr<at::Half>(), nb};
   auto run = [&](auto* out, const auto* bias_p) {
-    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.codes.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
-                  xq.sums.data_ptr<float>());
+    x16_gemm_avx2(rows, k, n, weights, bias_p, out, xq.split.data_ptr<int8_t>(), xq.scales.data_ptr<float>(),
+                  nullptr, xq.code_sums_ptr());
   };
   dispatch_x_dtype(x, y, bias_c, "q8x16_linear", run);
   return y;

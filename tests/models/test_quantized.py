@@ -96,11 +96,13 @@ def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(comp
 @pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
 def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, dtype, rows, n, k):
     """i8x16_linear (int8 weights as unsigned w + 128, interleaved by 16 features; VNNI in the avx512_bf16 build,
-    AVX2's sign-and-multiply in the avx2 and avx512 builds) against the row kernel (quant_linear) on the same
-    codes and activations: every row-group shape (1-4 rows a pass, then the rest; AVX2's second tile of 64 rows),
-    partial last 16-feature blocks and 64-feature items (21, 100), whole ones (128), codes at -127 and 127 (the
-    correction for the unsigned weights, and AVX2's largest byte pairs); its codes and scales come back as
-    stored, single rows and fused. The scalar build keeps the row kernel and refuses the call."""
+    AVX2's multiply by nibble-split codes in the avx2 and avx512 builds) against the row kernel (quant_linear) on
+    the same codes and activations: every row-group shape (1-4 rows a pass, then the rest; AVX2's second tile of 64
+    rows), partial last 16-feature blocks and 64-feature items (21, 100), whole ones (128), codes at -127 and 127
+    (the correction for the unsigned weights). The first and last rows' first block is all 127 and all -127 codes
+    against weight rows of 127 and -127: AVX2's int16 sums at their largest (8 steps of 2 x 255 x 8 = 32640). Its
+    codes and scales come back as stored, single rows and fused. The scalar build keeps the row kernel and
+    refuses the call."""
     generator = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=generator)
     weight[0, :32] = weight[0].abs().max()  # saturated codes: 127, and -127 below
@@ -108,7 +110,9 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     plain = QuantLinear.from_dense_int8(weight, None, None)
     plain.kernels = compiled  # the row kernel, on this build
     layer = QuantLinear("int8", plain.qweight, plain.scales, None, None, k, compiled)
-    x = torch.randn(rows, k, generator=generator).to(dtype)
+    x = torch.randn(rows, k, generator=generator)
+    x[0, :32], x[-1, :32] = 1.0, -1.0  # every code 127 (high nibble 8), or -127 (-8), in the first block
+    x = x.to(dtype)
     if not compiled.i8x16_available():
         assert layer.kernel == "vector"
         with pytest.raises(RuntimeError, match="no AVX2"):
