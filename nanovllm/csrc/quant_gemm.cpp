@@ -139,8 +139,8 @@ inline void split_codes(const int8_t* codes, int8_t* split) {
 }
 
 // Per row, per 32 values: int8 codes, their scale d and s = d * sum(codes) (the Q4 offsets' share); with
-// code_sums, also 128 * sum(codes) as an integer (i8x16's correction for its unsigned weights); with split, the
-// codes split in nibbles too ([rows, 2 K], split_codes).
+// code_sums, also 128 * sum(codes) as an integer (i8x16's correction for its unsigned weights). With split, the
+// codes go there split in nibbles ([rows, 2 K], split_codes) instead of to q, which may then be null.
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s, int32_t* code_sums,
                    int8_t* split = nullptr) {
@@ -148,15 +148,17 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
 #pragma omp parallel for if (rows > 8)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * k;
-    int8_t* qr = q + r * k;
+    int8_t* qr = q == nullptr ? nullptr : q + r * k;
     for (int64_t b = 0; b < nb; ++b) {
       const float amax = abs_max(xr + b * QK, QK);
       const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       d[r * nb + b] = scale;
-      const int sum = quantize32(xr + b * QK, inv, qr + b * QK);
+      alignas(32) int8_t block[QK];  // the codes on their way to split
+      int8_t* codes = split != nullptr ? block : qr + b * QK;
+      const int sum = quantize32(xr + b * QK, inv, codes);
       s[r * nb + b] = scale * static_cast<float>(sum);
       if (code_sums != nullptr) code_sums[r * nb + b] = 128 * sum;
-      if (split != nullptr) split_codes(qr + b * QK, split + r * 2 * k + b * 2 * QK);
+      if (split != nullptr) split_codes(codes, split + r * 2 * k + b * 2 * QK);
     }
   }
 }
@@ -769,7 +771,7 @@ struct Int8x16Avx2 {
     const __m256i sixteen = _mm256_set1_epi16(16), ones = _mm256_set1_epi16(1);
     const uint8_t* fb_codes = codes + fb * nb * 512;
     for (int64_t b = 0; b < nb; ++b) {
-      __m256i sums[2][4];
+      __m256i sums[R][4];
       for (auto& row : sums)
         for (auto& v : row) v = _mm256_setzero_si256();
       const int8_t* xb = x + b * 2 * QK;
@@ -922,30 +924,31 @@ void check_x16_codes(const at::Tensor& codes, int64_t nb, int64_t block_bytes, i
 #endif
 
 // x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
-// With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction).
+// With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction); with split, the
+// codes split in nibbles ([rows, 2 K], the AVX2 int8 layers') in place of the plain ones.
 struct QuantizedRows {
   at::Tensor codes, scales, sums, code_sums, split;
   const int32_t* code_sums_ptr() const { return code_sums.defined() ? code_sums.data_ptr<int32_t>() : nullptr; }
 };
 QuantizedRows quantize_activations(const at::Tensor& x, bool code_sums = false, bool split = false) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK;
-  QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
+  QuantizedRows q{split ? at::Tensor() : at::empty({rows, k}, x.options().dtype(at::kChar)),
                   at::empty({rows, nb}, x.options().dtype(at::kFloat)),
                   at::empty({rows, nb}, x.options().dtype(at::kFloat)),
                   code_sums ? at::empty({rows, nb}, x.options().dtype(at::kInt)) : at::Tensor(),
                   split ? at::empty({rows, 2 * k}, x.options().dtype(at::kChar)) : at::Tensor()};
   int32_t* sums = code_sums ? q.code_sums.data_ptr<int32_t>() : nullptr;
+  int8_t* codes = split ? nullptr : q.codes.data_ptr<int8_t>();
   int8_t* halves = split ? q.split.data_ptr<int8_t>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
-                  q.sums.data_ptr<float>(), sums, halves);
+    quantize_rows(x.data_ptr<float>(), rows, k, codes, q.scales.data_ptr<float>(), q.sums.data_ptr<float>(), sums,
+                  halves);
   } else {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, q.codes.data_ptr<int8_t>(), q.scales.data_ptr<float>(),
-                  q.sums.data_ptr<float>(), sums, halves);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, codes, q.scales.data_ptr<float>(), q.sums.data_ptr<float>(),
+                  sums, halves);
   }
   return q;
 }
-
 
 }  // namespace
 
