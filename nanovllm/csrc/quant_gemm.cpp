@@ -407,13 +407,31 @@ void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* 
 #define NANOVLLM_Q4X16 1
 constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block, blocks per work item
 
+// A share of the next work item's weights, fetched into L2 a few cache lines per block of K while a pass runs
+// from cache. From 5 rows on, a work item's weights are read from memory by its first group of rows only, and
+// that pass waits on memory while the other groups compute from cache; spreading the next item's loads over
+// this item's passes overlaps the two. (The hardware prefetchers follow each stream only once it runs.)
+struct NextWeights {
+  const uint8_t* at = nullptr;   // this pass's share (nullptr: none)
+  const uint8_t* end = nullptr;  // the end of the next item's codes
+  int64_t lines = 0;             // cache lines per block of K
+  void fetch(int64_t b) const {
+    const uint8_t* p = at + b * lines * 64;
+    for (int64_t i = 0; i < lines && p < end; ++i, p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  }
+};
+
 // R rows of x against FB consecutive feature blocks (R * FB <= 4: 2 int32 chains per row and block stay in
 // registers). acc[r][f]: 16 features' float results, accumulated over K.
 template <int R, int FB>
 inline void dot_q4x16(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t block_stride,
-                      const int8_t* x, int64_t k, const float* xd, const float* xs, int64_t nb, __m512* acc) {
+                      const int8_t* x, int64_t k, const float* xd, const float* xs, int64_t nb, __m512* acc,
+                      const NextWeights& next) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 total[R * FB];  // in registers for the whole pass (as dot_i8x16's)
+  for (int i = 0; i < R * FB; ++i) total[i] = acc[i];
   for (int64_t b = 0; b < nb; ++b) {
+    next.fetch(b);
     __m512i lo[R][FB], hi[R][FB];
     for (int r = 0; r < R; ++r)
       for (int f = 0; f < FB; ++f) lo[r][f] = hi[r][f] = _mm512_setzero_si512();
@@ -441,12 +459,13 @@ inline void dot_q4x16(const uint8_t* codes, const at::Half* scales, const at::Ha
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + at)));
       for (int r = 0; r < R; ++r) {
         const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][f], hi[r][f]));
-        __m512& a = acc[r * FB + f];
+        __m512& a = total[r * FB + f];
         a = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + b])), a);
         a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), a);
       }
     }
   }
+  for (int i = 0; i < R * FB; ++i) acc[i] = total[i];
 }
 
 inline void store16_out(__m512 v, float* out, int64_t count) {
@@ -465,15 +484,16 @@ inline __m512 load16_bias(const c10::BFloat16* b) {
 // The Q4 layer for x16_gemm: codes [blocks][K / 32][256 bytes], fp16 scales and offsets [blocks][K / 32][16].
 struct Q4x16Weights {
   static constexpr bool kPairsOfBlocks = false;  // 3-4 rows take one feature block a pass (registers)
+  static constexpr int64_t kCodeBytes = 256;      // per feature block and block of K
   const uint8_t* codes;
   const at::Half *scales, *mins;
   int64_t nb;  // blocks of 32 along K
 
   template <int R, int FB>
   void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float* xs, const int32_t*,
-           __m512* acc) const {
+           __m512* acc, const NextWeights& next) const {
     dot_q4x16<R, FB>(codes + fb * nb * 256, scales + fb * nb * kX16Features, mins + fb * nb * kX16Features,
-                     nb * 256, x, k, xd, xs, nb, acc);
+                     nb * 256, x, k, xd, xs, nb, acc, next);
   }
   __m512 finish(__m512 v, int64_t) const { return v; }  // the scales are inside every block's sum
 };
@@ -490,20 +510,22 @@ struct Q4x16Weights {
 // and reads a weight byte once per group of rows, like q4x16.
 template <int R, int FB>
 inline void dot_i8x16(const uint8_t* codes, int64_t block_stride, const int8_t* x, int64_t k, const float* xd,
-                      const int32_t* xc, int64_t nb, __m512* acc) {
+                      const int32_t* xc, int64_t nb, __m512* acc, const NextWeights& next) {
   // Up to 4 chains (R * FB <= 4), two int32 chains per row and block (v even and odd) hide vpdpbusd's latency;
   // from 8 on, one each (8 independent chains are enough, and 16 would not fit the registers).
   constexpr bool kTwoChains = R * FB <= 4;
+  // The float sums live in registers for the whole pass: through acc, every block would store them again
+  // (x's int8_t loads may alias acc as far as the compiler knows).
+  __m512 total[R * FB];
+  for (int i = 0; i < R * FB; ++i) total[i] = acc[i];
   for (int64_t b = 0; b < nb; ++b) {
+    next.fetch(b);
     __m512i even[R][FB], odd[R][FB];
-    for (int r = 0; r < R; ++r) {
-      // The correction for the unsigned weights starts the sum: sum x (w + 128) - 128 sum x = sum x w.
-      const __m512i start = _mm512_set1_epi32(-xc[r * nb + b]);
+    for (int r = 0; r < R; ++r)
       for (int f = 0; f < FB; ++f) {
-        even[r][f] = start;
+        even[r][f] = _mm512_setzero_si512();
         if constexpr (kTwoChains) odd[r][f] = _mm512_setzero_si512();
       }
-    }
     for (int v = 0; v < 8; v += 2) {
       __m512i x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
@@ -525,25 +547,31 @@ inline void dot_i8x16(const uint8_t* codes, int64_t block_stride, const int8_t* 
     }
     for (int r = 0; r < R; ++r) {
       const __m512 scale = _mm512_set1_ps(xd[r * nb + b]);
+      // The correction for the unsigned weights: sum x (w + 128) - 128 sum x = sum x w. Subtracted here, not
+      // used as the chains' start: a start shared by FB chains cost a register copy per chain and block.
+      const __m512i correction = _mm512_set1_epi32(xc[r * nb + b]);
       for (int f = 0; f < FB; ++f) {
-        const __m512i sums = kTwoChains ? _mm512_add_epi32(even[r][f], odd[r][f]) : even[r][f];
-        acc[r * FB + f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r * FB + f]);
+        const __m512i sums = _mm512_sub_epi32(kTwoChains ? _mm512_add_epi32(even[r][f], odd[r][f]) : even[r][f],
+                                              correction);
+        total[r * FB + f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, total[r * FB + f]);
       }
     }
   }
+  for (int i = 0; i < R * FB; ++i) acc[i] = total[i];
 }
 
 // The int8 layer for x16_gemm: codes [blocks][K / 32][512 bytes], channel scales float32 [16 blocks].
 struct I8x16Weights {
   static constexpr bool kPairsOfBlocks = true;  // 3-4 rows take two feature blocks a pass: x broadcast once for both
+  static constexpr int64_t kCodeBytes = 512;     // per feature block and block of K
   const uint8_t* codes;
   const float* channel_scales;
   int64_t nb;
 
   template <int R, int FB>
   void dot(int64_t fb, const int8_t* x, int64_t k, const float* xd, const float*, const int32_t* xc,
-           __m512* acc) const {
-    dot_i8x16<R, FB>(codes + fb * nb * 512, nb * 512, x, k, xd, xc, nb, acc);
+           __m512* acc, const NextWeights& next) const {
+    dot_i8x16<R, FB>(codes + fb * nb * 512, nb * 512, x, k, xd, xc, nb, acc, next);
   }
   __m512 finish(__m512 v, int64_t fb) const {
     return _mm512_mul_ps(v, _mm512_loadu_ps(channel_scales + fb * kX16Features));
@@ -554,12 +582,33 @@ struct I8x16Weights {
 // known at run time only at the end of a thread's range).
 template <int R, typename W>
 inline void dot_x16_chunk(const W& w, int64_t blocks, int64_t fb, const int8_t* x, int64_t k, const float* d,
-                          const float* s, const int32_t* c, __m512* acc) {
+                          const float* s, const int32_t* c, __m512* acc, const NextWeights& next) {
   switch (blocks) {
-    case 4: if constexpr (R * 4 <= 4) w.template dot<R, 4>(fb, x, k, d, s, c, acc); break;
-    case 3: if constexpr (R * 3 <= 4) w.template dot<R, 3>(fb, x, k, d, s, c, acc); break;
-    case 2: if constexpr (R * 2 <= 4) w.template dot<R, 2>(fb, x, k, d, s, c, acc); break;
-    default: w.template dot<R, 1>(fb, x, k, d, s, c, acc); break;
+    case 4: if constexpr (R * 4 <= 4) w.template dot<R, 4>(fb, x, k, d, s, c, acc, next); break;
+    case 3: if constexpr (R * 3 <= 4) w.template dot<R, 3>(fb, x, k, d, s, c, acc, next); break;
+    case 2: if constexpr (R * 2 <= 4) w.template dot<R, 2>(fb, x, k, d, s, c, acc, next); break;
+    default: w.template dot<R, 1>(fb, x, k, d, s, c, acc, next); break;
+  }
+}
+
+// R (1-4) rows of x against `width` consecutive feature blocks from fb (width <= 2, or up to 4 for one row),
+// over all of K: the register blocking each row count takes (W::dot<R, FB>, R * FB <= 4 or 8 for pairs).
+template <typename W>
+inline void dot_x16_rows(const W& w, int64_t group, int64_t width, int64_t fb, const int8_t* x, int64_t k,
+                         const float* d, const float* s, const int32_t* c, __m512* acc, const NextWeights& next) {
+  if (group == 1) {
+    dot_x16_chunk<1>(w, width, fb, x, k, d, s, c, acc, next);
+  } else if (group == 2) {
+    dot_x16_chunk<2>(w, width, fb, x, k, d, s, c, acc, next);
+  } else if (width == 2) {
+    if constexpr (W::kPairsOfBlocks) {
+      if (group == 4) w.template dot<4, 2>(fb, x, k, d, s, c, acc, next);
+      else w.template dot<3, 2>(fb, x, k, d, s, c, acc, next);
+    }
+  } else if (group == 4) {
+    w.template dot<4, 1>(fb, x, k, d, s, c, acc, next);
+  } else {
+    w.template dot<3, 1>(fb, x, k, d, s, c, acc, next);
   }
 }
 
@@ -570,71 +619,59 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
               const float* xd, const float* xs, const int32_t* xc) {
   const int64_t nb = k / QK;
   const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
+  // Feature blocks a pass takes: all of a work item for one row; else 2 (int8: a pair shares each broadcast of
+  // x) or 1 (Q4 at 3-4 rows: the registers).
+  const int64_t slice = rows == 1 ? kX16Blocks : (rows == 2 || W::kPairsOfBlocks ? 2 : 1);
 #pragma omp parallel
   {
-    // Each thread takes an even, contiguous range of feature blocks, in chunks of up to 4 (the register
+    // Each thread takes an even, contiguous range of feature blocks, in work items of up to 4 (the register
     // blocking): with whole 4-block work items a 576-wide layer (36 blocks, 9 items) splits 5:4 over two
     // threads, and at batch 1 the slower thread sets the layer's time.
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t begin = used * me / threads, end = used * (me + 1) / threads;
     for (int64_t fb0 = begin; fb0 < end; fb0 += kX16Blocks) {
       const int64_t blocks = std::min<int64_t>(kX16Blocks, end - fb0);
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t group = std::min<int64_t>(4, rows - r0);
-        const int8_t* x = xq + r0 * k;
-        const float* d = xd + r0 * nb;
-        const float* s = xs + r0 * nb;
-        const int32_t* c = xc == nullptr ? nullptr : xc + r0 * nb;
-        __m512 acc[4][kX16Blocks];  // [row][feature block]
-        for (auto& row : acc)
-          for (auto& a : row) a = _mm512_setzero_ps();
-        if (group == 1) {
-          dot_x16_chunk<1>(w, blocks, fb0, x, k, d, s, c, acc[0]);
-        } else if (group == 2) {
-          for (int64_t f0 = 0; f0 < blocks; f0 += 2) {
-            const int64_t pair = std::min<int64_t>(2, blocks - f0);
-            __m512 part[2 * 2];
-            for (auto& a : part) a = _mm512_setzero_ps();
-            dot_x16_chunk<2>(w, pair, fb0 + f0, x, k, d, s, c, part);
-            for (int r = 0; r < 2; ++r)
-              for (int64_t f = 0; f < pair; ++f) acc[r][f0 + f] = part[r * pair + f];
-          }
-        } else {
-          const int64_t step = W::kPairsOfBlocks ? 2 : 1;
-          for (int64_t f = 0; f < blocks; f += step) {
-            const int64_t width = std::min<int64_t>(step, blocks - f);
-            __m512 part[4 * 2];
-            for (auto& a : part) a = _mm512_setzero_ps();
-            if (width == 2) {
-              if constexpr (W::kPairsOfBlocks) {
-                if (group == 4) w.template dot<4, 2>(fb0 + f, x, k, d, s, c, part);
-                else w.template dot<3, 2>(fb0 + f, x, k, d, s, c, part);
+      // With more than one group of rows, this item's passes share out the next item's weights (NextWeights).
+      const int64_t slices = (blocks + slice - 1) / slice, groups = (rows + 3) / 4;
+      const int64_t next_blocks = std::min<int64_t>(kX16Blocks, end - fb0 - blocks);
+      const int64_t next_bytes = std::max<int64_t>(next_blocks, 0) * nb * W::kCodeBytes;
+      const uint8_t* next_codes = w.codes + (fb0 + blocks) * nb * W::kCodeBytes;
+      NextWeights next;
+      if (groups > 1 && next_bytes > 0) {
+        next.end = next_codes + next_bytes;
+        next.lines = (next_bytes / 64 + slices * groups * nb - 1) / (slices * groups * nb);
+      }
+      int64_t pass = 0;
+      // A slice of the item's features at a time, every group of rows through it: the slice's weights (2 x 16
+      // features x K bytes, 18 KB at K = 576) stay in L1 while the rows pass, where taking every slice per
+      // group of rows read the whole item's weights (36 KB) from L2 again for each group.
+      for (int64_t f = 0; f < blocks; f += slice) {
+        const int64_t width = std::min<int64_t>(slice, blocks - f);
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+          const int64_t group = std::min<int64_t>(4, rows - r0);
+          NextWeights mine = next;
+          if (next.lines > 0) mine.at = next_codes + pass++ * nb * next.lines * 64;
+          __m512 acc[4 * kX16Blocks];  // [row][feature block of the slice]
+          for (auto& a : acc) a = _mm512_setzero_ps();
+          dot_x16_rows(w, group, width, fb0 + f, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb,
+                       xc == nullptr ? nullptr : xc + r0 * nb, acc, mine);
+          for (int64_t r = 0; r < group; ++r) {
+            for (int64_t j = 0; j < width; ++j) {
+              const int64_t col = (fb0 + f + j) * kX16Features;
+              if (col >= n) break;
+              const int64_t count = std::min(kX16Features, n - col);
+              __m512 v = w.finish(acc[r * width + j], fb0 + f + j);
+              if (bias != nullptr) {
+                if (count == kX16Features) {
+                  v = _mm512_add_ps(v, load16_bias(bias + col));
+                } else {
+                  alignas(64) float b16[kX16Features] = {};
+                  for (int64_t i = 0; i < count; ++i) b16[i] = to_float(bias[col + i]);
+                  v = _mm512_add_ps(v, _mm512_load_ps(b16));
+                }
               }
-            } else if (group == 4) {
-              w.template dot<4, 1>(fb0 + f, x, k, d, s, c, part);
-            } else {
-              w.template dot<3, 1>(fb0 + f, x, k, d, s, c, part);
+              store16_out(v, y + (r0 + r) * n + col, count);
             }
-            for (int r = 0; r < group; ++r)
-              for (int64_t j = 0; j < width; ++j) acc[r][f + j] = part[r * width + j];
-          }
-        }
-        for (int64_t r = 0; r < group; ++r) {
-          for (int64_t f = 0; f < blocks; ++f) {
-            const int64_t col = (fb0 + f) * kX16Features;
-            if (col >= n) break;
-            const int64_t count = std::min(kX16Features, n - col);
-            __m512 v = w.finish(acc[r][f], fb0 + f);
-            if (bias != nullptr) {
-              if (count == kX16Features) {
-                v = _mm512_add_ps(v, load16_bias(bias + col));
-              } else {
-                alignas(64) float b16[kX16Features] = {};
-                for (int64_t j = 0; j < count; ++j) b16[j] = to_float(bias[col + j]);
-                v = _mm512_add_ps(v, _mm512_load_ps(b16));
-              }
-            }
-            store16_out(v, y + (r0 + r) * n + col, count);
           }
         }
       }
