@@ -8,7 +8,9 @@ embedding and LM head Q8_0), ``int8-bf16-kv8`` / ``bfloat16-kv8`` (those paths o
 the C++ decoder stack, ``LlamaForCausalLM.decoder_stack``: what the stack saves). Each runs the same chat prompts (greedy, EOS ignored,
 ``--max-tokens`` each) for tokens/s, and one of them for batch-1 ms per decoded token (prefill excluded, as
 ``bench_vs_hf.py`` measures it). A second run of the same prompts, one token each, times the prefill; the
-rest of the full run's time, per token decoded after the first, gives the decode throughput. Also: load time
+rest of the full run's time, per token decoded after the first, gives the decode throughput. Every row's engine
+is built first; then ``--rounds`` rounds time each row's two runs in turn, and the medians are printed (on a
+shared machine one row's single run could land in another tenant's busy spell). Also: load time
 (engine construction, model files already cached), the bytes of weight data one decode step reads, and how
 many outputs equal the bfloat16 path's. llama.cpp
 (``llama_cpp_peer.py``) runs the batch-1 measurement on the GGUF file the gguf rows read:
@@ -16,14 +18,17 @@ many outputs equal the bfloat16 path's. llama.cpp
     python -m venv ~/llama-venv && ~/llama-venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
     python experiments/bench_quantized.py [--num-prompts 32] [--max-tokens 64] [--paths ...]
                                           [--llama-python ~/llama-venv/bin/python] [--batch1-repeats 5]
+                                          [--rounds 3]
                                           [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,30 +76,59 @@ def weight_bytes(model) -> int:
     return sum(size(m) for m in linear_modules(model)) + sum(size(h) for h in heads)
 
 
-def bench_path(path: str, num_prompts: int, max_tokens: int, batch1_repeats: int) -> dict:
-    options = dict(PATHS[path])
-    decoder_stack = options.pop("decoder_stack", True)
-    start = time.perf_counter()
-    llm = LLM(num_kv_blocks=2048, max_model_len=2048, **options)
-    load_s = time.perf_counter() - start
-    model = llm.engine.runner.model
-    model.use_decoder_stack = decoder_stack
-    prompts = chat_prompts(llm, num_prompts)
-    # Warm-up: the whole workload once, untimed. The engine's own warm-up covers its step shapes, but the first
-    # full run in a process still measured 10-20% slower (the first path of a run was penalised against later
-    # ones of the same kind: 380 against 480-500 tok/s for bf16 on the AVX-512 BF16 EPYC).
-    run_nanovllm(llm, prompts, max_tokens)
-    seconds, outputs = run_nanovllm(llm, prompts, max_tokens)
-    # The same prompts for one token each: the run's prefill (and first token), so that the rest of the run's
-    # time is its decode steps, where weight bytes matter most.
-    prefill_s, _ = run_nanovllm(llm, prompts, 1)
-    b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens, batch1_repeats)
-    model.use_decoder_stack = True  # the loader may share this model with a later row's engine
-    decode_tok_s = num_prompts * (max_tokens - 1) / (seconds - prefill_s) if seconds > prefill_s else float("nan")
-    return {"path": path, **PATHS[path], "tok_s": num_prompts * max_tokens / seconds, "batch1_ms_per_token": b1,
-            "prefill_ms": prefill_s * 1e3, "decode_tok_s": decode_tok_s,
-            "load_s": load_s, "weight_bytes": weight_bytes(llm.engine.runner.model), "outputs": outputs,
-            "prompts": prompts}
+class PathRun:
+    """One row's engine, built once; its full and prefill-only runs are timed in rounds that alternate with the
+    other rows' (``timed_round``), so that a slow spell of a shared machine lands on every row alike."""
+
+    def __init__(self, path: str, num_prompts: int, max_tokens: int) -> None:
+        options = dict(PATHS[path])
+        self.path, self.num_prompts, self.max_tokens = path, num_prompts, max_tokens
+        self.decoder_stack = options.pop("decoder_stack", True)
+        start = time.perf_counter()
+        self.llm = LLM(num_kv_blocks=2048, max_model_len=2048, **options)
+        self.load_s = time.perf_counter() - start
+        self.prompts = chat_prompts(self.llm, num_prompts)
+        self.full_s: list[float] = []
+        self.prefill_s: list[float] = []
+        self.outputs: list[list[int]] = []
+        # Warm-up: the whole workload once, untimed. The engine's own warm-up covers its step shapes, but the
+        # first full run in a process still measured 10-20% slower (the first path of a run was penalised
+        # against later ones of the same kind: 380 against 480-500 tok/s for bf16 on the AVX-512 BF16 EPYC).
+        with self.stack():
+            run_nanovllm(self.llm, self.prompts, max_tokens)
+
+    @contextlib.contextmanager
+    def stack(self):
+        """This row's decoder-loop choice on the model while it runs (the loader may share one model between rows)."""
+        self.llm.engine.runner.model.use_decoder_stack = self.decoder_stack
+        try:
+            yield
+        finally:
+            self.llm.engine.runner.model.use_decoder_stack = True
+
+    def timed_round(self) -> None:
+        """The workload once (tok/s), then the same prompts for one token each: the run's prefill (and first
+        token), so that the rest of the run's time is its decode steps, where weight bytes matter most."""
+        with self.stack():
+            seconds, self.outputs = run_nanovllm(self.llm, self.prompts, self.max_tokens)
+            prefill_s, _ = run_nanovllm(self.llm, self.prompts, 1)
+        self.full_s.append(seconds)
+        self.prefill_s.append(prefill_s)
+
+    def result(self, batch1_repeats: int) -> dict:
+        """The medians over the rounds (and each round's tok/s), batch 1 (fastest of its repeats), load time."""
+        with self.stack():
+            b1 = batch1_decode_ms(lambda p, n: run_nanovllm(self.llm, [p], n), self.prompts[0], self.max_tokens,
+                                  batch1_repeats)
+        seconds, prefill_s = statistics.median(self.full_s), statistics.median(self.prefill_s)
+        decode = [self.num_prompts * (self.max_tokens - 1) / (f - p) for f, p in zip(self.full_s, self.prefill_s)
+                  if f > p]
+        tokens = self.num_prompts * self.max_tokens
+        return {"path": self.path, **PATHS[self.path], "tok_s": tokens / seconds,
+                "tok_s_rounds": [tokens / s for s in self.full_s], "batch1_ms_per_token": b1,
+                "prefill_ms": prefill_s * 1e3, "decode_tok_s": statistics.median(decode) if decode else float("nan"),
+                "load_s": self.load_s, "weight_bytes": weight_bytes(self.llm.engine.runner.model),
+                "outputs": self.outputs, "prompts": self.prompts}
 
 
 def run_llama_cpp(python: str, prompt: list[int], max_tokens: int, threads: int, repeats: int) -> dict:
@@ -133,6 +167,8 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated rows: {', '.join(PATHS)}")
     parser.add_argument("--llama-python", default=None, help="the python of a virtualenv with llama-cpp-python")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed runs of the workload per row, the rows taking turns; medians are reported")
     parser.add_argument("--batch1-repeats", type=int, default=5,
                         help="batch-1 runs per engine (nano-vllm's paths and llama.cpp alike); the fastest counts")
     args = parser.parse_args()
@@ -145,7 +181,11 @@ def main() -> None:
     threads = torch.get_num_threads()
     info = machine.describe(threads)
     print(machine.header(info=info), flush=True)
-    results = [bench_path(p, args.num_prompts, args.max_tokens, args.batch1_repeats) for p in paths]
+    runs = [PathRun(p, args.num_prompts, args.max_tokens) for p in paths]
+    for _ in range(args.rounds):
+        for run in runs:
+            run.timed_round()
+    results = [run.result(args.batch1_repeats) for run in runs]
     peer = run_llama_cpp(args.llama_python, results[0]["prompts"][0], args.max_tokens, threads,
                          args.batch1_repeats) \
         if args.llama_python else None
@@ -155,7 +195,7 @@ def main() -> None:
     by_path = {r["path"]: r for r in results}
     reference = by_path.get("bfloat16")
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), {threads} threads,"
-          " one process" + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
+          f" one process; medians of {args.rounds} rounds, the rows taking turns" + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
     print("| path | activations | tok/s | vs bfloat16 | vs float32-fast | prefill ms | decode tok/s | decode vs bfloat16 "
           "| batch-1 ms/token | llama.cpp ms / ours at batch 1 | load s | weight MB read per step | outputs = bfloat16's |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
