@@ -197,9 +197,11 @@ def main() -> None:
     by_path = {r["path"]: r for r in results}
     reference = by_path.get("bfloat16")
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), {threads} threads,"
-          f" one process; fastest of {args.rounds} rounds, the rows taking turns (median tok/s beside it)" + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
-    print("| path | activations | tok/s | median tok/s | vs bfloat16 | vs float32-fast | prefill ms | decode tok/s | decode vs bfloat16 "
-          "| batch-1 ms/token | llama.cpp ms / ours at batch 1 | load s | weight MB read per step | outputs = bfloat16's |")
+          f" one process; fastest of {args.rounds} rounds, the rows taking turns (median tok/s beside it)"
+          + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
+    print("| path | activations | tok/s | median tok/s | vs bfloat16 | vs float32-fast | prefill ms | decode tok/s "
+          "| decode vs bfloat16 | batch-1 ms/token | llama.cpp ms / ours at batch 1 | load s "
+          "| weight MB read per step | outputs = bfloat16's |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         vs = {name: (f"{r['tok_s'] / by_path[name]['tok_s']:.2f}x" if name in by_path else "-")
@@ -208,7 +210,8 @@ def main() -> None:
         same = (f"{sum(a == b for a, b in zip(r['outputs'], reference['outputs']))}/{args.num_prompts}"
                 if reference else "-")
         decode_vs = f"{r['decode_tok_s'] / reference['decode_tok_s']:.2f}x" if reference else "-"
-        print(f"| {r['path']} | {r['dtype']} | {r['tok_s']:.1f} | {r['tok_s_median']:.1f} | {vs['bfloat16']} | {vs['float32-fast']} | "
+        print(f"| {r['path']} | {r['dtype']} | {r['tok_s']:.1f} | {r['tok_s_median']:.1f} | {vs['bfloat16']} | "
+              f"{vs['float32-fast']} | "
               f"{r['prefill_ms']:.0f} | {r['decode_tok_s']:.1f} | {decode_vs} | "
               f"{r['batch1_ms_per_token']:.2f} | {vs_peer} | {r['load_s']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {same} |")
     if peer:

@@ -415,9 +415,28 @@ struct NextWeights {
   const uint8_t* at = nullptr;   // this pass's share (nullptr: none)
   const uint8_t* end = nullptr;  // the end of the next item's codes
   int64_t lines = 0;             // cache lines per block of K
+
+  // The next item's `bytes` of codes from `codes`, shared out over `passes` passes of nb blocks of K each (none
+  // when there is no next item or a single pass: then nothing runs from cache to overlap with).
+  static NextWeights plan(const uint8_t* codes, int64_t bytes, int64_t passes, int64_t nb) {
+    NextWeights next;
+    if (passes > 1 && bytes > 0) {
+      next.at = codes;
+      next.end = codes + bytes;
+      next.lines = (bytes / 64 + passes * nb - 1) / (passes * nb);
+    }
+    return next;
+  }
+  // Pass i's share.
+  NextWeights share(int64_t i, int64_t nb) const {
+    NextWeights mine = *this;
+    if (lines > 0) mine.at = at + i * nb * lines * 64;
+    return mine;
+  }
   void fetch(int64_t b) const {
     const uint8_t* p = at + b * lines * 64;
-    for (int64_t i = 0; i < lines && p < end; ++i, p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+    for (int64_t i = 0; i < lines && p < end; ++i, p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   }
 };
 
@@ -633,14 +652,11 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
       const int64_t blocks = std::min<int64_t>(kX16Blocks, end - fb0);
       // With more than one group of rows, this item's passes share out the next item's weights (NextWeights).
       const int64_t slices = (blocks + slice - 1) / slice, groups = (rows + 3) / 4;
-      const int64_t next_blocks = std::min<int64_t>(kX16Blocks, end - fb0 - blocks);
-      const int64_t next_bytes = std::max<int64_t>(next_blocks, 0) * nb * W::kCodeBytes;
-      const uint8_t* next_codes = w.codes + (fb0 + blocks) * nb * W::kCodeBytes;
-      NextWeights next;
-      if (groups > 1 && next_bytes > 0) {
-        next.end = next_codes + next_bytes;
-        next.lines = (next_bytes / 64 + slices * groups * nb - 1) / (slices * groups * nb);
-      }
+      const int64_t next_blocks = std::max<int64_t>(std::min<int64_t>(kX16Blocks, end - fb0 - blocks), 0);
+      const int64_t passes = groups > 1 ? slices * groups : 1;
+      const int64_t block_bytes = nb * W::kCodeBytes;  // one feature block's codes
+      const NextWeights next =
+          NextWeights::plan(w.codes + (fb0 + blocks) * block_bytes, next_blocks * block_bytes, passes, nb);
       int64_t pass = 0;
       // A slice of the item's features at a time, every group of rows through it: the slice's weights (2 x 16
       // features x K bytes, 18 KB at K = 576) stay in L1 while the rows pass, where taking every slice per
@@ -649,12 +665,10 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
         const int64_t width = std::min<int64_t>(slice, blocks - f);
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
           const int64_t group = std::min<int64_t>(4, rows - r0);
-          NextWeights mine = next;
-          if (next.lines > 0) mine.at = next_codes + pass++ * nb * next.lines * 64;
           __m512 acc[4 * kX16Blocks];  // [row][feature block of the slice]
           for (auto& a : acc) a = _mm512_setzero_ps();
           dot_x16_rows(w, group, width, fb0 + f, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb,
-                       xc == nullptr ? nullptr : xc + r0 * nb, acc, mine);
+                       xc == nullptr ? nullptr : xc + r0 * nb, acc, next.share(pass++, nb));
           for (int64_t r = 0; r < group; ++r) {
             for (int64_t j = 0; j < width; ++j) {
               const int64_t col = (fb0 + f + j) * kX16Features;
