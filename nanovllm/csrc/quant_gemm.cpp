@@ -30,6 +30,7 @@
 #include "cpu_vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -79,6 +80,22 @@ inline int hsum8i(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
 }
+// Lane i of the result is the max of the 8 lanes of v[i] (cpu_vec.h's sum_each8 with max for add: a shuffle
+// pair stands in for hadd). The max is exact, so this equals hmax8 of each v[i].
+inline __m256 max_pairs(__m256 a, __m256 b) {
+  return _mm256_max_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m256 max_each8(const __m256* v) {
+  const __m256 x = max_pairs(max_pairs(v[0], v[1]), max_pairs(v[2], v[3]));
+  const __m256 y = max_pairs(max_pairs(v[4], v[5]), max_pairs(v[6], v[7]));
+  return _mm256_max_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+// Lane i of the result is the sum of the 8 int32 lanes of v[i].
+inline __m256i sum_each8i(const __m256i* v) {
+  const __m256i x = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i y = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+}
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -102,6 +119,16 @@ inline float abs_max(const T* x, int64_t n) {
 #endif
 }
 
+#if defined(__AVX2__)
+// Four 8-lane groups of int32 codes (values 0-7, 8-15, ...) stored as 32 int8 in order: two saturating packs
+// interleave the groups per 128-bit half; one permute restores the order.
+inline void store_codes32(__m256i i0, __m256i i1, __m256i i2, __m256i i3, int8_t* q) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
 // 32 values to int8 codes round(x * inv) (round half to even, both paths); returns the codes' sum.
 template <typename T>
 inline int quantize32(const T* x, float inv, int8_t* q) {
@@ -111,12 +138,8 @@ inline int quantize32(const T* x, float inv, int8_t* q) {
   __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8), mul));
   __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 16), mul));
   __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 24), mul));
-  const int sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
-  // Two saturating packs interleave the four 8-lane groups per 128-bit half; one permute restores the order.
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  return sum;
+  store_codes32(i0, i1, i2, i3, q);
+  return hsum8i(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
 #else
   int sum = 0;
   for (int i = 0; i < QK; ++i) {
@@ -138,6 +161,45 @@ inline void split_codes(const int8_t* codes, int8_t* split) {
   }
 }
 
+#if defined(__AVX2__)
+// quantize_rows' work for 8 consecutive blocks of a row (256 values from x), bit for bit its per-block arithmetic:
+// the eight abs-maxes, scales, inverses and code sums each take one vector op for all eight blocks, where block
+// by block they took a horizontal reduction or a scalar division each (the quantizer's cost at a prefill's rows).
+template <typename T>
+inline void quantize8_blocks(const T* x, int8_t* q, float* d, float* s, int32_t* code_sums, int8_t* split) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 peaks[8];
+  for (int j = 0; j < 8; ++j) {
+    const T* xb = x + j * QK;
+    peaks[j] = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, load8(xb)), _mm256_andnot_ps(sign, load8(xb + 8))),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, load8(xb + 16)), _mm256_andnot_ps(sign, load8(xb + 24))));
+  }
+  const __m256 amax = max_each8(peaks), c127 = _mm256_set1_ps(127.f);
+  const __m256 scale = _mm256_div_ps(amax, c127);
+  // 127 / amax, or 0 for an all-zero block (as the per-block path's amax > 0 test).
+  const __m256 inv = _mm256_and_ps(_mm256_div_ps(c127, amax), _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ));
+  alignas(32) float invs[8];
+  _mm256_store_ps(invs, inv);
+  __m256i sums[8];
+  for (int j = 0; j < 8; ++j) {
+    const T* xb = x + j * QK;
+    const __m256 mul = _mm256_set1_ps(invs[j]);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb), mul));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 8), mul));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 16), mul));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 24), mul));
+    sums[j] = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    alignas(32) int8_t block[QK];  // the codes on their way to split
+    store_codes32(i0, i1, i2, i3, split != nullptr ? block : q + j * QK);
+    if (split != nullptr) split_codes(block, split + j * 2 * QK);
+  }
+  const __m256i total = sum_each8i(sums);
+  _mm256_storeu_ps(d, scale);
+  _mm256_storeu_ps(s, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(total)));
+  if (code_sums != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(code_sums), _mm256_slli_epi32(total, 7));
+}
+#endif
+
 // Per row, per 32 values: int8 codes, their scale d and s = d * sum(codes) (the Q4 offsets' share); with
 // code_sums, also 128 * sum(codes) as an integer (i8x16's correction for its unsigned weights). With split, the
 // codes go there split in nibbles ([rows, 2 K], split_codes) instead of to q, which may then be null.
@@ -149,7 +211,14 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * k;
     int8_t* qr = q == nullptr ? nullptr : q + r * k;
-    for (int64_t b = 0; b < nb; ++b) {
+    int64_t b = 0;
+#if defined(__AVX2__)
+    for (; b + 8 <= nb; b += 8)
+      quantize8_blocks(xr + b * QK, qr == nullptr ? nullptr : qr + b * QK, d + r * nb + b, s + r * nb + b,
+                       code_sums == nullptr ? nullptr : code_sums + r * nb + b,
+                       split == nullptr ? nullptr : split + r * 2 * k + b * 2 * QK);
+#endif
+    for (; b < nb; ++b) {
       const float amax = abs_max(xr + b * QK, QK);
       const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       d[r * nb + b] = scale;
@@ -406,6 +475,51 @@ void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* 
 #if defined(NANOVLLM_QUANT_512)
 #define NANOVLLM_Q4X16 1
 constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block, blocks per work item
+constexpr int64_t kX16TileBytes = 256 * 1024;  // x's codes per tile of rows: a quarter of the smallest L2 (1 MB)
+constexpr int64_t kX16StackRanges = 16;         // BlockRanges x16_gemm keeps on the stack (tiles x threads)
+
+// A thread's remaining feature blocks [begin, end) in x16_gemm: the owner takes items from the front, a thread
+// done with its own range takes them from the back. Both ends live in one word, so a take is one compare-and-swap.
+class alignas(64) BlockRange {  // a cache line each: the threads take items without sharing lines
+ public:
+  void reset(int64_t begin, int64_t end) { span_.store(pack(begin, end), std::memory_order_relaxed); }
+  // The next item (up to `most` blocks) from the front: false when none is left.
+  bool take_front(int64_t most, int64_t& first, int64_t& blocks) {
+    uint64_t now = span_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t begin = now >> 32, end = now & 0xFFFFFFFFu;
+      if (begin >= end) return false;
+      blocks = std::min(most, end - begin);
+      if (span_.compare_exchange_weak(now, pack(begin + blocks, end), std::memory_order_relaxed)) {
+        first = begin;
+        return true;
+      }
+    }
+  }
+  // An item (up to `most` blocks) from the back: false when none is left.
+  bool take_back(int64_t most, int64_t& first, int64_t& blocks) {
+    uint64_t now = span_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t begin = now >> 32, end = now & 0xFFFFFFFFu;
+      if (begin >= end) return false;
+      blocks = std::min(most, end - begin);
+      if (span_.compare_exchange_weak(now, pack(begin, end - blocks), std::memory_order_relaxed)) {
+        first = end - blocks;
+        return true;
+      }
+    }
+  }
+  // The blocks of the item the front would give next (0 when none is left).
+  int64_t front_blocks(int64_t most) const {
+    const uint64_t now = span_.load(std::memory_order_relaxed);
+    const int64_t begin = now >> 32, end = now & 0xFFFFFFFFu;
+    return std::max<int64_t>(std::min(most, end - begin), 0);
+  }
+
+ private:
+  static uint64_t pack(int64_t begin, int64_t end) { return static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(end); }
+  std::atomic<uint64_t> span_{0};
+};
 
 // A share of the next work item's weights, fetched into L2 a few cache lines per block of K while a pass runs
 // from cache. From 5 rows on, a work item's weights are read from memory by its first group of rows only, and
@@ -641,18 +755,43 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
   // Feature blocks a pass takes: all of a work item for one row; else 2 (int8: a pair shares each broadcast of
   // x) or 1 (Q4 at 3-4 rows: the registers).
   const int64_t slice = rows == 1 ? kX16Blocks : (rows == 2 || W::kPairsOfBlocks ? 2 : 1);
+  // Rows in tiles whose codes stay in L2 while every feature block passes over them (a prefill's x, 1600 rows x
+  // K bytes, would otherwise come from L3 again for every slice of every work item); a decode's rows are one tile.
+  const int64_t tile_rows = std::max<int64_t>(4, kX16TileBytes / k / 4 * 4), tiles = (rows + tile_rows - 1) / tile_rows;
+  // Per tile, one range per thread the region may have; a range whose thread the team lacks is drained by the
+  // others.
+  const int64_t team = omp_get_max_threads();
+  BlockRange on_stack[kX16StackRanges];  // a decode's ranges (one tile) without a heap allocation per call
+  std::vector<BlockRange> on_heap;
+  BlockRange* ranges = on_stack;
+  if (tiles * team > kX16StackRanges) {
+    on_heap = std::vector<BlockRange>(tiles * team);
+    ranges = on_heap.data();
+  }
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t i = 0; i < team; ++i) ranges[t * team + i].reset(used * i / team, used * (i + 1) / team);
 #pragma omp parallel
-  {
-    // Each thread takes an even, contiguous range of feature blocks, in work items of up to 4 (the register
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t tile_begin = tile * tile_rows, tile_end = std::min(rows, tile_begin + tile_rows);
+    BlockRange* const tile_ranges = ranges + tile * team;
+    // Each thread starts on an even, contiguous range of feature blocks, in work items of up to 4 (the register
     // blocking): with whole 4-block work items a 576-wide layer (36 blocks, 9 items) splits 5:4 over two
-    // threads, and at batch 1 the slower thread sets the layer's time.
-    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t begin = used * me / threads, end = used * (me + 1) / threads;
-    for (int64_t fb0 = begin; fb0 < end; fb0 += kX16Blocks) {
-      const int64_t blocks = std::min<int64_t>(kX16Blocks, end - fb0);
-      // With more than one group of rows, this item's passes share out the next item's weights (NextWeights).
-      const int64_t slices = (blocks + slice - 1) / slice, groups = (rows + 3) / 4;
-      const int64_t next_blocks = std::max<int64_t>(std::min<int64_t>(kX16Blocks, end - fb0 - blocks), 0);
+    // threads, and at batch 1 the slower thread sets the layer's time. A thread done with its range takes
+    // items from the back of the others' (BlockRange), so a thread slowed by a neighbour does not hold the
+    // layer up.
+    const int64_t me = omp_get_thread_num();
+    int64_t fb0 = 0, blocks = 0;
+    for (int64_t victim = me, tries = 0; tries < team;) {
+      if (victim == me ? !tile_ranges[me].take_front(kX16Blocks, fb0, blocks)
+                       : !tile_ranges[victim].take_back(kX16Blocks, fb0, blocks)) {
+        victim = (victim + 1) % team;
+        ++tries;
+        continue;
+      }
+      // With more than one group of rows, this item's passes share out the next item's weights (NextWeights):
+      // the owner's next item (a thief's next one is not known).
+      const int64_t slices = (blocks + slice - 1) / slice, groups = (tile_end - tile_begin + 3) / 4;
+      const int64_t next_blocks = victim == me ? tile_ranges[me].front_blocks(kX16Blocks) : 0;
       const int64_t passes = groups > 1 ? slices * groups : 1;
       const int64_t block_bytes = nb * W::kCodeBytes;  // one feature block's codes
       const NextWeights next =
@@ -663,8 +802,8 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
       // group of rows read the whole item's weights (36 KB) from L2 again for each group.
       for (int64_t f = 0; f < blocks; f += slice) {
         const int64_t width = std::min<int64_t>(slice, blocks - f);
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-          const int64_t group = std::min<int64_t>(4, rows - r0);
+        for (int64_t r0 = tile_begin; r0 < tile_end; r0 += 4) {
+          const int64_t group = std::min<int64_t>(4, tile_end - r0);
           __m512 acc[4 * kX16Blocks];  // [row][feature block of the slice]
           for (auto& a : acc) a = _mm512_setzero_ps();
           dot_x16_rows(w, group, width, fb0 + f, xq + r0 * k, k, xd + r0 * nb, xs + r0 * nb,

@@ -137,6 +137,42 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_with_stolen_work(compiled, dtype):
+    """K = 8224 (257 blocks of 32: 32 groups of eight and one more; an all-zero block among them): the
+    quantizer's eight-blocks-at-once path and its per-block rest, against the scalar build's per-block loop (same
+    codes and scales, so the same integer sums). 70 rows at this K are three tiles of the VNNI kernel's rows (28
+    a tile); 4 threads on a machine with fewer cores (63 feature blocks) finish their ranges at different times,
+    and the ones done first take work items from the back of the others' (x16_gemm's BlockRange)."""
+    from nanovllm import kernels
+
+    rows, n, k = 70, 1000, 8224
+    generator = torch.Generator().manual_seed(8224)
+    weight = torch.randn(n, k, generator=generator)
+    x = torch.randn(rows, k, generator=generator)
+    x[3, 64:96] = 0.0  # an all-zero block: scale 0, codes 0
+    x[5, :256] *= 50.0  # blocks of another scale within one group of eight
+    x = x.to(dtype)
+    scalar = QuantLinear.from_dense_int8(weight, None, None)
+    scalar.kernels = kernels.load("scalar")
+    expected = scalar(x).float()
+    row_kernel = QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, None)
+    row_kernel.kernels = compiled
+    layers = [row_kernel]
+    if compiled.i8x16_available():
+        layers.append(QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled))
+        assert layers[-1].kernel == "i8x16"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        results = [(layer.kernel, layer(x).float()) for layer in layers for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    for kernel, y in results:
+        assert (y - expected).abs().max() <= tolerance * expected.abs().max(), kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 70])
 @pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
 def test_q8_0_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, dtype, rows, n, k):
