@@ -11,7 +11,9 @@ the C++ decoder stack, ``LlamaForCausalLM.decoder_stack``: what the stack saves)
 rest of the full run's time, per token decoded after the first, gives the decode throughput. Every row's engine
 is built first; then ``--rounds`` rounds time each row's two runs in turn, and the fastest round is printed (on a
 shared machine one row's single run could land in another tenant's busy spell, and interference only ever adds
-time), with the median tok/s beside it; the JSON keeps every round. Also: load time
+time), with the median tok/s beside it, and each round's ratio to the bfloat16 row's run of the same round (min / median /
+max: a round's rows run back to back, so a slow or fast spell of the machine lands on both sides of the ratio);
+the JSON keeps every round. Also: load time
 (engine construction, model files already cached), the bytes of weight data one decode step reads, and how
 many outputs equal the bfloat16 path's. llama.cpp
 (``llama_cpp_peer.py``) runs the batch-1 measurement on the GGUF file the gguf rows read:
@@ -199,11 +201,19 @@ def main() -> None:
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy), {threads} threads,"
           f" one process; fastest of {args.rounds} rounds, the rows taking turns (median tok/s beside it)"
           + (f"; llama.cpp {peer['llama_cpp_python']} at batch 1" if peer else ""))
-    print("| path | activations | tok/s | median tok/s | vs bfloat16 | vs float32-fast | prefill ms | decode tok/s "
+    # Each round's ratio to bfloat16's run of the same round: the rows of a round run back to back, so a shared
+    # machine's slow or fast spell lands on both sides of a ratio (the fastest rounds of two rows need not).
+    if reference:
+        for r in results:
+            r["vs_bfloat16_rounds"] = [a / b for a, b in zip(r["tok_s_rounds"], reference["tok_s_rounds"])]
+    print("| path | activations | tok/s | median tok/s | vs bfloat16 | vs bfloat16 per round (min / median / max) "
+          "| vs float32-fast | prefill ms | decode tok/s "
           "| decode vs bfloat16 | batch-1 ms/token | llama.cpp ms / ours at batch 1 | load s "
           "| weight MB read per step | outputs = bfloat16's |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        rounds = r.get("vs_bfloat16_rounds")
+        per_round = (f"{min(rounds):.2f} / {statistics.median(rounds):.2f} / {max(rounds):.2f}" if rounds else "-")
         vs = {name: (f"{r['tok_s'] / by_path[name]['tok_s']:.2f}x" if name in by_path else "-")
               for name in ("bfloat16", "float32-fast")}
         vs_peer = f"{peer['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x" if peer else "-"
@@ -211,7 +221,7 @@ def main() -> None:
                 if reference else "-")
         decode_vs = f"{r['decode_tok_s'] / reference['decode_tok_s']:.2f}x" if reference else "-"
         print(f"| {r['path']} | {r['dtype']} | {r['tok_s']:.1f} | {r['tok_s_median']:.1f} | {vs['bfloat16']} | "
-              f"{vs['float32-fast']} | "
+              f"{per_round} | {vs['float32-fast']} | "
               f"{r['prefill_ms']:.0f} | {r['decode_tok_s']:.1f} | {decode_vs} | "
               f"{r['batch1_ms_per_token']:.2f} | {vs_peer} | {r['load_s']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {same} |")
     if peer:
