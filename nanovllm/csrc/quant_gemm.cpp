@@ -484,31 +484,9 @@ class alignas(64) BlockRange {  // a cache line each: the threads take items wit
  public:
   void reset(int64_t begin, int64_t end) { span_.store(pack(begin, end), std::memory_order_relaxed); }
   // The next item (up to `most` blocks) from the front: false when none is left.
-  bool take_front(int64_t most, int64_t& first, int64_t& blocks) {
-    uint64_t now = span_.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t begin = now >> 32, end = now & 0xFFFFFFFFu;
-      if (begin >= end) return false;
-      blocks = std::min(most, end - begin);
-      if (span_.compare_exchange_weak(now, pack(begin + blocks, end), std::memory_order_relaxed)) {
-        first = begin;
-        return true;
-      }
-    }
-  }
+  bool take_front(int64_t most, int64_t& first, int64_t& blocks) { return take(most, false, first, blocks); }
   // An item (up to `most` blocks) from the back: false when none is left.
-  bool take_back(int64_t most, int64_t& first, int64_t& blocks) {
-    uint64_t now = span_.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t begin = now >> 32, end = now & 0xFFFFFFFFu;
-      if (begin >= end) return false;
-      blocks = std::min(most, end - begin);
-      if (span_.compare_exchange_weak(now, pack(begin, end - blocks), std::memory_order_relaxed)) {
-        first = end - blocks;
-        return true;
-      }
-    }
-  }
+  bool take_back(int64_t most, int64_t& first, int64_t& blocks) { return take(most, true, first, blocks); }
   // The blocks of the item the front would give next (0 when none is left).
   int64_t front_blocks(int64_t most) const {
     const uint64_t now = span_.load(std::memory_order_relaxed);
@@ -517,6 +495,19 @@ class alignas(64) BlockRange {  // a cache line each: the threads take items wit
   }
 
  private:
+  bool take(int64_t most, bool from_back, int64_t& first, int64_t& blocks) {
+    uint64_t now = span_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t begin = now >> 32, end = now & 0xFFFFFFFFu;
+      if (begin >= end) return false;
+      blocks = std::min(most, end - begin);
+      const uint64_t rest = from_back ? pack(begin, end - blocks) : pack(begin + blocks, end);
+      if (span_.compare_exchange_weak(now, rest, std::memory_order_relaxed)) {
+        first = from_back ? end - blocks : begin;
+        return true;
+      }
+    }
+  }
   static uint64_t pack(int64_t begin, int64_t end) { return static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(end); }
   std::atomic<uint64_t> span_{0};
 };
