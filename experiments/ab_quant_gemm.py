@@ -98,8 +98,7 @@ def main() -> None:
             # Distinct weight sets per shape (up to 30, 2 for the LM head), so that weights stream as in a step.
             cases = []
             for (n, k), count in layers.items():
-                sets = min(count, 30) if rows <= 64 else min(count, 3)
-                sets = max(sets, 2)
+                sets = max(2, min(count, 30 if rows <= 64 else 3))
                 packed = [pack_i8x16(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
                                      torch.rand(n, generator=generator)) for _ in range(sets)]
                 x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)

@@ -108,6 +108,22 @@ inline __m256 sum_each8(const __m256* v) {
   const __m256 x = _mm256_hadd_ps(a, b), y = _mm256_hadd_ps(c, d);  // per 128-bit half: v0..v3 | v4..v7 partials
   return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
 }
+// Lane i of the result is the max of the 8 lanes of v[i] (sum_each8 with max for add: a shuffle pair stands
+// in for hadd). The max is exact, so this equals hmax8 of each v[i].
+inline __m256 max_pairs(__m256 a, __m256 b) {
+  return _mm256_max_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m256 max_each8(const __m256* v) {
+  const __m256 x = max_pairs(max_pairs(v[0], v[1]), max_pairs(v[2], v[3]));
+  const __m256 y = max_pairs(max_pairs(v[4], v[5]), max_pairs(v[6], v[7]));
+  return _mm256_max_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+// Lane i of the result is the sum of the 8 int32 lanes of v[i].
+inline __m256i sum_each8i(const __m256i* v) {
+  const __m256i x = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i y = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+}
 #endif
 
 }  // namespace nanovllm

@@ -68,6 +68,8 @@ inline float to_float(c10::BFloat16 x) {
 
 #if defined(__AVX2__)
 using nanovllm::load8;  // cpu_vec.h: 8 values of x as float32 lanes
+using nanovllm::max_each8;
+using nanovllm::sum_each8i;
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -79,22 +81,6 @@ inline int hsum8i(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
-}
-// Lane i of the result is the max of the 8 lanes of v[i] (cpu_vec.h's sum_each8 with max for add: a shuffle
-// pair stands in for hadd). The max is exact, so this equals hmax8 of each v[i].
-inline __m256 max_pairs(__m256 a, __m256 b) {
-  return _mm256_max_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-inline __m256 max_each8(const __m256* v) {
-  const __m256 x = max_pairs(max_pairs(v[0], v[1]), max_pairs(v[2], v[3]));
-  const __m256 y = max_pairs(max_pairs(v[4], v[5]), max_pairs(v[6], v[7]));
-  return _mm256_max_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
-}
-// Lane i of the result is the sum of the 8 int32 lanes of v[i].
-inline __m256i sum_each8i(const __m256i* v) {
-  const __m256i x = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i y = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
 }
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
