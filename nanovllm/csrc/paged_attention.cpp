@@ -51,6 +51,68 @@ inline int64_t key_slot(const int32_t* table, int64_t key, int64_t block_size) {
   return static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
 }
 
+#if defined(__AVX2__)
+// The cache rows of one work item (one sequence's keys for one KV head), fetched into L2 ahead of the vector
+// kernels' loads.
+//
+// A decode step reads every cached row of every sequence once per layer, from memory: the step's K/V (71 MB for
+// 32 sequences of 96 tokens in the default model) is far larger than the caches, and one KV head's rows sit a
+// whole token's row of heads apart, in 16-token blocks scattered over the cache, where the hardware prefetchers
+// (which follow a stream only once it has run a while) start late in every block. Left to them, the kernels
+// waited on the loads: bf16 on the AVX-512 BF16 EPYC read 10-11 GB/s of K/V against 26 GB/s copy bandwidth
+// (experiments/bench_decode_attention.py), and P.V waited most, its rows first touched after the softmax.
+// So the kernels fetch ahead: each group of kAhead keys in pass 1 fetches the next group's key rows, and the
+// same group's value rows while within kValuesAhead keys of the start; pass 2 keeps kValuesAhead keys ahead.
+// Into L2 (prefetcht1), not L1: a T0 prefetch holds one of L1's few miss buffers until its line arrives, and a
+// group's worth of them was no faster than none. Only for a sequence's lone query token (a decode): the tokens
+// of a prefill chunk share their sequence's rows, which stay in cache after the first token, and there the
+// prefetches were pure overhead (a 512-token prefill's attention took 1.35x as long with them).
+template <typename Cache>
+struct RowPrefetch {
+  const Cache* k_cache;
+  const Cache* v_cache;
+  const int32_t* table;
+  int64_t block_size, kv_row, head_offset, row_bytes;
+  int64_t num_keys;  // the keys to fetch: the item's, or 0 for a token that shares its sequence with others
+
+  static constexpr int64_t kAhead = 16;         // keys fetched by one call
+  static constexpr int64_t kValuesAhead = 256;  // how far pass 2's value rows are fetched ahead (32 KB of bf16)
+
+  // Pass 1, at every key `first` that is a multiple of kAhead.
+  void pass1(int64_t first) const {
+    rows(k_cache, first + kAhead);
+    if (first < kValuesAhead) rows(v_cache, first);
+  }
+  // Pass 2 (or the loop that first reads the value rows), at every key that is a multiple of kAhead.
+  void pass2(int64_t key) const { rows(v_cache, key + kValuesAhead); }
+
+ private:
+  // Rows of keys [first, first + kAhead), clipped to the item's keys; every line of each (an 8-bit row, head_dim
+  // + 4 bytes, may straddle a line boundary).
+  void rows(const Cache* cache, int64_t first) const {
+    const int64_t end = std::min(first + kAhead, num_keys);
+    if (first >= end) return;
+    int64_t block = first / block_size, within = first % block_size;  // walked, not divided again per key
+    for (int64_t key = first; key < end; ++key) {
+      const int64_t slot = static_cast<int64_t>(table[block]) * block_size + within;
+      const char* row = reinterpret_cast<const char*>(cache + slot * kv_row + head_offset);
+      const int64_t skip = reinterpret_cast<uintptr_t>(row) % 64;  // the row's offset in its first line
+      for (int64_t offset = -skip; offset < row_bytes; offset += 64) nanovllm::prefetch_l2(row + offset);
+      if (++within == block_size) {
+        within = 0;
+        ++block;
+      }
+    }
+  }
+};
+#endif
+
+// Whether token t is its sequence's only query token in the batch (a decode), so that its rows are read once
+// (tokens of one sequence are adjacent in the flat batch: the model runner lays a sequence's chunk out together).
+inline bool lone_query(const int32_t* seq, int64_t t, int64_t num_tokens) {
+  return (t == 0 || seq[t - 1] != seq[t]) && (t + 1 == num_tokens || seq[t + 1] != seq[t]);
+}
+
 // The factor the vector kernels' decoded codes are off by, absorbed into the row's scale: 1 for int8; 256 for
 // e4m3, which they decode through float16's bit layout (decode16 / decode8 below), giving the value times 2^-8.
 template <KVCodes C>
@@ -280,9 +342,13 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < V; ++j)
           qv[g][j] = _mm512_mul_ps(load16(q + t * q_stride + (h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+      const RowPrefetch<Cache> ahead{k_cache, v_cache, table, block_size, kv_row, h * Rows::kRow,
+                                     Rows::kRow * static_cast<int64_t>(sizeof(Cache)),
+                                     lone_query(seq, t, num_tokens) ? num_keys : 0};
       // Pass 1: scores, 16 keys at a time.
       for (int64_t first = 0; first < num_keys; first += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
+        ahead.pass1(first);
         for (int k = 0; k < n; ++k) {
           const Cache* kp = slot_row(k_cache, first + k);
           if constexpr (Rows::kScaled) {
@@ -320,6 +386,7 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int64_t key = 0; key < num_keys; ++key) {
+        if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
         const Cache* vp = slot_row(v_cache, key);
         const float value_scale = Rows::scale(vp);  // folded into the key's weight (1 for model-dtype rows)
         __m512 vv[V];
@@ -374,10 +441,14 @@ void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
       __m512bh qv[G][W];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < W; ++j) qv[g][j] = row_bh(q + t * q_stride + (h * G + g) * D + 32 * j);
+      const RowPrefetch<c10::BFloat16> ahead{k_cache, v_cache, table, block_size, kv_row, h * D,
+                                             D * sizeof(c10::BFloat16),
+                                             lone_query(seq, t, num_tokens) ? num_keys : 0};
       // Pass 1: scaled scores, 16 keys at a time, reduced together (sum_each16).
       const __m512 scale16 = _mm512_set1_ps(scale);
       for (int64_t first = 0; first < num_keys; first += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
+        ahead.pass1(first);
         const c10::BFloat16* rows[16];
         for (int k = 0; k < n; ++k) rows[k] = slot_row(k_cache, first + k);
         for (int g = 0; g < G; ++g) {
@@ -406,6 +477,7 @@ void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < W; ++j) lo[g][j] = hi[g][j] = _mm512_setzero_ps();
       for (int64_t key = 0; key < num_keys; key += 2) {
+        if (key % RowPrefetch<c10::BFloat16>::kAhead == 0) ahead.pass2(key);
         const c10::BFloat16* va = slot_row(v_cache, key);
         const c10::BFloat16* vb = key + 1 < num_keys ? slot_row(v_cache, key + 1) : nullptr;
         __m512i pairs_lo[W], pairs_hi[W];
@@ -517,9 +589,13 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache
         for (int j = 0; j < V; ++j)
           _mm256_store_ps(&qf[g][8 * j], _mm256_mul_ps(load8(q + t * q_stride + (h * G + g) * D + 8 * j),
                                                        _mm256_set1_ps(scale)));
+      const RowPrefetch<Cache> ahead{k_cache, v_cache, table, block_size, kv_row, h * Rows::kRow,
+                                     Rows::kRow * static_cast<int64_t>(sizeof(Cache)),
+                                     lone_query(seq, t, num_tokens) ? num_keys : 0};
       // Pass 1: scores, 8 keys at a time (rows past the last key are zeros).
       for (int64_t first = 0; first < num_keys; first += 8) {
         const int n = static_cast<int>(std::min<int64_t>(8, num_keys - first));
+        if (first % RowPrefetch<Cache>::kAhead == 0) ahead.pass1(first);
         for (int k = 0; k < 8; ++k) {
           if (k >= n) {
             for (int j = 0; j < V; ++j) _mm256_store_ps(&tile[k][8 * j], _mm256_setzero_ps());
@@ -570,6 +646,7 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache
       // key's weights (after the exp-sum, which the normalization divides by).
       value_rows.resize(num_keys);
       for (int64_t key = 0; key < num_keys; ++key) {
+        if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
         value_rows[key] = slot_row(v_cache, key);
         if constexpr (Rows::kScaled) {
           const float value_scale = Rows::scale(value_rows[key]);
