@@ -449,22 +449,9 @@ void quant_gemm(int64_t rows, int64_t k, int64_t n, const Weights& wt, const T* 
   }
 }
 
-// ---- Q4 interleaved by 16 output features (q4x16_linear, the avx512_bf16 build) ----------------------------
-//
-// The same Q4 blocks, laid out at load so that one 512-bit load holds 4 consecutive codes of 16 output features
-// (pack_q4x16 in nanovllm/models/quantized.py): per block of 16 features and 32 values of K, 256 bytes
-// [v = 0..3][feature 0..15][i = 0..3] of GGUF's byte 4v + i (low nibble: element 4v + i, high: 16 + 4v + i);
-// the fp16 scales and offsets [feature block][K block][16]. Each of x's 4-byte groups is broadcast and one
-// vpdpbusd adds its 4 products to all 16 features' int32 sums at once: no horizontal sums, and the block's
-// float epilogue is one vector of 16 scales. Threads split the feature blocks evenly, in chunks of up to 4 (N is
-// padded to 64 at load).
-#if defined(NANOVLLM_QUANT_512)
-#define NANOVLLM_Q4X16 1
-constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block, blocks per work item
-constexpr int64_t kX16TileBytes = 256 * 1024;  // x's codes per tile of rows: a quarter of the smallest L2 (1 MB)
-constexpr int64_t kX16StackRanges = 16;         // BlockRanges x16_gemm keeps on the stack (tiles x threads)
+// ---- sharing an x16 layer's feature blocks between threads -------------------------------------------------
 
-// A thread's remaining feature blocks [begin, end) in x16_gemm: the owner takes items from the front, a thread
+// A thread's remaining feature blocks [begin, end) in x16_gemm and x16_gemm_avx2: the owner takes items from the front, a thread
 // done with its own range takes them from the back. Both ends live in one word, so a take is one compare-and-swap.
 class alignas(64) BlockRange {  // a cache line each: the threads take items without sharing lines
  public:
@@ -497,6 +484,57 @@ class alignas(64) BlockRange {  // a cache line each: the threads take items wit
   static uint64_t pack(int64_t begin, int64_t end) { return static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(end); }
   std::atomic<uint64_t> span_{0};
 };
+
+// The work of one x16 layer call: per tile of rows, one BlockRange per thread the parallel region may have,
+// each starting as an even, contiguous share of the `used` feature blocks. A thread takes items from the front
+// of its own range, then from the back of the others' (a range whose thread the team lacks is drained by the
+// others), so a thread slowed by a neighbour on a shared machine does not hold the layer up.
+class TileRanges {
+ public:
+  TileRanges(int64_t tiles, int64_t used) : team_(omp_get_max_threads()) {
+    if (tiles * team_ > kStackRanges) {
+      on_heap_ = std::vector<BlockRange>(tiles * team_);
+      ranges_ = on_heap_.data();
+    }
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t i = 0; i < team_; ++i) ranges_[t * team_ + i].reset(used * i / team_, used * (i + 1) / team_);
+  }
+  // Thread `me`'s next item of tile `tile` (up to `most` blocks): its own range's front, else another's back,
+  // starting the search at `victim` (me at first; the caller keeps it between calls). False when none is left.
+  bool take(int64_t tile, int64_t me, int64_t most, int64_t& victim, int64_t& first, int64_t& blocks) {
+    BlockRange* const tile_ranges = ranges_ + tile * team_;
+    for (int64_t tries = 0; tries < team_; ++tries) {
+      if (victim == me ? tile_ranges[me].take_front(most, first, blocks)
+                       : tile_ranges[victim].take_back(most, first, blocks))
+        return true;
+      victim = (victim + 1) % team_;
+    }
+    return false;
+  }
+  // The blocks thread `me`'s next own item in tile `tile` would hold (0 when its range is empty).
+  int64_t next_own(int64_t tile, int64_t me, int64_t most) const { return ranges_[tile * team_ + me].front_blocks(most); }
+
+ private:
+  static constexpr int64_t kStackRanges = 16;  // ranges kept on the stack (tiles x threads): a decode's, no heap
+  int64_t team_;
+  BlockRange on_stack_[kStackRanges];
+  std::vector<BlockRange> on_heap_;
+  BlockRange* ranges_ = on_stack_;
+};
+
+// ---- Q4 interleaved by 16 output features (q4x16_linear, the avx512_bf16 build) ----------------------------
+//
+// The same Q4 blocks, laid out at load so that one 512-bit load holds 4 consecutive codes of 16 output features
+// (pack_q4x16 in nanovllm/models/quantized.py): per block of 16 features and 32 values of K, 256 bytes
+// [v = 0..3][feature 0..15][i = 0..3] of GGUF's byte 4v + i (low nibble: element 4v + i, high: 16 + 4v + i);
+// the fp16 scales and offsets [feature block][K block][16]. Each of x's 4-byte groups is broadcast and one
+// vpdpbusd adds its 4 products to all 16 features' int32 sums at once: no horizontal sums, and the block's
+// float epilogue is one vector of 16 scales. Threads split the feature blocks evenly, in chunks of up to 4 (N is
+// padded to 64 at load).
+#if defined(NANOVLLM_QUANT_512)
+#define NANOVLLM_Q4X16 1
+constexpr int64_t kX16Features = 16, kX16Blocks = 4;  // features per block, blocks per work item
+constexpr int64_t kX16TileBytes = 256 * 1024;  // x's codes per tile of rows: a quarter of the smallest L2 (1 MB)
 
 // A share of the next work item's weights, fetched into L2 a few cache lines per block of K while a pass runs
 // from cache. From 5 rows on, a work item's weights are read from memory by its first group of rows only, and
@@ -735,40 +773,20 @@ void x16_gemm(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* 
   // Rows in tiles whose codes stay in L2 while every feature block passes over them (a prefill's x, 1600 rows x
   // K bytes, would otherwise come from L3 again for every slice of every work item); a decode's rows are one tile.
   const int64_t tile_rows = std::max<int64_t>(4, kX16TileBytes / k / 4 * 4), tiles = (rows + tile_rows - 1) / tile_rows;
-  // Per tile, one range per thread the region may have; a range whose thread the team lacks is drained by the
-  // others.
-  const int64_t team = omp_get_max_threads();
-  BlockRange on_stack[kX16StackRanges];  // a decode's ranges (one tile) without a heap allocation per call
-  std::vector<BlockRange> on_heap;
-  BlockRange* ranges = on_stack;
-  if (tiles * team > kX16StackRanges) {
-    on_heap = std::vector<BlockRange>(tiles * team);
-    ranges = on_heap.data();
-  }
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t i = 0; i < team; ++i) ranges[t * team + i].reset(used * i / team, used * (i + 1) / team);
+  TileRanges work(tiles, used);
 #pragma omp parallel
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t tile_begin = tile * tile_rows, tile_end = std::min(rows, tile_begin + tile_rows);
-    BlockRange* const tile_ranges = ranges + tile * team;
-    // Each thread starts on an even, contiguous range of feature blocks, in work items of up to 4 (the register
-    // blocking): with whole 4-block work items a 576-wide layer (36 blocks, 9 items) splits 5:4 over two
-    // threads, and at batch 1 the slower thread sets the layer's time. A thread done with its range takes
-    // items from the back of the others' (BlockRange), so a thread slowed by a neighbour does not hold the
-    // layer up.
+    // Work items of up to 4 feature blocks (the register blocking) from each thread's even share (TileRanges):
+    // with whole 4-block items a 576-wide layer (36 blocks, 9 items) would split 5:4 over two threads, and at
+    // batch 1 the slower thread sets the layer's time.
     const int64_t me = omp_get_thread_num();
     int64_t fb0 = 0, blocks = 0;
-    for (int64_t victim = me, tries = 0; tries < team;) {
-      if (victim == me ? !tile_ranges[me].take_front(kX16Blocks, fb0, blocks)
-                       : !tile_ranges[victim].take_back(kX16Blocks, fb0, blocks)) {
-        victim = (victim + 1) % team;
-        ++tries;
-        continue;
-      }
+    for (int64_t victim = me; work.take(tile, me, kX16Blocks, victim, fb0, blocks);) {
       // With more than one group of rows, this item's passes share out the next item's weights (NextWeights):
       // the owner's next item (a thief's next one is not known).
       const int64_t slices = (blocks + slice - 1) / slice, groups = (tile_end - tile_begin + 3) / 4;
-      const int64_t next_blocks = victim == me ? tile_ranges[me].front_blocks(kX16Blocks) : 0;
+      const int64_t next_blocks = victim == me ? work.next_own(tile, me, kX16Blocks) : 0;
       const int64_t passes = groups > 1 ? slices * groups : 1;
       const int64_t block_bytes = nb * W::kCodeBytes;  // one feature block's codes
       const NextWeights next =
@@ -974,43 +992,54 @@ struct Int8x16Avx2 {
 using I8x16Avx2 = Int8x16Avx2<false>;
 using Q8x16Avx2 = Int8x16Avx2<true>;
 
+// Rows [t0, t1) against feature block fb (two rows a pass), into y. Not inlined into x16_gemm_avx2's loop over
+// work items: there GCC gave the kernels' inline-asm steps fewer registers and spilled their sums to the stack
+// every step (1.45x the time at 32 rows).
+template <typename T, typename W>
+__attribute__((noinline)) void x16_block_avx2(const W& w, int64_t fb, int64_t t0, int64_t t1, int64_t k, int64_t n,
+                                              const T* bias, T* y, const int8_t* xq, const float* xd,
+                                              const float* xs, const int32_t* xc) {
+  const int64_t nb = k / QK;
+  const int64_t col = fb * kX16Features, count = std::min(kX16Features, n - col);
+  for (int64_t r0 = t0; r0 < t1; r0 += 2) {
+    const int64_t group = std::min<int64_t>(2, t1 - r0);
+    __m256 acc[2][2];
+    for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+    const int8_t* x = xq + r0 * W::kCodeStride * k;
+    const float* s = xs == nullptr ? nullptr : xs + r0 * nb;
+    const int32_t* c = xc == nullptr ? nullptr : xc + r0 * nb;
+    if (group == 2) w.template dot<2>(fb, x, k, xd + r0 * nb, s, c, acc);
+    else w.template dot<1>(fb, x, k, xd + r0 * nb, s, c, acc);
+    for (int64_t r = 0; r < group; ++r) {
+      alignas(32) float out[kX16Features];
+      _mm256_store_ps(out, acc[r][0]);
+      _mm256_store_ps(out + 8, acc[r][1]);
+      T* dst = y + (r0 + r) * n + col;
+      for (int64_t j = 0; j < count; ++j) {
+        const float value = out[j] * w.scale(fb, j);
+        dst[j] = static_cast<T>(bias != nullptr ? value + to_float(bias[col + j]) : value);
+      }
+    }
+  }
+}
+
 // y = x W^T (+ bias) over a layer interleaved by 16 features (Q4x16Avx2, I8x16Avx2 or Q8x16Avx2); xq, xd, xs,
 // xc: x's codes (split_codes' for the int8 layers), scales, scaled code sums (Q4) and 128 x code sums (int8).
 template <typename T, typename W>
 void x16_gemm_avx2(int64_t rows, int64_t k, int64_t n, const W& w, const T* bias, T* y, const int8_t* xq,
                    const float* xd, const float* xs, const int32_t* xc) {
-  const int64_t nb = k / QK;
   const int64_t used = (n + kX16Features - 1) / kX16Features;  // feature blocks holding real outputs
+  const int64_t tiles = (rows + kX16RowTile - 1) / kX16RowTile;
+  TileRanges work(tiles, used);
 #pragma omp parallel
   {
-    // An even, contiguous range of feature blocks per thread (at batch 1 the slower thread sets the time).
-    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t begin = used * me / threads, end = used * (me + 1) / threads;
-    for (int64_t t0 = 0; t0 < rows; t0 += kX16RowTile) {
-      const int64_t t1 = std::min(rows, t0 + kX16RowTile);
-      for (int64_t fb = begin; fb < end; ++fb) {
-        const int64_t col = fb * kX16Features, count = std::min(kX16Features, n - col);
-        for (int64_t r0 = t0; r0 < t1; r0 += 2) {
-          const int64_t group = std::min<int64_t>(2, t1 - r0);
-          __m256 acc[2][2];
-          for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
-          const int8_t* x = xq + r0 * W::kCodeStride * k;
-          const float* s = xs == nullptr ? nullptr : xs + r0 * nb;
-          const int32_t* c = xc == nullptr ? nullptr : xc + r0 * nb;
-          if (group == 2) w.template dot<2>(fb, x, k, xd + r0 * nb, s, c, acc);
-          else w.template dot<1>(fb, x, k, xd + r0 * nb, s, c, acc);
-          for (int64_t r = 0; r < group; ++r) {
-            alignas(32) float out[kX16Features];
-            _mm256_store_ps(out, acc[r][0]);
-            _mm256_store_ps(out + 8, acc[r][1]);
-            T* dst = y + (r0 + r) * n + col;
-            for (int64_t j = 0; j < count; ++j) {
-              const float value = out[j] * w.scale(fb, j);
-              dst[j] = static_cast<T>(bias != nullptr ? value + to_float(bias[col + j]) : value);
-            }
-          }
-        }
-      }
+    // One feature block at a time from the thread's even share, then from the others' (TileRanges).
+    const int64_t me = omp_get_thread_num();
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t t0 = tile * kX16RowTile, t1 = std::min(rows, t0 + kX16RowTile);
+      int64_t fb = 0, taken = 0;
+      for (int64_t victim = me; work.take(tile, me, 1, victim, fb, taken);)
+        x16_block_avx2(w, fb, t0, t1, k, n, bias, y, xq, xd, xs, xc);
     }
   }
 }

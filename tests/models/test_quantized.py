@@ -141,8 +141,9 @@ def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_wit
     """K = 8224 (257 blocks of 32: 32 groups of eight and one more; an all-zero block among them): the
     quantizer's eight-blocks-at-once path and its per-block rest, against the scalar build's per-block loop (same
     codes and scales, so the same integer sums). 70 rows at this K are three tiles of the VNNI kernel's rows (28
-    a tile); 4 threads on a machine with fewer cores (63 feature blocks) finish their ranges at different times,
-    and the ones done first take work items from the back of the others' (x16_gemm's BlockRange)."""
+    a tile, two of the AVX2 kernel's 64); 4 threads on a machine with fewer cores (63 feature blocks) finish their
+    ranges at different times, and the ones done first take work items from the back of the others' (TileRanges,
+    which x16_gemm and x16_gemm_avx2 share)."""
     from nanovllm import kernels
 
     rows, n, k = 70, 1000, 8224
