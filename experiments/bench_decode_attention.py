@@ -4,8 +4,10 @@ heads, head_dim 64), bf16, a batch of sequences decoding one token each over sca
 Each of the 30 layers has its own part of one cache tensor, as the engine allocates it (``--hot`` shares one
 layer's), so the K/V rows stream from memory as in a decode step. The figures are the median ms per step over
 the rounds (this machine's runs move by 10-30%, so one step is no measurement) and the K/V bytes read per second.
+``--prefill`` times each sequence's ``--keys`` tokens as one prompt instead (every token a query, causally),
+where a chunk's tokens share their sequence's rows.
 
-    python experiments/bench_decode_attention.py [--seqs 32] [--keys 128] [--hot] [--rounds 15]
+    python experiments/bench_decode_attention.py [--seqs 32] [--keys 128] [--hot] [--prefill] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--keys", type=int, default=128, help="keys per sequence (its context)")
     parser.add_argument("--hot", action="store_true", help="one cache for every layer, so it stays in cache")
+    parser.add_argument("--prefill", action="store_true", help="each sequence's keys as one prompt, every token a query")
     parser.add_argument("--rounds", type=int, default=15, help="timed steps")
     args = parser.parse_args()
     compiled = kernels.load()
@@ -40,12 +43,14 @@ def main() -> None:
 
     cache = torch.randn(1 if args.hot else LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
     caches = [(cache[0 if args.hot else i, 0], cache[0 if args.hot else i, 1]) for i in range(LAYERS)]
-    q = torch.randn(args.seqs, HEADS, HEAD_DIM).bfloat16()
-    k, v = (torch.randn(args.seqs, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
-    last = args.keys - 1
-    pos = torch.full((args.seqs,), last, dtype=torch.int32)
-    seq = torch.arange(args.seqs, dtype=torch.int32)
-    slots = torch.tensor([int(tables[i, last // BLOCK]) * BLOCK + last % BLOCK for i in range(args.seqs)])
+    # The query tokens: each sequence's last key (a decode step), or all its keys in order (a prompt).
+    queries = range(args.keys) if args.prefill else [args.keys - 1]
+    tokens = args.seqs * len(queries)
+    q = torch.randn(tokens, HEADS, HEAD_DIM).bfloat16()
+    k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
+    pos = torch.tensor([p for _ in range(args.seqs) for p in queries], dtype=torch.int32)
+    seq = torch.tensor([i for i in range(args.seqs) for _ in queries], dtype=torch.int32)
+    slots = torch.tensor([int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for i in range(args.seqs) for p in queries])
 
     def step() -> None:
         for k_cache, v_cache in caches:
@@ -60,9 +65,11 @@ def main() -> None:
     median = statistics.median(times)
     megabytes = LAYERS * args.seqs * args.keys * KV_HEADS * HEAD_DIM * 2 * 2 / 1e6
     print(machine.header())
-    print(f"decode attention, {args.seqs} sequences x {args.keys} keys, {LAYERS} layers"
-          f"{' (one cache, hot)' if args.hot else ''}: {median * 1e3:.2f} ms per step (median of {args.rounds}), "
-          f"{megabytes:.0f} MB of K/V, {megabytes / median / 1e3:.1f} GB/s")
+    # A prompt's tokens read their sequence's rows over and over, from cache: no bandwidth figure for it.
+    bandwidth = "" if args.prefill else f", {megabytes:.0f} MB of K/V, {megabytes / median / 1e3:.1f} GB/s"
+    print(f"{'prefill' if args.prefill else 'decode'} attention, {args.seqs} sequences x {args.keys} keys, {LAYERS} layers"
+          f"{' (one cache, hot)' if args.hot else ''}: {median * 1e3:.2f} ms per step (median of {args.rounds})"
+          f"{bandwidth}")
 
 if __name__ == "__main__":
     main()
