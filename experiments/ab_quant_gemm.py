@@ -19,6 +19,7 @@ with AVX-512 VNNI (the avx512_bf16 kernel build).
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import tempfile
@@ -89,10 +90,7 @@ def main() -> None:
         sys.exit("ab_quant_gemm.py times the VNNI int8 kernel: this CPU has no AVX-512 BF16/VNNI build")
     with tempfile.TemporaryDirectory() as build_dir:
         versions = [build(path, i, Path(build_dir)) for i, path in enumerate((args.before, args.after))]
-        shapes = step_shapes()
-        layers: dict[tuple[int, int], int] = {}
-        for shape in shapes:
-            layers[shape] = layers.get(shape, 0) + 1
+        layers = collections.Counter(step_shapes())  # (n, k) -> linears of that shape in a step
         generator = torch.Generator().manual_seed(0)
         for rows in (int(r) for r in args.rows.split(",")):
             # Distinct weight sets per shape (up to 30, 2 for the LM head), so that weights stream as in a step.

@@ -90,14 +90,22 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__)
+// max |x| over n values (n a multiple of 8), in 8 lanes (each the max of every 8th value).
+template <typename T>
+inline __m256 abs_max_lanes(const T* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x + i)));
+  return m;
+}
+#endif
+
 // max |x| over n values (n a multiple of 32).
 template <typename T>
 inline float abs_max(const T* x, int64_t n) {
 #if defined(__AVX2__)
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x + i)));
-  return hmax8(m);
+  return hmax8(abs_max_lanes(x, n));
 #else
   float m = 0.f;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(to_float(x[i])));
@@ -106,12 +114,19 @@ inline float abs_max(const T* x, int64_t n) {
 }
 
 #if defined(__AVX2__)
-// Four 8-lane groups of int32 codes (values 0-7, 8-15, ...) stored as 32 int8 in order: two saturating packs
-// interleave the groups per 128-bit half; one permute restores the order.
-inline void store_codes32(__m256i i0, __m256i i1, __m256i i2, __m256i i3, int8_t* q) {
+// 32 values to int8 codes round(x * mul) (round half to even) stored at q; returns the codes' sums in 8 lanes.
+// The four 8-lane groups of codes are stored in order: two saturating packs interleave them per 128-bit half, one
+// permute restores the order.
+template <typename T>
+inline __m256i quantize32_lanes(const T* x, __m256 mul, int8_t* q) {
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x), mul));
+  const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8), mul));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 16), mul));
+  const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 24), mul));
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
 }
 #endif
 
@@ -119,13 +134,7 @@ inline void store_codes32(__m256i i0, __m256i i1, __m256i i2, __m256i i3, int8_t
 template <typename T>
 inline int quantize32(const T* x, float inv, int8_t* q) {
 #if defined(__AVX2__)
-  const __m256 mul = _mm256_set1_ps(inv);
-  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x), mul));
-  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8), mul));
-  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 16), mul));
-  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 24), mul));
-  store_codes32(i0, i1, i2, i3, q);
-  return hsum8i(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+  return hsum8i(quantize32_lanes(x, _mm256_set1_ps(inv), q));
 #else
   int sum = 0;
   for (int i = 0; i < QK; ++i) {
@@ -153,13 +162,8 @@ inline void split_codes(const int8_t* codes, int8_t* split) {
 // by block they took a horizontal reduction or a scalar division each (the quantizer's cost at a prefill's rows).
 template <typename T>
 inline void quantize8_blocks(const T* x, int8_t* q, float* d, float* s, int32_t* code_sums, int8_t* split) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 peaks[8];
-  for (int j = 0; j < 8; ++j) {
-    const T* xb = x + j * QK;
-    peaks[j] = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, load8(xb)), _mm256_andnot_ps(sign, load8(xb + 8))),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, load8(xb + 16)), _mm256_andnot_ps(sign, load8(xb + 24))));
-  }
+  for (int j = 0; j < 8; ++j) peaks[j] = abs_max_lanes(x + j * QK, QK);
   const __m256 amax = max_each8(peaks), c127 = _mm256_set1_ps(127.f);
   const __m256 scale = _mm256_div_ps(amax, c127);
   // 127 / amax, or 0 for an all-zero block (as the per-block path's amax > 0 test).
@@ -168,15 +172,8 @@ inline void quantize8_blocks(const T* x, int8_t* q, float* d, float* s, int32_t*
   _mm256_store_ps(invs, inv);
   __m256i sums[8];
   for (int j = 0; j < 8; ++j) {
-    const T* xb = x + j * QK;
-    const __m256 mul = _mm256_set1_ps(invs[j]);
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb), mul));
-    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 8), mul));
-    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 16), mul));
-    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + 24), mul));
-    sums[j] = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
     alignas(32) int8_t block[QK];  // the codes on their way to split
-    store_codes32(i0, i1, i2, i3, split != nullptr ? block : q + j * QK);
+    sums[j] = quantize32_lanes(x + j * QK, _mm256_set1_ps(invs[j]), split != nullptr ? block : q + j * QK);
     if (split != nullptr) split_codes(block, split + j * 2 * QK);
   }
   const __m256i total = sum_each8i(sums);
