@@ -65,18 +65,29 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 // Lane i of the result is the sum of the 16 lanes of v[i].
-inline __m512 sum_each16(const __m512* v) {
+// (The tree's shuffles move 32-bit lanes whatever they hold; `add` adds them as floats or as integers.)
+template <typename Add>
+inline __m512 sum_each16_with(const __m512* v, Add add) {
   __m512 w[8], x[4];
   for (int i = 0; i < 8; ++i)  // lanes of each 128-bit quarter: pairwise sums of v[2i] and v[2i+1], interleaved
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    w[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int j = 0; j < 4; ++j) {  // each 128-bit quarter: one partial sum of each of v[4j .. 4j+3]
     const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
-    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    x[j] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], even), _mm512_shuffle_f32x4(x[0], x[1], odd));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], even), _mm512_shuffle_f32x4(x[2], x[3], odd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, even), _mm512_shuffle_f32x4(y0, y1, odd));
+  const __m512 y0 = add(_mm512_shuffle_f32x4(x[0], x[1], even), _mm512_shuffle_f32x4(x[0], x[1], odd));
+  const __m512 y1 = add(_mm512_shuffle_f32x4(x[2], x[3], even), _mm512_shuffle_f32x4(x[2], x[3], odd));
+  return add(_mm512_shuffle_f32x4(y0, y1, even), _mm512_shuffle_f32x4(y0, y1, odd));
+}
+inline __m512 sum_each16(const __m512* v) {
+  return sum_each16_with(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+// The same for int32 lanes: lane i of the result is the sum of v[i]'s 16 lanes, exactly.
+inline __m512i sum_each16(const __m512i* v) {
+  return _mm512_castps_si512(sum_each16_with(reinterpret_cast<const __m512*>(v), [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
 }
 #endif
 

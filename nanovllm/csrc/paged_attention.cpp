@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 
 namespace {
 
@@ -271,6 +273,11 @@ struct ModelRows {
   static constexpr bool kScaled = false;
   static Lanes load(const scalar_t* p) { return load_lanes(p); }
   static float scale(const scalar_t*) { return 1.f; }
+#if defined(__AVX512BF16__)
+  static constexpr bool kInt16Dot = false;
+  // 32 values as bf16 pairs for the dot-product kernel (attend_avx512_bf16; bfloat16 rows only), as stored.
+  static __m512bh load_bf16(const scalar_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+#endif
 };
 
 // Rows of an 8-bit cache: head_dim codes then the row's float32 scale (nanovllm/attention/kv_quant.py's layout).
@@ -282,6 +289,21 @@ struct EightBitRows {
   static constexpr bool kScaled = true;
   static Lanes load(const uint8_t* p) { return decode_lanes<C>(p); }
   static float scale(const uint8_t* row) { return row_scale(row, D) * decode_factor<C>(); }
+#if defined(__AVX512BF16__)
+  // 32 codes as bf16 for the dot-product kernel: decoded to float32, then packed. Both steps are exact: an int8
+  // code is an integer of at most 8 bits and e4m3 has 3 mantissa bits, both within bf16's 8.
+  static __m512bh load_bf16(const uint8_t* p) { return _mm512_cvtne2ps_pbh(decode16<C>(p + 16), decode16<C>(p)); }
+#if defined(__AVX512VNNI__)
+  // int8 codes are integers: the dot-product kernel's Q.K^T takes them widened to int16 (one instruction per 32
+  // codes, where bf16 takes five) against the query in int16 (vpdpwssd).
+  static constexpr bool kInt16Dot = C == KVCodes::kInt8;
+  static __m512i load_i16(const uint8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#else
+  static constexpr bool kInt16Dot = false;
+#endif
+#endif
 };
 
 #endif  // __AVX2__
@@ -326,7 +348,9 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
 #pragma omp parallel
   {
     std::vector<float> scores;
+    std::vector<const Cache*> value_rows;
     alignas(64) float tile[16][D];
+    alignas(64) float key_scales[16];  // an 8-bit tile's row scales, applied to its 16 scores at once
     alignas(64) float result[G * D];
 #pragma omp for schedule(dynamic, 2)
     for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
@@ -351,13 +375,11 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
         ahead.pass1(first);
         for (int k = 0; k < n; ++k) {
           const Cache* kp = slot_row(k_cache, first + k);
-          if constexpr (Rows::kScaled) {
-            const __m512 key_scale = _mm512_set1_ps(Rows::scale(kp));
-            for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], _mm512_mul_ps(Rows::load(kp + 16 * j), key_scale));
-          } else {
-            for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], Rows::load(kp + 16 * j));
-          }
+          if constexpr (Rows::kScaled) key_scales[k] = Rows::scale(kp);
+          for (int j = 0; j < V; ++j) _mm512_store_ps(&tile[k][16 * j], Rows::load(kp + 16 * j));
         }
+        if constexpr (Rows::kScaled)
+          for (int k = n; k < 16; ++k) key_scales[k] = 0.f;
         for (int g = 0; g < G; ++g) {
           __m512 dots[16];
           for (int k = 0; k < 16; ++k) {
@@ -369,7 +391,10 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
             for (int j = 1; j < V; ++j) acc = _mm512_fmadd_ps(qv[g][j], _mm512_load_ps(&tile[k][16 * j]), acc);
             dots[k] = acc;
           }
-          _mm512_storeu_ps(scores.data() + g * stride + first, sum_each16(dots));
+          // An 8-bit key's scale multiplies its score, not its 64 decoded values (one vector op per 16 keys).
+          const __m512 sums = sum_each16(dots);
+          _mm512_storeu_ps(scores.data() + g * stride + first,
+                           Rows::kScaled ? _mm512_mul_ps(sums, _mm512_load_ps(key_scales)) : sums);
         }
       }
       // Softmax numerators exp(s - max) in place; the normalization waits until the end.
@@ -381,19 +406,28 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
           return e;
         });
       }
+      // Each value row located first (no block-table lookup inside pass 2), and an 8-bit row's scale folded into
+      // its key's weights (after the exp-sum, which the normalization divides by), as in attend_avx2.
+      value_rows.resize(num_keys);
+      for (int64_t key = 0; key < num_keys; ++key) {
+        if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
+        value_rows[key] = slot_row(v_cache, key);
+        if constexpr (Rows::kScaled) {
+          const float value_scale = Rows::scale(value_rows[key]);
+          for (int g = 0; g < G; ++g) scores[g * stride + key] *= value_scale;
+        }
+      }
       // Pass 2: the weighted sum of values, accumulators in registers.
       __m512 acc[G][V];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+      const float* weights = scores.data();
       for (int64_t key = 0; key < num_keys; ++key) {
-        if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
-        const Cache* vp = slot_row(v_cache, key);
-        const float value_scale = Rows::scale(vp);  // folded into the key's weight (1 for model-dtype rows)
+        const Cache* vp = value_rows[key];
         __m512 vv[V];
         for (int j = 0; j < V; ++j) vv[j] = Rows::load(vp + 16 * j);
         for (int g = 0; g < G; ++g) {
-          const float weight = scores[g * stride + key];
-          const __m512 p = _mm512_set1_ps(Rows::kScaled ? weight * value_scale : weight);
+          const __m512 p = _mm512_set1_ps(weights[g * stride + key]);
           for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
         }
       }
@@ -415,85 +449,234 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
 // their V rows interleaved element by element; the accumulators then hold each 32-wide slice of the head in a
 // fixed lane order (unpacklo/unpackhi of 128-bit lanes), put back in order once at the end. Softmax, its
 // normalization and all accumulation stay float32.
-template <int D, int G>
-void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
-                        const c10::BFloat16* v_cache, const int32_t* block_tables, int64_t max_blocks,
+//
+// Rows is how it reads the cache: ModelRows for a bfloat16 cache; EightBitRows for an 8-bit one (bfloat16 models
+// only), each K row's scale multiplying its 16 scores after the dot products and each V row's scale folded into
+// its key's weight. e4m3 codes become bf16 exactly (Rows::load_bf16) and take the bf16 products above. int8 codes
+// are integers and take integer products (Rows::kInt16Dot, vpdpwssd: int16 pairs into int32): the codes widened
+// to int16 (one instruction per 32, where decoding to bf16 takes five), the query in int16 with one step per
+// query head and the weights in int16 with one step per query head and item, both 1/32767 of the largest, finer
+// than bf16's 8 bits for every value that weighs. Decoding codes to float32 for FMAs (attend_avx512) had made the
+// 8-bit cache slower per step than the bfloat16 one despite half the bytes; docs/speed.md has the timings.
+template <typename Rows, int D, int G>
+void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const typename Rows::Cache* k_cache,
+                        const typename Rows::Cache* v_cache, const int32_t* block_tables, int64_t max_blocks,
                         const int32_t* seq, const int32_t* pos, c10::BFloat16* out, int64_t num_tokens,
                         int64_t num_kv_heads, int64_t block_size, float scale) {
-  constexpr int W = D / 32;  // 512-bit vectors per bf16 head row
-  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * D;
-  const auto row_bh = [](const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
+  using Cache = typename Rows::Cache;
+  constexpr int W = D / 32;  // bf16 vectors of 32 per head row
+  const int64_t num_heads = num_kv_heads * G, kv_row = num_kv_heads * Rows::kRow;
+  // A token's KV heads (consecutive items) on one thread, one after the other, once there are tokens enough to
+  // share out (4 chunks a thread): the heads' rows lie side by side in each cache slot, so the cache lines one
+  // head fetches hold part of the next head's row. (An 8-bit row, 68 bytes, shares lines with its neighbours
+  // most of the time.) With fewer tokens, items of 1 key head keep every thread busy.
+  const int64_t chunk = num_tokens >= 4 * omp_get_max_threads() ? num_kv_heads : 1;
 #pragma omp parallel
   {
     std::vector<float> scores;
     std::vector<uint16_t> probs;  // bf16 bit patterns of the softmax numerators, padded with a zero
-#pragma omp for schedule(dynamic, 2)
+    std::vector<const Cache*> value_rows;  // 8-bit caches: each key's V row, located before pass 2
+    std::vector<float> value_scales;       // and its scale, padded with zeros to a multiple of 16 keys
+    alignas(64) float key_scales[16];      // 8-bit caches: the scales of 16 keys' K rows
+    alignas(64) __m512bh key_tile[16][W];  // and the rows as bf16, converted once for the G query heads
+    alignas(64) __m512i key_tile16[16][W];  // or as int16 (Rows::kInt16Dot)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1, stride = (num_keys + 15) / 16 * 16;
       const int32_t* table = block_tables + static_cast<int64_t>(seq[t]) * max_blocks;
-      const auto slot_row = [&](const c10::BFloat16* cache, int64_t key) {
+      const auto slot_row = [&](const Cache* cache, int64_t key) {
         const int64_t slot = key_slot(table, key, block_size);
-        return cache + slot * kv_row + h * D;
+        return cache + slot * kv_row + h * Rows::kRow;
       };
       scores.resize(G * stride);
       probs.resize(G * stride);
       __m512bh qv[G][W];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < W; ++j) qv[g][j] = row_bh(q + t * q_stride + (h * G + g) * D + 32 * j);
-      const RowPrefetch<c10::BFloat16> ahead{k_cache, v_cache, table, block_size, kv_row, h * D,
-                                             D * sizeof(c10::BFloat16),
-                                             lone_query(seq, t, num_tokens) ? num_keys : 0};
+      __m512i q16[G][W];  // Rows::kInt16Dot: each query head in int16, q16 * q_step[g] ~ q
+      float q_step[G];
+      for (int g = 0; g < G; ++g) {
+        const c10::BFloat16* qg = q + t * q_stride + (h * G + g) * D;
+        if constexpr (Rows::kInt16Dot) {
+          // One scale per query head, max|q| / 32767: a step 1/32767 of the largest element, where bf16 itself
+          // holds each element to 1/256 of its own size, so the products stay as exact as the bf16 kernel's.
+          __m512 lanes[2 * W], peak = _mm512_setzero_ps();
+          for (int i = 0; i < 2 * W; ++i) {
+            lanes[i] = load16(qg + 16 * i);
+            peak = _mm512_max_ps(peak, _mm512_abs_ps(lanes[i]));
+          }
+          const float amax = _mm512_reduce_max_ps(peak);
+          const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+          q_step[g] = amax / 32767.f;
+          for (int j = 0; j < W; ++j) {
+            const __m256i lo = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lanes[2 * j], inv)));
+            const __m256i hi = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lanes[2 * j + 1], inv)));
+            q16[g][j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          }
+        } else {
+          for (int j = 0; j < W; ++j) qv[g][j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qg + 32 * j));
+        }
+      }
+      const RowPrefetch<Cache> ahead{k_cache, v_cache, table, block_size, kv_row, h * Rows::kRow,
+                                     Rows::kRow * static_cast<int64_t>(sizeof(Cache)),
+                                     lone_query(seq, t, num_tokens) ? num_keys : 0};
       // Pass 1: scaled scores, 16 keys at a time, reduced together (sum_each16).
       const __m512 scale16 = _mm512_set1_ps(scale);
       for (int64_t first = 0; first < num_keys; first += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, num_keys - first));
         ahead.pass1(first);
-        const c10::BFloat16* rows[16];
-        for (int k = 0; k < n; ++k) rows[k] = slot_row(k_cache, first + k);
+        const Cache* rows[16];
+        for (int k = 0; k < n; ++k) {
+          rows[k] = slot_row(k_cache, first + k);
+          if constexpr (Rows::kScaled) {
+            key_scales[k] = Rows::scale(rows[k]);
+            for (int j = 0; j < W; ++j) {
+              if constexpr (Rows::kInt16Dot) key_tile16[k][j] = Rows::load_i16(rows[k] + 32 * j);
+              else key_tile[k][j] = Rows::load_bf16(rows[k] + 32 * j);
+            }
+          }
+        }
+        if constexpr (Rows::kScaled)
+          for (int k = n; k < 16; ++k) key_scales[k] = 0.f;
+        const __m512 score_scale = Rows::kScaled ? _mm512_mul_ps(_mm512_load_ps(key_scales), scale16) : scale16;
+        if constexpr (Rows::kInt16Dot) {
+          for (int g = 0; g < G; ++g) {
+            __m512i dots[16];  // int32: at most 64 products of 127 x 32767 each, far below 2^31
+            for (int k = 0; k < 16; ++k) {
+              __m512i acc = _mm512_setzero_si512();
+              if (k < n)
+                for (int j = 0; j < W; ++j) acc = _mm512_dpwssd_epi32(acc, q16[g][j], key_tile16[k][j]);
+              dots[k] = acc;
+            }
+            _mm512_storeu_ps(scores.data() + g * stride + first,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(sum_each16(dots)),
+                                           _mm512_mul_ps(score_scale, _mm512_set1_ps(q_step[g]))));
+          }
+          continue;
+        }
         for (int g = 0; g < G; ++g) {
           __m512 dots[16];
           for (int k = 0; k < 16; ++k) {
             __m512 acc = _mm512_setzero_ps();
             if (k < n)
-              for (int j = 0; j < W; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], row_bh(rows[k] + 32 * j));
+              for (int j = 0; j < W; ++j) {
+                if constexpr (Rows::kScaled) acc = _mm512_dpbf16_ps(acc, qv[g][j], key_tile[k][j]);
+                else acc = _mm512_dpbf16_ps(acc, qv[g][j], Rows::load_bf16(rows[k] + 32 * j));
+              }
             dots[k] = acc;
           }
-          _mm512_storeu_ps(scores.data() + g * stride + first, _mm512_mul_ps(sum_each16(dots), scale16));
+          _mm512_storeu_ps(scores.data() + g * stride + first, _mm512_mul_ps(sum_each16(dots), score_scale));
         }
       }
-      // Softmax numerators exp(s - max), rounded to bf16 for P.V; the normalization waits until the end.
-      float inv_sum[G];
+      if constexpr (Rows::kScaled) {
+        value_rows.resize(num_keys);
+        value_scales.assign(stride, 0.f);
+        for (int64_t key = 0; key < num_keys; ++key) {
+          if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
+          value_rows[key] = slot_row(v_cache, key);
+          value_scales[key] = Rows::scale(value_rows[key]);
+        }
+      }
+      // Softmax numerators exp(s - max), rounded to bf16 for P.V (int8 caches: to int16, below); the
+      // normalization waits until the end.
+      float inv_sum[G], p_step[G];
       for (int g = 0; g < G; ++g) {
         uint16_t* pg = probs.data() + g * stride;
-        // The sum is of the rounded numerators, so that the weights P.V applies sum to one.
-        inv_sum[g] = softmax_numerators(scores.data() + g * stride, num_keys, [&](int64_t key, __m512 e) {
-          nanovllm::store16(reinterpret_cast<c10::BFloat16*>(pg + key), e);
-          return nanovllm::round16(e, static_cast<c10::BFloat16*>(nullptr));
+        float* sg = scores.data() + g * stride;
+        __m512 peak = _mm512_setzero_ps();
+        inv_sum[g] = softmax_numerators(sg, num_keys, [&](int64_t key, __m512 e) {
+          if constexpr (Rows::kInt16Dot) {
+            // The weight times the V row's scale, kept in float32 for now; the sum stays the numerators'.
+            const __m512 weight = _mm512_mul_ps(e, _mm512_loadu_ps(value_scales.data() + key));
+            _mm512_storeu_ps(sg + key, weight);
+            peak = _mm512_max_ps(peak, weight);
+            return e;
+          } else if constexpr (Rows::kScaled) {
+            // The weight P.V applies is the numerator times the V row's scale; the sum stays the numerators'.
+            nanovllm::store16(reinterpret_cast<c10::BFloat16*>(pg + key),
+                              _mm512_mul_ps(e, _mm512_loadu_ps(value_scales.data() + key)));
+            return e;
+          } else {
+            // The sum is of the rounded numerators, so that the weights P.V applies sum to one.
+            nanovllm::store16(reinterpret_cast<c10::BFloat16*>(pg + key), e);
+            return nanovllm::round16(e, static_cast<c10::BFloat16*>(nullptr));
+          }
         });
+        if constexpr (Rows::kInt16Dot) {
+          // The weights in int16 against the largest: a step of 1/32767 of it, so the weights that matter are
+          // held to ~1e-5 of their size (bf16's: 1/256), and the small ones to an error far below their share.
+          const float amax = _mm512_reduce_max_ps(peak);
+          const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+          p_step[g] = amax / 32767.f;
+          for (int64_t key = 0; key < stride; key += 16)  // lanes past the last key are 0, the pair padding too
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + key),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sg + key), inv))));
+        }
       }
       // Pass 2: two keys per step; lane 2i / 2i+1 of each 32-bit pair holds key / key + 1.
       __m512 lo[G][W], hi[G][W];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < W; ++j) lo[g][j] = hi[g][j] = _mm512_setzero_ps();
-      for (int64_t key = 0; key < num_keys; key += 2) {
-        if (key % RowPrefetch<c10::BFloat16>::kAhead == 0) ahead.pass2(key);
-        const c10::BFloat16* va = slot_row(v_cache, key);
-        const c10::BFloat16* vb = key + 1 < num_keys ? slot_row(v_cache, key + 1) : nullptr;
-        __m512i pairs_lo[W], pairs_hi[W];
-        for (int j = 0; j < W; ++j) {
-          const __m512i a = _mm512_loadu_si512(va + 32 * j);
-          const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * j) : _mm512_setzero_si512();
-          pairs_lo[j] = _mm512_unpacklo_epi16(a, b);
-          pairs_hi[j] = _mm512_unpackhi_epi16(a, b);
+      if constexpr (Rows::kInt16Dot) {
+        // int8 caches: the V codes widened to int16, times the int16 weights (vpdpwssd), into int32 sums that
+        // go to the float32 accumulators every kFlush keys (|sum| <= kFlush * 32767 * 127 < 2^31).
+        constexpr int64_t kFlush = 256;
+        for (int64_t begin = 0; begin < num_keys; begin += kFlush) {
+          __m512i lo_i[G][W], hi_i[G][W];
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < W; ++j) lo_i[g][j] = hi_i[g][j] = _mm512_setzero_si512();
+          for (int64_t key = begin; key < std::min(num_keys, begin + kFlush); key += 2) {
+            const Cache* va = value_rows[key];
+            const Cache* vb = key + 1 < num_keys ? value_rows[key + 1] : nullptr;
+            __m512i pairs_lo[W], pairs_hi[W];
+            for (int j = 0; j < W; ++j) {
+              const __m512i a = Rows::load_i16(va + 32 * j);
+              const __m512i b = vb ? Rows::load_i16(vb + 32 * j) : _mm512_setzero_si512();
+              pairs_lo[j] = _mm512_unpacklo_epi16(a, b);
+              pairs_hi[j] = _mm512_unpackhi_epi16(a, b);
+            }
+            for (int g = 0; g < G; ++g) {
+              int32_t pair;  // (p[key], p[key + 1]) as two int16; p[num_keys] is the zero padding
+              std::memcpy(&pair, probs.data() + g * stride + key, sizeof(pair));
+              const __m512i p = _mm512_set1_epi32(pair);
+              for (int j = 0; j < W; ++j) {
+                lo_i[g][j] = _mm512_dpwssd_epi32(lo_i[g][j], pairs_lo[j], p);
+                hi_i[g][j] = _mm512_dpwssd_epi32(hi_i[g][j], pairs_hi[j], p);
+              }
+            }
+          }
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < W; ++j) {
+              lo[g][j] = _mm512_add_ps(lo[g][j], _mm512_cvtepi32_ps(lo_i[g][j]));
+              hi[g][j] = _mm512_add_ps(hi[g][j], _mm512_cvtepi32_ps(hi_i[g][j]));
+            }
         }
-        for (int g = 0; g < G; ++g) {
-          uint32_t pair;  // (p[key], p[key + 1]) as two bf16; p[num_keys] is the zero padding
-          std::memcpy(&pair, probs.data() + g * stride + key, sizeof(pair));
-          const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        for (int g = 0; g < G; ++g) inv_sum[g] *= p_step[g];  // the weights' int16 step, applied once
+      } else {
+        for (int64_t key = 0; key < num_keys; key += 2) {
+          const Cache *va, *vb;
+          if constexpr (Rows::kScaled) {
+            va = value_rows[key];
+            vb = key + 1 < num_keys ? value_rows[key + 1] : nullptr;
+          } else {
+            if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
+            va = slot_row(v_cache, key);
+            vb = key + 1 < num_keys ? slot_row(v_cache, key + 1) : nullptr;
+          }
+          __m512i pairs_lo[W], pairs_hi[W];
           for (int j = 0; j < W; ++j) {
-            lo[g][j] = _mm512_dpbf16_ps(lo[g][j], reinterpret_cast<__m512bh>(pairs_lo[j]), p);
-            hi[g][j] = _mm512_dpbf16_ps(hi[g][j], reinterpret_cast<__m512bh>(pairs_hi[j]), p);
+            const __m512i a = reinterpret_cast<__m512i>(Rows::load_bf16(va + 32 * j));
+            const __m512i b = vb ? reinterpret_cast<__m512i>(Rows::load_bf16(vb + 32 * j)) : _mm512_setzero_si512();
+            pairs_lo[j] = _mm512_unpacklo_epi16(a, b);
+            pairs_hi[j] = _mm512_unpackhi_epi16(a, b);
+          }
+          for (int g = 0; g < G; ++g) {
+            uint32_t pair;  // (p[key], p[key + 1]) as two bf16; p[num_keys] is the zero padding
+            std::memcpy(&pair, probs.data() + g * stride + key, sizeof(pair));
+            const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+            for (int j = 0; j < W; ++j) {
+              lo[g][j] = _mm512_dpbf16_ps(lo[g][j], reinterpret_cast<__m512bh>(pairs_lo[j]), p);
+              hi[g][j] = _mm512_dpbf16_ps(hi[g][j], reinterpret_cast<__m512bh>(pairs_hi[j]), p);
+            }
           }
         }
       }
@@ -521,8 +704,8 @@ void attend_vectorized(const scalar_t* q, int64_t q_stride, const scalar_t* k_ca
                        scalar_t* out, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, float scale) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    attend_avx512_bf16<D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq, pos, out, num_tokens,
-                             num_kv_heads, block_size, scale);
+    attend_avx512_bf16<ModelRows<c10::BFloat16, D>, D, G>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
+                                                         seq, pos, out, num_tokens, num_kv_heads, block_size, scale);
     return;
   }
 #endif
@@ -919,7 +1102,17 @@ void paged_attention_8bit_impl(const at::Tensor& q, const at::Tensor& k, const a
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (with_head_shape(head_dim, num_heads / num_kv_heads, [&](auto d, auto g) {
-          attend_avx512<scalar_t, EightBitRows<C, decltype(d)::value>, decltype(d)::value, decltype(g)::value>(
+          using Rows = EightBitRows<C, decltype(d)::value>;
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // the bf16 dot-product kernel, codes as bf16
+            attend_avx512_bf16<Rows, decltype(d)::value, decltype(g)::value>(
+                q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens,
+                num_kv_heads, block_size, scale);
+            return;
+          }
+#endif
+          attend_avx512<scalar_t, Rows, decltype(d)::value, decltype(g)::value>(
               q.data_ptr<scalar_t>(), q.stride(0), kc, vc, block_tables.data_ptr<int32_t>(), block_tables.size(1),
               seq.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_tokens, num_kv_heads,
               block_size, scale);

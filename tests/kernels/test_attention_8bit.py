@@ -161,3 +161,39 @@ def test_quantize_is_per_token_and_head_symmetric_and_keeps_zero_rows_finite(fmt
     rows = back.abs().amax(-1)
     torch.testing.assert_close(rows, x.abs().amax(-1), rtol=1e-6, atol=0)
     assert _relative_error(back[0], x[0]) < REL_TOL[fmt]
+
+
+@pytest.mark.parametrize("fmt", sorted(kv_quant.FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query", ["random", "zero"])
+def test_long_8bit_decodes_match_the_reference(fmt, dtype, query, kernel_isa):
+    """Decodes over 1,500 cached keys, past the lengths of the random steps above: the bf16 kernel's int8 path
+    sums its int16 products in int32 over at most 256 keys at a time: a zero query weighs every key alike, near
+    the largest int16 weight, and over values all near 1 (codes near 127) a sum over all 1,500 keys would
+    overflow (1,500 x ~32,000 x ~100 > 2^31). The output stays the torch reference's, and with the zero query it
+    is the mean of the dequantized values."""
+    num_heads, num_kv_heads, head_dim, block_size, keys, seqs = 9, 3, 64, 16, 1500, 3
+    torch.manual_seed(7)
+    blocks_per_seq = -(-keys // block_size)
+    order = torch.randperm(seqs * blocks_per_seq).view(seqs, blocks_per_seq)
+    meta = AttentionMetadata(query_lens=[1] * seqs, seq_lens=[keys] * seqs, block_tables=order.tolist(),
+                             slot_mapping=order[:, (keys - 1) // block_size] * block_size + (keys - 1) % block_size,
+                             block_size=block_size)
+    values = torch.randn(2, seqs * blocks_per_seq, block_size, num_kv_heads, head_dim)
+    values = (1 + 0.1 * values if query == "zero" else values).to(dtype)
+    packed = kv_quant.quantize(values, kv_quant.FORMATS[fmt])
+    make = torch.zeros if query == "zero" else torch.randn
+    q = make(seqs, num_heads, head_dim).to(dtype)
+    k, v = (make(seqs, num_kv_heads, head_dim).to(dtype) for _ in range(2))
+    ours = _attend({"name": "cpu", "isa": kernel_isa}, packed.clone(), meta, q, k, v, (num_heads, num_kv_heads),
+                   head_dim)
+    written = packed.clone()
+    reference = _attend("torch", written, meta, q, k, v, (num_heads, num_kv_heads), head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tol, rtol=tol)
+    if query == "zero":  # every key weighs 1 / keys: the mean of each sequence's dequantized V rows
+        dequantized = kv_quant.dequantize(written[1], kv_quant.FORMATS[fmt]).flatten(0, 1)  # [slots, KVH, D]
+        rows = torch.stack([dequantized[(order[i, :, None] * block_size + torch.arange(block_size)).flatten()[:keys]]
+                            for i in range(seqs)])  # [seqs, keys, KVH, D]
+        mean = rows.mean(1).repeat_interleave(num_heads // num_kv_heads, dim=1).flatten(1)
+        torch.testing.assert_close(ours.float(), mean, atol=tol, rtol=tol)
