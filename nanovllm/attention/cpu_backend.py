@@ -18,9 +18,10 @@ default every token goes to the kernel. ``sdpa_min_query`` sends long chunks to
 SDPA instead, which can pay on CPUs without AVX-512, where the kernel runs its plain loop.
 
 8-bit caches (``kv_cache_dtype=int8`` / ``fp8_e4m3``, layout in ``kv_quant``) go to the kernel's
-``paged_attention_8bit``: it quantizes the new K/V rows as it writes them, and decodes each cached row to float32
-inside its attention loop: the AVX-512 kernel's (16 keys a tile, as above) on the AVX-512 builds, a portable,
-compiler-vectorized loop on the others.
+``paged_attention_8bit``: it quantizes the new K/V rows as it writes them and reads each cached row inside its
+attention loop: for bfloat16 models on AVX-512 BF16 CPUs the bf16 dot-product kernel (int8 codes in int16 integer
+products, e4m3 codes as bf16), else the float32 AVX-512 kernel (16 keys a tile, as above) on the AVX-512 builds,
+the AVX2 kernel on the avx2 build, and a portable, compiler-vectorized loop on the others (docs/kv_cache_dtype.md).
 """
 
 from __future__ import annotations
