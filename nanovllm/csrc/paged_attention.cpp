@@ -308,6 +308,26 @@ struct EightBitRows {
 
 #endif  // __AVX2__
 
+#if defined(__AVX2__)
+// Before the vector kernels' pass 2 (attend_avx512, attend_avx2): each key's value row located into value_rows
+// (fetching rows ahead, RowPrefetch::pass2), and an 8-bit row's scale folded into its key's G weights in
+// `weights` (rows of `stride`; after the exp-sum, which the normalization divides by).
+template <typename Rows, int G, typename SlotRow>
+inline void locate_value_rows(const RowPrefetch<typename Rows::Cache>& ahead, SlotRow slot_row,
+                              const typename Rows::Cache* v_cache, int64_t num_keys, int64_t stride,
+                              std::vector<const typename Rows::Cache*>& value_rows, float* weights) {
+  value_rows.resize(num_keys);
+  for (int64_t key = 0; key < num_keys; ++key) {
+    if (key % RowPrefetch<typename Rows::Cache>::kAhead == 0) ahead.pass2(key);
+    value_rows[key] = slot_row(v_cache, key);
+    if constexpr (Rows::kScaled) {
+      const float value_scale = Rows::scale(value_rows[key]);
+      for (int g = 0; g < G; ++g) weights[g * stride + key] *= value_scale;
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // Softmax numerators exp(s - max) of one query head's scores ``sg`` over ``num_keys`` keys, 16 at a time (lanes
 // past the last key are 0): ``store(key, e)`` keeps each group of 16 where the caller wants it and returns them
@@ -406,17 +426,8 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
           return e;
         });
       }
-      // Each value row located first (no block-table lookup inside pass 2), and an 8-bit row's scale folded into
-      // its key's weights (after the exp-sum, which the normalization divides by), as in attend_avx2.
-      value_rows.resize(num_keys);
-      for (int64_t key = 0; key < num_keys; ++key) {
-        if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
-        value_rows[key] = slot_row(v_cache, key);
-        if constexpr (Rows::kScaled) {
-          const float value_scale = Rows::scale(value_rows[key]);
-          for (int g = 0; g < G; ++g) scores[g * stride + key] *= value_scale;
-        }
-      }
+      // Each value row located first (no block-table lookup inside pass 2), its scale in the weights.
+      locate_value_rows<Rows, G>(ahead, slot_row, v_cache, num_keys, stride, value_rows, scores.data());
       // Pass 2: the weighted sum of values, accumulators in registers.
       __m512 acc[G][V];
       for (int g = 0; g < G; ++g)
@@ -825,17 +836,8 @@ void attend_avx2(const scalar_t* q, int64_t q_stride, const typename Rows::Cache
         for (float lane_sum : lanes) total += lane_sum;
         inv_sum[g] = 1.f / total;
       }
-      // Each value row located once (pass 2 reads it once per slice), and an 8-bit row's scale folded into its
-      // key's weights (after the exp-sum, which the normalization divides by).
-      value_rows.resize(num_keys);
-      for (int64_t key = 0; key < num_keys; ++key) {
-        if (key % RowPrefetch<Cache>::kAhead == 0) ahead.pass2(key);
-        value_rows[key] = slot_row(v_cache, key);
-        if constexpr (Rows::kScaled) {
-          const float value_scale = Rows::scale(value_rows[key]);
-          for (int g = 0; g < G; ++g) scores[g * stride + key] *= value_scale;
-        }
-      }
+      // Each value row located once (pass 2 reads it once per slice), its scale in the weights.
+      locate_value_rows<Rows, G>(ahead, slot_row, v_cache, num_keys, stride, value_rows, scores.data());
       // Pass 2: the weighted sum of values, C vectors of each head's row at a time, accumulators in registers.
       for (int c0 = 0; c0 < V; c0 += C) {
         __m256 acc[G][C];
