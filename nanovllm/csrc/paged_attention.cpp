@@ -459,6 +459,12 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
 }
 
 #if defined(__AVX512BF16__)
+// 16 float32 values times `inv` (32767 / their step's largest value), rounded to the nearest int16: the int8
+// cache's integer products take the query and the softmax weights this way.
+inline __m256i to_int16(__m512 v, __m512 inv) {
+  return _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+}
+
 // The bfloat16 path on CPUs with AVX-512 BF16: both matrix products on the bf16 dot-product instruction
 // (vdpbf16ps: each float32 lane accumulates two bf16 products), as GPU kernels run them on bf16 tensor cores.
 // Q.K^T reads the cached K rows as stored (no conversion to float32): a 64-wide row is two instructions per
@@ -474,7 +480,7 @@ void attend_avx512(const scalar_t* q, int64_t q_stride, const typename Rows::Cac
 // to int16 (one instruction per 32, where decoding to bf16 takes five), the query in int16 with one step per
 // query head and the weights in int16 with one step per query head and item, both 1/32767 of the largest, finer
 // than bf16's 8 bits for every value that weighs. Decoding codes to float32 for FMAs (attend_avx512) had made the
-// 8-bit cache slower per step than the bfloat16 one despite half the bytes; docs/speed.md has the timings.
+// 8-bit cache slower per step than the bfloat16 one despite half the bytes; docs/kv_cache_dtype.md has the timings.
 template <typename Rows, int D, int G>
 void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const typename Rows::Cache* k_cache,
                         const typename Rows::Cache* v_cache, const int32_t* block_tables, int64_t max_blocks,
@@ -525,8 +531,8 @@ void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const typename
           const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
           q_step[g] = amax / 32767.f;
           for (int j = 0; j < W; ++j) {
-            const __m256i lo = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lanes[2 * j], inv)));
-            const __m256i hi = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lanes[2 * j + 1], inv)));
+            const __m256i lo = to_int16(lanes[2 * j], inv);
+            const __m256i hi = to_int16(lanes[2 * j + 1], inv);
             q16[g][j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
           }
         } else {
@@ -626,7 +632,7 @@ void attend_avx512_bf16(const c10::BFloat16* q, int64_t q_stride, const typename
           p_step[g] = amax / 32767.f;
           for (int64_t key = 0; key < stride; key += 16)  // lanes past the last key are 0, the pair padding too
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + key),
-                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sg + key), inv))));
+                                to_int16(_mm512_loadu_ps(sg + key), inv));
         }
       }
       // Pass 2: two keys per step; lane 2i / 2i+1 of each 32-bit pair holds key / key + 1.
