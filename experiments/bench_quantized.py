@@ -45,7 +45,6 @@ from bench_vs_hf import batch1_decode_ms, chat_prompts, run_nanovllm  # noqa: E4
 
 from nanovllm import LLM, machine  # noqa: E402
 from nanovllm.models.loader import default_gguf_path  # noqa: E402
-from nanovllm.profile import linear_modules  # noqa: E402
 
 PATHS = {
     "bfloat16": dict(dtype="bfloat16"),
@@ -67,16 +66,7 @@ RESULT_PREFIX = "nano-vllm-bench-result: "
 
 def weight_bytes(model) -> int:
     """Bytes of weight data a decode step reads: every linear of the decoder layers and the LM head."""
-    def size(module) -> int:
-        if hasattr(module, "num_bytes"):
-            return module.num_bytes
-        weight = getattr(module, "weight", None)
-        if weight is None:  # a oneDNN-prepacked linear: its packed tensor
-            weight = module.packed
-        return weight.numel() * weight.element_size()
-
-    heads = model.lm_head_chunks if model.lm_head_chunks is not None else [model.lm_head]
-    return sum(size(m) for m in linear_modules(model)) + sum(size(h) for h in heads)
+    return model.streamed_weights()[0]
 
 
 class PathRun:

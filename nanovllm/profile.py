@@ -5,8 +5,8 @@ prints per step: total ms (the fastest of ``--steps`` steps, measured without th
 time in attention, linear layers, LM head + sampling, and scheduler + batch preparation; then the GEMM floor
 (the step's matmuls, the same modules on inputs of the same shape, timed alone, also the fastest of several
 runs) and total / floor: both sides are best times, because load on a shared machine only ever adds time. The
-achieved matmul FLOP/s is compared with the peak the monitor calibrates (``measure_peak_flops``), so the
-numbers match the MFU that runs report. Each case also writes a Chrome trace (open in chrome://tracing or
+achieved matmul FLOP/s is compared with the peak the monitor calibrates (``measure_peak_flops``; int8's for
+``--quantization``, whose linears multiply in int8), so the numbers match the MFU that runs report. Each case also writes a Chrome trace (open in chrome://tracing or
 https://ui.perfetto.dev).
 
     python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
@@ -112,11 +112,8 @@ def breakdown(events, steps: int) -> dict[str, float]:
 
 
 def linear_modules(model: nn.Module) -> list[nn.Module]:
-    """Every module that is one matmul of the decoder layers (nn.Linear, a prepacked or a quantized linear)."""
-    from nanovllm.models.fast_path import PackedLinear
-    from nanovllm.models.quantized import QuantLinear
-
-    return [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear, QuantLinear))]
+    """Every module that is one matmul of the decoder layers (``LlamaForCausalLM.linear_layers``)."""
+    return model.linear_layers()
 
 
 def kernel_of(linear: nn.Module, rows: int) -> str:
@@ -292,9 +289,10 @@ def profile_prefill(make_llm: Callable[..., Any], tokens: int, steps: int, trace
                        parts["lm_head_sampling"], parts["scheduler_preparation"], floor_ms, gflops)
 
 
-def format_table(rows: list[StepProfile], peak_gflops: float) -> str:
+def format_table(rows: list[StepProfile], peak_gflops: float, peak_kind: str = "") -> str:
+    """The profile's table; ``peak_kind`` names the peak the GEMM rate is against ("int8 " for quantized linears)."""
     header = ("| step | total ms | attention | linears | LM head + sampling | scheduler + prep | GEMM floor ms "
-              "| total / floor | GEMM GFLOP/s (peak {:.0f}) |".format(peak_gflops))
+              "| total / floor | GEMM GFLOP/s ({}peak {:.0f}) |".format(peak_kind, peak_gflops))
     lines = [header, "|" + "---|" * 9]
     for r in rows:
         lines.append(
@@ -350,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         kernels_table, loop = format_kernels(model, batch_sizes), layer_loop(model)
         if args.prefill_tokens:
             rows.append(profile_prefill(make_llm, args.prefill_tokens, args.steps, trace_dir))
-        peak = measure_peak_flops(torch_dtype(args.dtype), "cpu") / 1e9
+        # Quantized linears multiply in int8: their GEMMs are measured against int8's peak, not the model dtype's.
+        peak_dtype = torch.int8 if args.quantization else torch_dtype(args.dtype)
+        peak = measure_peak_flops(peak_dtype, "cpu") / 1e9
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
           f"fuse_projections={args.fuse_projections}, quantization={args.quantization}, "
           f"kv_cache_dtype={args.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
-    print(format_table(rows, peak))
+    print(format_table(rows, peak, "int8 " if args.quantization else ""))
     print(f"Decoder layers: {loop}")
     print("Kernels per linear (every decoder layer runs the first's):")
     print(kernels_table)

@@ -5,11 +5,12 @@ can be computed live by the engine or long after from ``steps.jsonl``:
 
 * FLOPs per step = dense matmuls on every computed token + the LM head on sampled rows only + attention
   scores and values on the (query, key) pairs actually attended.
-* Bytes per step = every weight read once + the KV cache read for every scheduled context + the new KV written.
+* Bytes per step = every weight read once, as stored (int8 codes or GGUF blocks with their scales for a
+  quantized model) + the KV cache read for every scheduled context + the new KV written.
 
 Decode is usually bandwidth bound (high MBU, tiny MFU) and prefill compute bound, which is why both are kept.
 The peaks they are divided by come from config or from a short calibration on the device itself: a matmul
-for FLOP/s, a large copy for bytes/s. Calibrated peaks are what this machine reaches with torch, not the data
+for FLOP/s (an int8 one where the linears multiply in int8), a large copy for bytes/s. Calibrated peaks are what this machine reaches with torch, not the data
 sheet, so MFU near 1 means "as fast as torch matmul gets here".
 """
 
@@ -46,6 +47,10 @@ class ModelCost:
     mlp_bias: bool = False
     qk_norm: bool = False       # Qwen3 normalises q and k per head
     kv_cache_dtype: str = "auto"  # auto: K/V in the weights' dtype; int8 / fp8_e4m3: 1 byte + a scale per row
+    # Bytes a matmul weight takes as stored, where that is not bytes_per_element: quantized weights (int8 codes
+    # and their scales ~1, the default GGUF's Q4_1 and Q8_0 blocks ~0.7). None: dense, bytes_per_element.
+    bytes_per_weight: float | None = None
+    int8_matmuls: bool = False  # quantized linears multiply in int8 (W8A8, GGUF blocks): MFU against int8's peak
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> "ModelCost":
@@ -58,10 +63,21 @@ class ModelCost:
             return any(name.endswith(suffix) for name in names for suffix in suffixes)
 
         dtype = next(model.parameters()).dtype
+        # Quantized weights: the bytes the model really streams per weight (its first parameter, the embedding,
+        # is still in the model dtype), and int8 arithmetic. A model without the accounting is taken as dense.
+        bytes_per_weight, int8_matmuls = None, False
+        if hasattr(model, "streamed_weights"):
+            from nanovllm.models.quantized import QuantLinear
+
+            int8_matmuls = any(isinstance(m, QuantLinear) for m in model.modules())
+            nbytes, weights = model.streamed_weights()
+            if int8_matmuls and weights:
+                bytes_per_weight = nbytes / weights
         return dataclasses.replace(
             cls.from_hf_config(model.config, dtype, kv_cache_dtype),
             qkv_bias=has("q_proj.bias", "qkv_proj.bias"), o_bias=has("o_proj.bias"),
             mlp_bias=has("gate_proj.bias", "gate_up_proj.bias", "down_proj.bias"), qk_norm=has("q_norm.weight"),
+            bytes_per_weight=bytes_per_weight, int8_matmuls=int8_matmuls,
         )
 
     @classmethod
@@ -156,9 +172,11 @@ class ModelCost:
 
     @property
     def weight_bytes(self) -> int:
-        """What one forward pass streams from memory: every linear weight plus the LM head. The embedding
-        lookup touches only the rows of the batch's tokens, so it is left out."""
-        return (self.linear_params + self.lm_head_params) * self.bytes_per_element
+        """What one forward pass streams from memory: every linear weight plus the LM head, as stored (quantized
+        weights: ``bytes_per_weight``). The embedding lookup touches only the rows of the batch's tokens, so it is
+        left out."""
+        per_weight = self.bytes_per_weight if self.bytes_per_weight is not None else self.bytes_per_element
+        return round((self.linear_params + self.lm_head_params) * per_weight)
 
     # -- per-step cost --------------------------------------------------------------------------------------
 
@@ -220,7 +238,9 @@ def _matmul_sizes(device: torch.device) -> list[int]:
 
 
 def measure_peak_flops(dtype: torch.dtype, device: str | torch.device = "cpu", seconds: float = 0.5) -> float:
-    """Best square-matmul FLOP/s over a few sizes, within about ``seconds`` of wall time."""
+    """Best square-matmul FLOP/s over a few sizes, within about ``seconds`` of wall time. ``torch.int8``: int8
+    operations a second (``torch._int_mm``: oneDNN's VNNI or AMX-INT8 kernels on CPU), what quantized linears'
+    integer dot products are measured against."""
     device = torch.device(device)
     best = 0.0
     deadline = time.perf_counter() + seconds
@@ -229,12 +249,18 @@ def measure_peak_flops(dtype: torch.dtype, device: str | torch.device = "cpu", s
         # Matmul time grows as n^3: skip sizes that would blow the budget (slow dtypes on CPU, e.g. bf16).
         if last is not None and last[1] * (n / last[0]) ** 3 > deadline - time.perf_counter():
             break
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        _time_op(lambda: a @ b, device)  # warm-up: kernel selection, thread pool start
+        if dtype == torch.int8:  # no int8 `@`: int8 x int8 -> int32
+            a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+            b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+            matmul = lambda: torch._int_mm(a, b)  # noqa: E731
+        else:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            matmul = lambda: a @ b  # noqa: E731
+        _time_op(matmul, device)  # warm-up: kernel selection, thread pool start
         size_end = time.perf_counter() + seconds / len(_matmul_sizes(device))
         while True:
-            elapsed = _time_op(lambda: a @ b, device)
+            elapsed = _time_op(matmul, device)
             best = max(best, 2 * n**3 / elapsed)
             last = (n, elapsed)
             if time.perf_counter() >= min(size_end, deadline):
@@ -282,10 +308,11 @@ class Monitor:
     def from_config(
         cls, cost: ModelCost, config: MonitorConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
     ) -> "Monitor":
-        """Peaks from ``config``, measuring on ``device`` whatever it leaves out (when ``calibrate``)."""
+        """Peaks from ``config``, measuring on ``device`` whatever it leaves out (when ``calibrate``): FLOP/s of
+        ``dtype``'s matmul, or int8's where the cost says the linears multiply in int8."""
         peak_flops, peak_bandwidth = config.peak_flops, config.peak_bandwidth
         if config.calibrate and peak_flops is None:
-            peak_flops = measure_peak_flops(dtype, device)
+            peak_flops = measure_peak_flops(torch.int8 if cost.int8_matmuls else dtype, device)
         if config.calibrate and peak_bandwidth is None:
             peak_bandwidth = measure_peak_bandwidth(device)
         return cls(cost, peak_flops, peak_bandwidth)

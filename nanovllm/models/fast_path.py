@@ -118,6 +118,13 @@ class PackedLinear(nn.Module):
         if kernel == "onednn+gemv":
             self.weight = weight.contiguous()
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of weight data a forward pass reads: the packed layout's, or the plain copy the GEMV reads at 1-2
+        rows where the layer keeps one (the same weights; only the layout differs)."""
+        weight = self.weight if self.weight is not None else self.packed
+        return weight.numel() * weight.element_size()
+
     def stack_linear(self):
         """This layer as the C++ decoder stack runs it (``kernels.stack_linear``: the same kernel calls as
         ``forward``), or None without the compiled kernels. Called once, when the model builds its stack."""

@@ -283,6 +283,26 @@ class LlamaForCausalLM(nn.Module):
         attention_args = kernel_step(self.kernels)
         return None if attention_args is None else (stack, attention_args)
 
+    def linear_layers(self) -> list[nn.Module]:
+        """Every module that is one matmul of the decoder layers (nn.Linear, a prepacked or a quantized linear)."""
+        return [m for m in self.layers.modules() if isinstance(m, (nn.Linear, PackedLinear, QuantLinear))]
+
+    def lm_head_layers(self) -> list[nn.Module]:
+        """The LM head as ``compute_logits`` runs it: its prepacked or quantized slices, else the plain linear."""
+        return list(self.lm_head_chunks) if self.lm_head_chunks is not None else [self.lm_head]
+
+    def streamed_weights(self) -> tuple[int, int]:
+        """(bytes, weights) of the matmul weights one forward pass streams from memory, the decoder layers' and the
+        LM head's, as stored: 2 or 4 bytes a weight when dense, about 1 for int8 codes and their scales, 0.7 for
+        the default GGUF's Q4_1 and Q8_0 blocks. The embedding is left out (a lookup reads only the batch's rows).
+        The harness's cost model (``ModelCost.from_model``) takes the bytes per weight of its MBU from it."""
+        total_bytes = total_weights = 0
+        for layer in self.linear_layers() + self.lm_head_layers():
+            total_bytes += (layer.weight.numel() * layer.weight.element_size() if isinstance(layer, nn.Linear)
+                            else layer.num_bytes)
+            total_weights += layer.in_features * layer.out_features
+        return total_bytes, total_weights
+
     # Vocabulary rows per LM-head matmul. One [rows, 49152] GEMM runs ~1.5x slower on CPU than the same work in
     # 8192-row slices (the weight slice stays in cache); the results are bitwise identical.
     LOGITS_CHUNK = 8192

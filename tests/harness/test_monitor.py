@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -59,6 +60,42 @@ def test_cost_of_the_built_model_counts_what_it_holds(name: str) -> None:
         sum(p.numel() for p in reference.parameters())
     assert cost == ModelCost.from_hf_config(config, torch.bfloat16)  # one bias rule for builder and cost
     assert cost.bytes_per_element == 2
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_cost_counts_the_bytes_the_weights_are_stored_in(quantization: str | None) -> None:
+    """MBU divides by what a step really streams: int8 codes and their scales, not the model dtype's 2 bytes a
+    weight. The built model's own accounting (its linears' stored tensors) is what the cost takes."""
+    from nanovllm.models.llama import LlamaForCausalLM
+
+    config = CONFIGS["llama"]()
+    model = LlamaForCausalLM(config, max_positions=64).to(torch.bfloat16).use_fast_path(quantization)
+    cost = ModelCost.from_model(model)
+    dense = ModelCost.from_hf_config(config, torch.bfloat16)
+    stored, weights = model.streamed_weights()
+    assert weights == dense.linear_params + dense.lm_head_params
+    assert cost.weight_bytes == stored
+    assert cost.int8_matmuls == (quantization is not None)
+    if quantization is None:
+        assert cost == dense and stored == 2 * weights
+    else:
+        # One byte a weight, a float32 scale per output channel, codes padded to 64 output channels.
+        assert weights < stored < 1.3 * weights
+        step = step_record(num_decode_tokens=4, num_sampled=4, context_tokens=40)
+        kv = (4 + 40) * cost.kv_bytes_per_token
+        assert cost.step_bytes(step) - kv == stored == pytest.approx((dense.step_bytes(step) - kv) / 2, rel=0.3)
+
+
+def test_int8_models_are_measured_against_the_int8_peak() -> None:
+    """A model whose linears multiply in int8 gets int8's calibrated peak for its MFU (a matmul of int8 codes,
+    torch._int_mm), a dense one its dtype's."""
+    peak = measure_peak_flops(torch.int8, "cpu", seconds=0.3)
+    assert 1e8 < peak < 1e15
+    int8 = dataclasses.replace(ModelCost.from_hf_config(transformers.LlamaConfig(**TINY), torch.bfloat16),
+                               int8_matmuls=True, bytes_per_weight=1.0)
+    calibrated = Monitor.from_config(int8, MonitorConfig(peak_bandwidth=1e10), torch.bfloat16)
+    # int8 products run at about twice bf16's rate on VNNI and AMX CPUs; a bf16 matmul would not get near that.
+    assert calibrated.peak_flops > 1.2 * measure_peak_flops(torch.bfloat16, "cpu", seconds=0.3)
 
 
 def test_head_dim_missing_falls_back_and_bytes_follow_dtype() -> None:

@@ -420,6 +420,10 @@ def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
     weight_bytes = sum(m.num_bytes for m in linear_modules(model)) + model.lm_head_chunks[0].num_bytes
     dense_bytes = sum(p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert weight_bytes < 0.25 * dense_bytes  # 4-5 bits a weight against float32's 32
+    # What the monitor's MBU counts a step as streaming: these blocks, not float32 weights.
+    from nanovllm.harness.monitor import ModelCost
+
+    assert model.streamed_weights()[0] == weight_bytes == ModelCost.from_model(model).weight_bytes
     table = format_kernels(model, [1, 16])
     compiled = quantized.engine.runner.model.kernels
     layers = "q4x16_linear q4_1 int8-dot" if compiled.q4x16_available() else "quant_linear q4_1 int8-dot"
