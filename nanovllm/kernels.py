@@ -38,7 +38,7 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sam
                                        "int8_amx.cpp", "brgemm_linear.cpp", "bf16_fma_linear.cpp",
                                        "decoder_stack.cpp",
                                        "bindings.cpp")]
-HEADERS = [CSRC / "cpu_vec.h", CSRC / "kernels.h"]
+HEADERS = [CSRC / "cpu_vec.h", CSRC / "kernels.h", CSRC / "scratch.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]

@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "cpu_vec.h"
+#include "scratch.h"
 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__linux__) && defined(__x86_64__)
@@ -317,11 +318,13 @@ at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
   if (rows == 0) return y;
   // Whole tiles of rows from 16 rows on (the padding rows' digits are zero and their sums never read).
   const int64_t padded_rows = rows < kTileRows ? rows : (rows + kTileRows - 1) / kTileRows * kTileRows;
-  auto p1 = at::empty({padded_rows, kp}, x.options().dtype(at::kChar));
-  auto p2 = at::empty({padded_rows, kp}, x.options().dtype(at::kChar));
+  // The digits, scales and digit sums are this thread's scratch (scratch.h), not a torch allocation per call.
+  using nanovllm::Scratch, nanovllm::thread_scratch;
+  auto p1 = thread_scratch(Scratch::kCodes, {padded_rows, kp}, at::kChar);
+  auto p2 = thread_scratch(Scratch::kCodes2, {padded_rows, kp}, at::kChar);
   for (int8_t* p : {p1.data_ptr<int8_t>(), p2.data_ptr<int8_t>()}) std::fill(p + rows * kp, p + padded_rows * kp, 0);
-  auto d = at::empty({rows}, x.options().dtype(at::kFloat));
-  auto digit_sums = at::empty({rows, 2}, x.options().dtype(at::kInt));
+  auto d = thread_scratch(Scratch::kScales, {rows}, at::kFloat);
+  auto digit_sums = thread_scratch(Scratch::kCodeSums, {rows, 2}, at::kInt);
   if (x.scalar_type() == at::kFloat) {
     quantize_and_multiply<float>(x, packed, scales, bias_c, p1, p2, d, digit_sums, y);
   } else {

@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "scratch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -1118,18 +1119,20 @@ void check_x16_codes(const at::Tensor& codes, int64_t nb, int64_t block_bytes, i
 
 // x [rows, K] (contiguous) as the kernels take it: int8 codes per 32 values, their scales d and s = d sum(codes).
 // With code_sums, also 128 times each block's sum of codes (int32, i8x16_linear's correction); with split, the
-// codes split in nibbles ([rows, 2 K], the AVX2 int8 layers') in place of the plain ones.
+// codes split in nibbles ([rows, 2 K], the AVX2 int8 layers') in place of the plain ones. The tensors are this
+// thread's scratch (scratch.h): valid until its next quantize_activations, i.e. for the one layer call.
 struct QuantizedRows {
   at::Tensor codes, scales, sums, code_sums, split;
   const int32_t* code_sums_ptr() const { return code_sums.defined() ? code_sums.data_ptr<int32_t>() : nullptr; }
 };
 QuantizedRows quantize_activations(const at::Tensor& x, bool code_sums = false, bool split = false) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / QK;
-  QuantizedRows q{split ? at::Tensor() : at::empty({rows, k}, x.options().dtype(at::kChar)),
-                  at::empty({rows, nb}, x.options().dtype(at::kFloat)),
-                  at::empty({rows, nb}, x.options().dtype(at::kFloat)),
-                  code_sums ? at::empty({rows, nb}, x.options().dtype(at::kInt)) : at::Tensor(),
-                  split ? at::empty({rows, 2 * k}, x.options().dtype(at::kChar)) : at::Tensor()};
+  using nanovllm::Scratch, nanovllm::thread_scratch;
+  QuantizedRows q{split ? at::Tensor() : thread_scratch(Scratch::kCodes, {rows, k}, at::kChar),
+                  thread_scratch(Scratch::kScales, {rows, nb}, at::kFloat),
+                  thread_scratch(Scratch::kSums, {rows, nb}, at::kFloat),
+                  code_sums ? thread_scratch(Scratch::kCodeSums, {rows, nb}, at::kInt) : at::Tensor(),
+                  split ? thread_scratch(Scratch::kCodes2, {rows, 2 * k}, at::kChar) : at::Tensor()};
   int32_t* sums = code_sums ? q.code_sums.data_ptr<int32_t>() : nullptr;
   int8_t* codes = split ? nullptr : q.codes.data_ptr<int8_t>();
   int8_t* halves = split ? q.split.data_ptr<int8_t>() : nullptr;

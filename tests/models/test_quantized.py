@@ -136,6 +136,22 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     assert (y.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * reference.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_quantized_layers_reuse_their_scratch_across_shapes_and_growth(compiled, fmt):
+    """A quantized linear's activation codes and scales live in per-thread scratch (nanovllm/csrc/scratch.h),
+    reused by every later call: calls that alternate two K (kept shapes), then a batch larger than any before (the
+    buffers grow and old views are dropped), then the first shapes again, each give what the layer gave alone."""
+    generator = torch.Generator().manual_seed(7)
+    layers = {k: random_quant_linear(fmt, 48, k, generator, compiled) for k in (64, 160)}
+    inputs = [torch.randn(rows, k, generator=generator) for rows, k in
+              [(3, 64), (3, 160), (3, 64), (300, 160), (3, 160), (5, 64)]]
+    alone = [layers[x.shape[1]](x).clone() for x in inputs]  # each right after a call of another shape
+    again = [layers[x.shape[1]](x) for x in reversed(inputs)]
+    assert all(torch.equal(a, b) for a, b in zip(alone, reversed(again)))
+    reference = [_quantize_activations(x) @ layers[x.shape[1]].dequantize().T for x in inputs]
+    assert all((a - r).abs().max() <= 1e-4 * r.abs().max() for a, r in zip(alone, reference))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_with_stolen_work(compiled, dtype):
     """K = 8224 (257 blocks of 32: 32 groups of eight and one more; an all-zero block among them): the
