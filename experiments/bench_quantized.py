@@ -64,11 +64,6 @@ PEER = Path(__file__).resolve().parent / "llama_cpp_peer.py"
 RESULT_PREFIX = "nano-vllm-bench-result: "
 
 
-def weight_bytes(model) -> int:
-    """Bytes of weight data a decode step reads: every linear of the decoder layers and the LM head."""
-    return model.streamed_weights()[0]
-
-
 class PathRun:
     """One row's engine, built once; its full and prefill-only runs are timed in rounds that alternate with the
     other rows' (``timed_round``), so that a slow spell of a shared machine lands on every row alike."""
@@ -121,7 +116,7 @@ class PathRun:
                 "tok_s_median": tokens / statistics.median(self.full_s),
                 "tok_s_rounds": [tokens / s for s in self.full_s], "batch1_ms_per_token": b1,
                 "prefill_ms": min(self.prefill_s) * 1e3, "decode_tok_s": max(decode) if decode else float("nan"),
-                "load_s": self.load_s, "weight_bytes": weight_bytes(self.llm.engine.runner.model),
+                "load_s": self.load_s, "weight_bytes": self.llm.engine.runner.model.streamed_weights()[0],
                 "outputs": self.outputs, "prompts": self.prompts}
 
 

@@ -6,8 +6,8 @@ time in attention, linear layers, LM head + sampling, and scheduler + batch prep
 (the step's matmuls, the same modules on inputs of the same shape, timed alone, also the fastest of several
 runs) and total / floor: both sides are best times, because load on a shared machine only ever adds time. The
 achieved matmul FLOP/s is compared with the peak the monitor calibrates (``measure_peak_flops``; int8's for
-``--quantization``, whose linears multiply in int8), so the numbers match the MFU that runs report. Each case also writes a Chrome trace (open in chrome://tracing or
-https://ui.perfetto.dev).
+``--quantization``, whose linears multiply in int8), so the numbers match the MFU that runs report. Each case
+also writes a Chrome trace (open in chrome://tracing or https://ui.perfetto.dev).
 
     python -m nanovllm.profile [--dtype bfloat16] [--attention auto] [--batch-sizes 1,16,64,256]
                                [--context 128] [--prefill-tokens 512] [--steps 5] [--trace-dir DIR]
@@ -111,11 +111,6 @@ def breakdown(events, steps: int) -> dict[str, float]:
     return result
 
 
-def linear_modules(model: nn.Module) -> list[nn.Module]:
-    """Every module that is one matmul of the decoder layers (``LlamaForCausalLM.linear_layers``)."""
-    return model.linear_layers()
-
-
 def kernel_of(linear: nn.Module, rows: int) -> str:
     """Which kernel, at which ISA, runs ``linear`` on ``rows`` rows: the choice each layer makes per call."""
     from nanovllm import machine
@@ -180,7 +175,7 @@ def format_kernels(model: nn.Module, batch_sizes: list[int]) -> str:
 
 def gemm_floor(model: nn.Module, rows: int, sampled: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """(ms, GFLOP/s): the step's matmuls, the model's own modules on inputs of the step's shape, timed alone."""
-    mods = linear_modules(model)
+    mods = model.linear_layers()
     inputs = [torch.randn(rows, m.in_features).to(dtype) for m in mods]
     head_input = torch.randn(sampled, model.config.hidden_size).to(dtype)
     flops = 2 * rows * sum(m.in_features * m.out_features for m in mods)
@@ -349,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.prefill_tokens:
             rows.append(profile_prefill(make_llm, args.prefill_tokens, args.steps, trace_dir))
         # Quantized linears multiply in int8: their GEMMs are measured against int8's peak, not the model dtype's.
-        peak_dtype = torch.int8 if args.quantization else torch_dtype(args.dtype)
-        peak = measure_peak_flops(peak_dtype, "cpu") / 1e9
+        peak = measure_peak_flops(torch.int8 if args.quantization else torch_dtype(args.dtype), "cpu") / 1e9
+        peak_kind = "int8 " if args.quantization else ""
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -358,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
           f"fuse_projections={args.fuse_projections}, quantization={args.quantization}, "
           f"kv_cache_dtype={args.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads, context {args.context} tokens")
-    print(format_table(rows, peak, "int8 " if args.quantization else ""))
+    print(format_table(rows, peak, peak_kind))
     print(f"Decoder layers: {loop}")
     print("Kernels per linear (every decoder layer runs the first's):")
     print(kernels_table)

@@ -10,8 +10,8 @@ can be computed live by the engine or long after from ``steps.jsonl``:
 
 Decode is usually bandwidth bound (high MBU, tiny MFU) and prefill compute bound, which is why both are kept.
 The peaks they are divided by come from config or from a short calibration on the device itself: a matmul
-for FLOP/s (an int8 one where the linears multiply in int8), a large copy for bytes/s. Calibrated peaks are what this machine reaches with torch, not the data
-sheet, so MFU near 1 means "as fast as torch matmul gets here".
+for FLOP/s (an int8 one where the linears multiply in int8), a large copy for bytes/s. Calibrated peaks are what
+this machine reaches with torch, not the data sheet, so MFU near 1 means "as fast as torch matmul gets here".
 """
 
 from __future__ import annotations
@@ -64,15 +64,12 @@ class ModelCost:
 
         dtype = next(model.parameters()).dtype
         # Quantized weights: the bytes the model really streams per weight (its first parameter, the embedding,
-        # is still in the model dtype), and int8 arithmetic. A model without the accounting is taken as dense.
-        bytes_per_weight, int8_matmuls = None, False
-        if hasattr(model, "streamed_weights"):
-            from nanovllm.models.quantized import QuantLinear
+        # is still in the model dtype), and int8 arithmetic.
+        from nanovllm.models.quantized import QuantLinear
 
-            int8_matmuls = any(isinstance(m, QuantLinear) for m in model.modules())
-            nbytes, weights = model.streamed_weights()
-            if int8_matmuls and weights:
-                bytes_per_weight = nbytes / weights
+        int8_matmuls = any(isinstance(m, QuantLinear) for m in model.linear_layers() + model.lm_head_layers())
+        nbytes, weights = model.streamed_weights()
+        bytes_per_weight = nbytes / weights if int8_matmuls and weights else None
         return dataclasses.replace(
             cls.from_hf_config(model.config, dtype, kv_cache_dtype),
             qkv_bias=has("q_proj.bias", "qkv_proj.bias"), o_bias=has("o_proj.bias"),

@@ -425,15 +425,15 @@ def test_dequantize_unpacks_low_nibbles_first():
 @pytest.mark.slow
 def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
     from nanovllm import LLM, SamplingParams
-    from nanovllm.profile import format_kernels, linear_modules
+    from nanovllm.profile import format_kernels
 
     quantized = LLM(quantization="gguf", num_kv_blocks=64, max_model_len=512)
     model = quantized.engine.runner.model
     tensors = [*model.parameters(), *model.buffers()]
     assert not any(t.is_meta for t in tensors)
-    assert all(isinstance(m, QuantLinear) for m in linear_modules(model))
-    assert {m.fmt for m in linear_modules(model)} == {"q4_1"} and model.lm_head_chunks[0].fmt == "q8_0"
-    weight_bytes = sum(m.num_bytes for m in linear_modules(model)) + model.lm_head_chunks[0].num_bytes
+    assert all(isinstance(m, QuantLinear) for m in model.linear_layers())
+    assert {m.fmt for m in model.linear_layers()} == {"q4_1"} and model.lm_head_chunks[0].fmt == "q8_0"
+    weight_bytes = sum(m.num_bytes for m in model.linear_layers()) + model.lm_head_chunks[0].num_bytes
     dense_bytes = sum(p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert weight_bytes < 0.25 * dense_bytes  # 4-5 bits a weight against float32's 32
     # What the monitor's MBU counts a step as streaming: these blocks, not float32 weights.
