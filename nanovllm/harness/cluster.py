@@ -82,8 +82,9 @@ class ServedCluster(ServedEngine):
             prefill_router, decode_router = ROUTERS.build(_colocated(router)), None
         engine = RayCluster(config, cluster, prefill_router, plugins, plugin_paths=plugin_paths,
                             step_time=_machine_step_time(config), decode_router=decode_router)
-        return cls(engine, WallClock(), ModelCost.from_hf_config(engine.hf_config, torch_dtype(config.dtype),
-                                                                   config.kv_cache_dtype), [])
+        cost = ModelCost.from_hf_config(engine.hf_config, torch_dtype(config.dtype), config.kv_cache_dtype,
+                                        config.quantization, config.model)
+        return cls(engine, WallClock(), cost, [])
 
     @property
     def cluster(self) -> Cluster:

@@ -51,6 +51,9 @@ class ModelCost:
     # and their scales ~1, the default GGUF's Q4_1 and Q8_0 blocks ~0.7). None: dense, bytes_per_element.
     bytes_per_weight: float | None = None
     int8_matmuls: bool = False  # quantized linears multiply in int8 (W8A8, GGUF blocks): MFU against int8's peak
+    # Memory all the weights take (the embedding and norms too), where ``weight_memory_bytes``' rule does not
+    # give it: a GGUF file's blocks as stored. None: the rule.
+    resident_bytes: int | None = None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> "ModelCost":
@@ -65,24 +68,53 @@ class ModelCost:
         dtype = next(model.parameters()).dtype
         # Quantized weights: the bytes the model really streams per weight (its first parameter, the embedding,
         # is still in the model dtype), and int8 arithmetic.
-        from nanovllm.models.quantized import QuantLinear
+        from nanovllm.models.quantized import QuantEmbedding, QuantLinear
 
         int8_matmuls = any(isinstance(m, QuantLinear) for m in model.linear_layers() + model.lm_head_layers())
         nbytes, weights = model.streamed_weights()
         bytes_per_weight = nbytes / weights if int8_matmuls and weights else None
-        return dataclasses.replace(
+        cost = dataclasses.replace(
             cls.from_hf_config(model.config, dtype, kv_cache_dtype),
             qkv_bias=has("q_proj.bias", "qkv_proj.bias"), o_bias=has("o_proj.bias"),
             mlp_bias=has("gate_proj.bias", "gate_up_proj.bias", "down_proj.bias"), qk_norm=has("q_norm.weight"),
             bytes_per_weight=bytes_per_weight, int8_matmuls=int8_matmuls,
         )
+        embedding = model.embed_tokens
+        if isinstance(embedding, QuantEmbedding):  # GGUF: the table in its blocks, often the LM head's own
+            shared = any(embedding.table is head for head in model.lm_head_layers())
+            table = 0 if shared else embedding.table.num_bytes
+            cost.resident_bytes = nbytes + table + cost.norm_params * cost.bytes_per_element
+        return cost
 
     @classmethod
-    def from_hf_config(cls, config: Any, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> "ModelCost":
-        """Build from a transformers config alone (a model that is not built, e.g. for an analytical
+    def from_hf_config(cls, config: Any, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       quantization: str | None = None, model: str | None = None) -> "ModelCost":
+        """Build from a transformers config alone (a model that is not built: the simulator, an analytical
         estimate); ``dtype`` is the dtype weights are held in, and the KV cache too unless ``kv_cache_dtype``
         names an 8-bit one. Biases follow the same rule the model builder uses
-        (``nanovllm.config.attention_biases``)."""
+        (``nanovllm.config.attention_biases``). ``quantization`` (``EngineConfig.quantization``) stores the
+        linears and LM head as that engine does: ``"int8"`` one byte a weight and a float32 scale per output
+        channel, the embedding and norms in ``dtype``; ``"gguf"`` the blocks of ``model``'s GGUF file
+        (``nanovllm.models.loader.gguf_source``; None: the default model's), read from its header."""
+        dense = cls._dense_from_hf_config(config, dtype, kv_cache_dtype)
+        if quantization is None:
+            return dense
+        if quantization == "int8":
+            # Every linear and the LM head: N x K codes and N float32 scales (W8A8 per output channel).
+            weights = dense.linear_params + dense.lm_head_params
+            stored = weights + 4 * dense.matmul_output_channels
+            return dataclasses.replace(dense, bytes_per_weight=stored / weights, int8_matmuls=True)
+        if quantization == "gguf":
+            from nanovllm.models.loader import gguf_source
+            from nanovllm.models.quantized import gguf_stored_bytes
+
+            matmul_bytes, matmul_weights, all_bytes = gguf_stored_bytes(gguf_source(model))
+            return dataclasses.replace(dense, bytes_per_weight=matmul_bytes / matmul_weights, int8_matmuls=True,
+                                       resident_bytes=all_bytes)
+        raise ValueError(f"quantization must be None, 'int8' or 'gguf', got {quantization!r}")
+
+    @classmethod
+    def _dense_from_hf_config(cls, config: Any, dtype: torch.dtype, kv_cache_dtype: str) -> "ModelCost":
         num_heads = config.num_attention_heads
         head_dim = head_dim_of(config)
         qkv_bias, o_bias = attention_biases(config)
@@ -147,6 +179,12 @@ class ModelCost:
         return self.hidden_size * self.vocab_size
 
     @property
+    def matmul_output_channels(self) -> int:
+        """Output features of every linear and the LM head (an int8 weight's float32 scales, one each)."""
+        per_layer = self.q_size + 2 * self.kv_size + 2 * self.hidden_size + 2 * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size
+
+    @property
     def norm_params(self) -> int:
         per_layer = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         return self.num_layers * per_layer + self.hidden_size
@@ -175,17 +213,38 @@ class ModelCost:
         per_weight = self.bytes_per_weight if self.bytes_per_weight is not None else self.bytes_per_element
         return round((self.linear_params + self.lm_head_params) * per_weight)
 
+    @property
+    def weight_memory_bytes(self) -> int:
+        """Memory all the weights take, what a serving engine sizes its KV cache around (the simulator's
+        ``hardware=`` runs): ``total_params`` in the model dtype when dense; quantized, the linears and LM head
+        as stored (``weight_bytes``) beside the embedding table and norms in the model dtype (int8 keeps a
+        dense embedding for the lookup even when the head is tied to it), or ``resident_bytes`` where set (a
+        GGUF file's blocks)."""
+        if self.resident_bytes is not None:
+            return self.resident_bytes
+        if self.bytes_per_weight is None:
+            return self.total_params * self.bytes_per_element
+        return self.weight_bytes + (self.vocab_size * self.hidden_size + self.norm_params) * self.bytes_per_element
+
     # -- per-step cost --------------------------------------------------------------------------------------
 
     def step_flops(self, step: Mapping[str, Any]) -> float:
         """Floating-point operations of one engine step (multiply-add = 2 FLOPs)."""
+        return self.step_matmul_flops(step) + self.step_attention_flops(step)
+
+    def step_matmul_flops(self, step: Mapping[str, Any]) -> float:
+        """The linears' and LM head's share of ``step_flops``: the products that run in int8 where
+        ``int8_matmuls``."""
         tokens = step["num_prefill_tokens"] + step["num_decode_tokens"]
         dense = 2 * self.linear_params * tokens
         # Logits are computed only for the rows that sample a token, not for every prompt token.
         lm_head = 2 * self.hidden_size * self.vocab_size * step["num_sampled"]
-        # QK^T and PV: 2 FLOPs each per (query, key) pair per head dimension, in every head and layer.
-        attention = 4 * step["attn_pairs"] * self.num_heads * self.head_dim * self.num_layers
-        return float(dense + lm_head + attention)
+        return float(dense + lm_head)
+
+    def step_attention_flops(self, step: Mapping[str, Any]) -> float:
+        """Attention's share of ``step_flops`` (always in the model dtype): QK^T and PV, 2 FLOPs each per
+        (query, key) pair per head dimension, in every head and layer."""
+        return float(4 * step["attn_pairs"] * self.num_heads * self.head_dim * self.num_layers)
 
     def step_bytes(self, step: Mapping[str, Any]) -> float:
         """Bytes moved to/from device memory by one step: weights once, KV cache read, new KV written."""

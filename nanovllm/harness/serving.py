@@ -100,7 +100,8 @@ class ServedEngine:
         engine = LLMEngine(config, runner=runner, **plugins)
         model = engine.runner.model
         cost = ModelCost.from_model(model, config.kv_cache_dtype) if model is not None else \
-            ModelCost.from_hf_config(engine.hf_config, engine.runner.dtype, config.kv_cache_dtype)
+            ModelCost.from_hf_config(engine.hf_config, engine.runner.dtype, config.kv_cache_dtype,
+                                     config.quantization, config.model)
         return cls(engine, WallClock(), cost)
 
     @property

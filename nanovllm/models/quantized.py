@@ -405,6 +405,26 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
     return metadata, tensors
 
 
+# The tensors of a Llama-family GGUF that run as matmuls (build_gguf_model's linears), per decoder block.
+_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_stored_bytes(path: Path) -> tuple[int, int, int]:
+    """(bytes, weights) of the matmul weights a forward pass over ``path``'s blocks streams -- the decoder
+    layers' linears and the LM head (``output``, or the tied ``token_embd``), as the file stores them -- and the
+    bytes of all its tensors: what ``quantization="gguf"`` holds in memory, read from the header alone. The
+    simulator's cost model of a GGUF run (``ModelCost.from_hf_config``) takes them; a built model's own count
+    (``LlamaForCausalLM.streamed_weights``) agrees."""
+    _, tensors = read_gguf(path)
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    matmuls = [tensor for name, tensor in tensors.items()
+               if name == head or (name.startswith("blk.") and name.split(".")[-2] in _GGUF_LINEARS)]
+    if not matmuls or head not in tensors:
+        raise ValueError(f"{Path(path).name} has no Llama-family linears (blk.N.attn_q.weight, ...) and LM head")
+    return (sum(t.data.nbytes for t in matmuls), sum(int(np.prod(t.shape)) for t in matmuls),
+            sum(t.data.nbytes for t in tensors.values()))
+
+
 class GGUFWeights:
     """The tensors of one GGUF file, read through a memory map: ``linear(name)`` gives a ``QuantLinear`` over a
     quantized tensor's blocks, ``dense(name)`` a float tensor."""

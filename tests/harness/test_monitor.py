@@ -79,6 +79,13 @@ def test_cost_counts_the_bytes_the_weights_are_stored_in(quantization: str | Non
     if quantization is None:
         assert cost == dense and stored == 2 * weights
     else:
+        # The same engine not built (the simulator's cost): one byte a weight and a float32 scale per output
+        # channel (q 64, k 32, v 32, o 64, gate 160, up 160, down 64 a layer, 97 in the head), without the
+        # built layers' padding to 64 channels; the embedding and norms in bf16 beside them in memory.
+        unbuilt = ModelCost.from_hf_config(config, torch.bfloat16, quantization="int8")
+        assert unbuilt.int8_matmuls and unbuilt.weight_bytes == weights + 4 * (3 * 576 + 97) <= stored
+        assert unbuilt.weight_memory_bytes == unbuilt.weight_bytes + 2 * (97 * 64 + 3 * 2 * 64 + 64)
+        assert dense.weight_memory_bytes == 2 * dense.total_params
         # One byte a weight, a float32 scale per output channel, codes padded to 64 output channels.
         assert weights < stored < 1.3 * weights
         step = step_record(num_decode_tokens=4, num_sampled=4, context_tokens=40)

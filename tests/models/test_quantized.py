@@ -440,6 +440,12 @@ def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
     from nanovllm.harness.monitor import ModelCost
 
     assert model.streamed_weights()[0] == weight_bytes == ModelCost.from_model(model).weight_bytes
+    # The simulator's cost of the same run, from the file's header alone: the same bytes, and in memory the
+    # file's tensors (the Q8_0 embedding is the tied head), not a dense embedding.
+    unbuilt = ModelCost.from_hf_config(model.config, torch.float32, quantization="gguf")
+    assert unbuilt.weight_bytes == weight_bytes and unbuilt.int8_matmuls
+    assert weight_bytes < unbuilt.weight_memory_bytes < 1.01 * weight_bytes
+    assert ModelCost.from_model(model).weight_memory_bytes == pytest.approx(unbuilt.weight_memory_bytes, rel=0.005)
     table = format_kernels(model, [1, 16])
     compiled = quantized.engine.runner.model.kernels
     layers = "q4x16_linear q4_1 int8-dot" if compiled.q4x16_available() else "quant_linear q4_1 int8-dot"
@@ -490,6 +496,7 @@ def test_a_profile_of_dense_weights_says_so_for_a_quantized_simulated_run(tmp_pa
     assert CalibratedStepTime(dtype="float32").quantization_warning() is None
     warning = CalibratedStepTime(dtype="float32", quantization="gguf").quantization_warning()
     assert warning is not None and "engine.quantization=none, this run uses gguf" in warning
+    assert "--this-machine --dtype float32" in warning and warning.endswith("--quantization gguf`)")
 
 
 def test_a_run_records_its_quantization_for_calibration(tmp_path):

@@ -22,6 +22,7 @@ import yaml
 from nanovllm import machine
 from nanovllm.config import EngineConfig
 from nanovllm.harness.loggers import JsonlLogger
+from nanovllm.harness.monitor import MonitorConfig
 from nanovllm.harness.records import RunWriter, read_run
 from nanovllm.harness.serving import serve
 from nanovllm.harness.runners import check_runner
@@ -235,6 +236,9 @@ def test_bf16_runs_on_amx_fit_their_kernel_switch_rather_than_take_the_gemv_one(
     assert default_gemv_max_rows(bf16, [{"isa": "avx512"}]) == PackedLinear.GEMV_MAX_ROWS
     assert default_gemv_max_rows([{"device": "cpu", "dtype": "float32"}], [{"isa": "avx512"}]) == "fit"
     assert default_gemv_max_rows([{"device": "cuda", "dtype": "bfloat16"}], [{"isa": "amx"}]) is None
+    # Quantized linears are int8 kernels with no GEMV switch of the engine's: found from the steps.
+    int8 = [{"device": "cpu", "dtype": "bfloat16", "quantization": "int8"}]
+    assert default_gemv_max_rows(int8, [{"isa": "avx512_bf16"}]) == "fit"
 
 
 def _noisy(steps: list[dict], seed: int) -> list[dict]:
@@ -290,6 +294,41 @@ def test_analytical_model_is_a_roofline_and_sizes_the_kv_cache_from_memory(token
     prefill = {**decode, "num_prefill_tokens": 8192, "num_decode_tokens": 0, "num_decode_seqs": 0,
                "context_tokens": 8192, "attn_pairs": 8192 * 8193 // 2}
     assert model.predict(prefill, 0.0) == pytest.approx(0.002 + cost.step_flops(prefill) / (0.6 * 989e12))
+
+
+def test_quantized_weights_on_hardware_stream_as_stored_and_multiply_at_the_int8_peak(tokenizer) -> None:
+    """engine.quantization on an analytical run: Llama-3-8B's int8 weights leave the KV cache more of an H100,
+    a decode step streams them as stored (about half the bf16 bytes), a prefill runs its linears at the int8
+    peak and attention at bf16's, and MFU is measured against the int8 peak."""
+    llama3 = str(ROOT / "nanovllm/data/models/llama-3-8b")
+    h100 = Hardware(name="h100", peak_flops={"bfloat16": 989e12, "int8": 1979e12}, memory_bandwidth=3.35e12,
+                    memory_bytes=80e9, step_overhead=0.002)
+    dense, int8 = (Simulation.build(EngineConfig(model=llama3, dtype="bfloat16", quantization=quantization,
+                                                 max_num_seqs=512, max_model_len=8192), "analytical", hardware=h100)
+                   for quantization in (None, "int8"))
+    cost = int8.cost
+    assert cost.int8_matmuls and not dense.cost.int8_matmuls
+    # Codes and a float32 scale per output channel for every linear and the head; the embedding stays bf16.
+    assert cost.weight_bytes == pytest.approx(dense.cost.weight_bytes / 2, rel=0.01)
+    embedding = cost.vocab_size * cost.hidden_size * 2
+    assert cost.weight_memory_bytes == pytest.approx(cost.weight_bytes + embedding, rel=0.001)
+    assert int8.engine.num_kv_blocks == int(0.9 * 80e9 - cost.weight_memory_bytes) // (cost.kv_bytes_per_token * 16)
+    assert int8.engine.num_kv_blocks > 1.1 * dense.engine.num_kv_blocks
+    decode = {"num_prefill_tokens": 0, "num_decode_tokens": 1, "num_decode_seqs": 1, "num_sampled": 1,
+              "context_tokens": 100, "attn_pairs": 100}
+    assert int8.model.predict(decode, 0.0) == pytest.approx(0.002 + cost.step_bytes(decode) / (0.8 * 3.35e12))
+    assert int8.model.predict(decode, 0.0) - 0.002 == pytest.approx((dense.model.predict(decode, 0.0) - 0.002) / 2,
+                                                                    rel=0.02)
+    prefill = {**decode, "num_prefill_tokens": 8192, "num_decode_tokens": 0, "num_decode_seqs": 0,
+               "context_tokens": 8192, "attn_pairs": 8192 * 8193 // 2}
+    assert int8.model.predict(prefill, 0.0) == pytest.approx(
+        0.002 + cost.step_matmul_flops(prefill) / (0.6 * 1979e12) + cost.step_attention_flops(prefill) / (0.6 * 989e12))
+    assert int8.monitor_config(MonitorConfig()).peak_flops == 1979e12
+    assert dense.monitor_config(MonitorConfig()).peak_flops == 989e12
+    # Hardware that gives no int8 peak is an error naming the field, not a silent bf16 estimate.
+    with pytest.raises(ValueError, match="hardware.peak_flops has no int8 entry.*engine.quantization"):
+        Simulation.build(EngineConfig(model=llama3, dtype="bfloat16", quantization="int8"), "analytical",
+                         hardware=_h100())
 
 
 def test_hardware_without_memory_for_the_weights_names_the_field() -> None:
@@ -524,6 +563,50 @@ def test_this_machines_cached_profile_is_preferred_over_the_shipped_one(tmp_path
     other_threads = {**machine.describe(bandwidth=False), "threads": threads + 1}
     line = this_machine.mismatch(_profile_on(machine.describe(bandwidth=False)), "p.yaml", "bfloat16", other_threads)
     assert line.endswith(f"(this CPU has a cached profile for {threads} thread(s): OMP_NUM_THREADS={threads} uses it)")
+
+
+def test_a_quantized_or_8bit_kv_run_takes_this_machines_profile_of_its_own_settings(tmp_path, monkeypatch,
+                                                                                     caplog) -> None:
+    """calibrate --this-machine --quantization/--kv-cache-dtype caches one profile per setting; a simulated run
+    takes the one of its weights and KV cache, else the dense one with a warning naming the command that
+    calibrates its settings."""
+    monkeypatch.setenv(this_machine.PROFILES_ENV, str(tmp_path))
+    here = machine.describe(bandwidth=False)
+    int8 = this_machine.cached_profile_path("bfloat16", quantization="int8")
+    assert int8.name == "smollm2-135m-bfloat16-int8-cpu.yaml"
+    assert this_machine.profile_name("bfloat16", "int8", "fp8_e4m3") == "smollm2-135m-bfloat16-int8-kv-fp8_e4m3-cpu.yaml"
+    assert this_machine.profile_name("float32", kv_cache_dtype="int8") == "smollm2-135m-float32-kv-int8-cpu.yaml"
+    dense = this_machine.cached_profile_path("bfloat16")
+    dense.parent.mkdir(parents=True)
+    dense.write_text(yaml.safe_dump(_profile_on(here)))
+    # Only a dense profile: an int8 run uses it, and says which command calibrates int8's.
+    model = CalibratedStepTime(dtype="bfloat16", quantization="int8")
+    assert model.path == dense
+    command = (f"python -m nanovllm.harness.sim.calibrate --this-machine --dtype bfloat16 --threads "
+               f"{torch.get_num_threads()} --quantization int8")
+    assert "engine.quantization=none, this run uses int8" in model.quantization_warning()
+    assert f"`{command}`" in model.quantization_warning()
+    int8.write_text(yaml.safe_dump({**_profile_on(here), "quantization": "int8"}))
+    model = CalibratedStepTime(dtype="bfloat16", quantization="int8")
+    assert model.path == int8 and model.quantization_warning() is None and model.kv_cache_warning() is None
+    # The int8-weights profile is not an 8-bit-KV one: that run falls back to the dense profile and says so.
+    kv8 = CalibratedStepTime(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")
+    assert kv8.path == dense and f"`{command} --kv-cache-dtype int8`" in kv8.kv_cache_warning()
+    assert CalibratedStepTime(dtype="bfloat16").path == dense
+    assert _warnings(caplog) == []
+
+
+def test_calibrate_this_machine_refuses_settings_the_engine_does_not_take(tmp_path, capsys) -> None:
+    from nanovllm.harness.sim.calibrate import main
+
+    for args, message in [(["--quantization", "awq"], "--quantization must be one of int8, gguf, got 'awq'"),
+                          (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype must be one of auto, int8, fp8_e4m3, "
+                                                        "got 'fp4'")]:
+        with pytest.raises(SystemExit) as exited:
+            main(["--this-machine", "--out", str(tmp_path / "p.yaml"), *args])
+        assert exited.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+    assert not list(tmp_path.iterdir())  # refused before any run
 
 
 def test_calibrate_writes_the_machine_of_the_runs(tmp_path) -> None:

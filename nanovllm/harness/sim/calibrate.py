@@ -2,11 +2,13 @@
 
     python -m nanovllm.harness.sim.calibrate RUN_DIR [RUN_DIR ...] --out profile.yaml
     python -m nanovllm.harness.sim.calibrate --this-machine [--dtype bfloat16] [--threads 1] [--full]
+                                             [--quantization int8|gguf] [--kv-cache-dtype int8|fp8_e4m3]
 
 The second form makes the runs too: the calibration workloads of the shipped profiles, run here (one round of
 them by default, 2 runs: 4-8 minutes on one core of a loaded 2-core Xeon; ``--full``: the study's five
 rounds), fitted into this machine's profile cache, which ``runner=sim`` then uses instead of the shipped
-profile (``nanovllm.harness.sim.this_machine``). Every profile records the machine its runs were measured on
+profile (``nanovllm.harness.sim.this_machine``); with ``--quantization`` / ``--kv-cache-dtype`` the runs use
+those weights and that KV cache, and the profile is the one simulated runs with the same settings take. Every profile records the machine its runs were measured on
 (``machine``: CPU model, architecture, ISA level, torch threads, copy bandwidth), from the runs' ``metrics.json``
 (runs that record none: what the ``--out`` profile says if it was fitted on the same runs, else the calibrating
 process's), and ``runner=sim`` warns in one logged line when that is not this machine.
@@ -150,7 +152,8 @@ def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
     """The engine's 2-row GEMV/GEMM switch (``PackedLinear.GEMV_MAX_ROWS``) when every run was in bfloat16 on
     CPU and none on a level where bf16 linears run brgemm (AMX: ``fast_path.linear_kernel``; a run whose
     ``machines`` entry names no ISA counts as not); "fit" (find it from the steps: ``fitted_kernel_switch``) for
-    other runs on CPU (float32, or bf16 on AMX, where brgemm has no switch of its own); None off the CPU. Below
+    other runs on CPU (float32, bf16 on AMX, where brgemm has no switch of its own, or quantized weights, whose
+    int8 kernels block rows their own way); None off the CPU. Below
     AVX-512 BF16 the engine has no GEMV, but oneDNN changes kernels at a few rows too, and the shipped bf16
     profiles were fit there with the fixed switch: they stay reproducible from their archives."""
     import torch
@@ -159,6 +162,8 @@ def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
 
     if not setups or not all(setup.get("device", "cpu") == "cpu" for setup in setups):
         return None
+    if any(setup.get("quantization") for setup in setups):
+        return "fit"  # quantized linears: the int8 kernels' own blocking, not the bf16 GEMV switch
     isas = [(info or {}).get("isa") for info in machines] or [None]
     if all(setup.get("dtype") == "bfloat16" for setup in setups) and \
             not any(isa is not None and linear_kernel(torch.bfloat16, isa) == "brgemm" for isa in isas):
@@ -299,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help=f"rounds of the calibration workloads, 2 runs each (default {this_machine.SHORT_ROUNDS})")
     here.add_argument("--full", action="store_true",
                       help=f"the study's protocol: {this_machine.FULL_ROUNDS} rounds (10 runs)")
+    here.add_argument("--quantization", default=None,
+                      help=f"engine.quantization of the runs ({', '.join(this_machine.QUANTIZATIONS)}; default dense)")
+    here.add_argument("--kv-cache-dtype", default="auto",
+                      help=f"engine.kv_cache_dtype of the runs ({', '.join(this_machine.KV_CACHE_DTYPES)})")
     args = parser.parse_args(argv)
     command = "python -m nanovllm.harness.sim.calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.gemv_max_rows is not None and args.gemv_max_rows < 0:
@@ -310,7 +319,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.full and args.rounds is not None:
                 _fail("give --full or --rounds, not both")
             rounds = this_machine.FULL_ROUNDS if args.full else args.rounds or this_machine.SHORT_ROUNDS
-            profile, out = this_machine.calibrate_this_machine(args.dtype, args.threads, rounds, args.out)
+            profile, out = this_machine.calibrate_this_machine(args.dtype, args.threads, rounds, args.out,
+                                                               quantization=args.quantization,
+                                                               kv_cache_dtype=args.kv_cache_dtype)
         else:
             if not args.run_dirs or args.out is None:
                 _fail("give RUN_DIR... and --out PROFILE, or --this-machine")

@@ -1,6 +1,6 @@
 """Hardware descriptions for the analytical step-time model (the Hydra group ``hardware=``).
 
-A description gives peak FLOP/s per dtype, memory bandwidth and size, how much of the peaks real kernels reach,
+A description gives peak FLOP/s per dtype (``int8``: operations a second, what quantized linears run at), memory bandwidth and size, how much of the peaks real kernels reach,
 and a fixed per-step overhead (scheduling, launches, sampling). The KV cache gets what ``memory_fraction`` of
 memory leaves after the weights, as a serving engine sizes it on a GPU.
 """
@@ -8,7 +8,10 @@ memory leaves after the weights, as a serving engine sizes it on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from nanovllm.harness.monitor import ModelCost
 
 
 @dataclass
@@ -63,6 +66,17 @@ class Hardware:
             raise ValueError(f"hardware.peak_flops has no entry for dtype {dtype!r} (has: "
                              f"{', '.join(sorted(self.peak_flops))}); add one or choose engine.dtype among them")
         return self.peak_flops[dtype]
+
+    def matmul_peak_flops(self, dtype: str, cost: "ModelCost") -> float:
+        """The peak the linears run against: ``int8``'s where they multiply in int8 (``cost.int8_matmuls``:
+        ``engine.quantization`` int8 or gguf), else ``dtype``'s."""
+        if not cost.int8_matmuls:
+            return self.peak_flops_for(dtype)
+        if "int8" not in self.peak_flops:
+            raise ValueError(f"hardware.peak_flops has no int8 entry (has: {', '.join(sorted(self.peak_flops))}), "
+                             "and engine.quantization multiplies the linears in int8: add hardware.peak_flops.int8 "
+                             "(int8 operations a second) or set engine.quantization=null")
+        return self.peak_flops["int8"]
 
     def kv_cache_bytes(self, weight_bytes: float) -> int:
         """Memory left for the KV cache once the weights are in; an error naming the field when none is."""

@@ -64,7 +64,8 @@ class Simulation(ServedEngine):
         from nanovllm.models.loader import resolve_model
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
-        cost = ModelCost.from_hf_config(hf_config, torch_dtype(config.dtype), config.kv_cache_dtype)
+        cost = ModelCost.from_hf_config(hf_config, torch_dtype(config.dtype), config.kv_cache_dtype,
+                                        config.quantization, config.model)
         config = _kv_sized(config, cost, hardware)
         options = dict(step_time) if isinstance(step_time, Mapping) else {"name": step_time}
         model = STEP_TIME_MODELS.build({"profile": profile, "run": replay_run, "cost": cost, "hardware": hardware,
@@ -112,7 +113,7 @@ class Simulation(ServedEngine):
         """MFU/MBU peaks: the hardware's when simulating one; none for a step-time model whose seconds are no
         machine's (``token_cost``); else the configured ones (this machine's)."""
         if self.hardware is not None:
-            return MonitorConfig(peak_flops=self.hardware.peak_flops_for(self.engine.config.dtype),
+            return MonitorConfig(peak_flops=self.hardware.matmul_peak_flops(self.engine.config.dtype, self.cost),
                                  peak_bandwidth=self.hardware.memory_bandwidth, calibrate=False)
         return configured if self.model.machine_seconds else MonitorConfig(calibrate=False)
 
@@ -124,10 +125,10 @@ class Simulation(ServedEngine):
 
 def _kv_sized(config: EngineConfig, cost: ModelCost, hardware: Hardware | None) -> EngineConfig:
     """With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``: the KV cache gets the memory the weights
-    leave on it (``Hardware.kv_cache_bytes`` says when they do not fit)."""
+    (as stored: ``ModelCost.weight_memory_bytes``, int8 or GGUF blocks when quantized) leave on it (``Hardware.kv_cache_bytes`` says when they do not fit)."""
     if hardware is None:
         return config
-    kv_bytes = hardware.kv_cache_bytes(cost.total_params * cost.bytes_per_element)
+    kv_bytes = hardware.kv_cache_bytes(cost.weight_memory_bytes)
     if config.num_kv_blocks is None and config.kv_cache_memory is None:
         return dataclasses.replace(config, kv_cache_memory=kv_bytes)
     return config

@@ -104,14 +104,18 @@ class CalibratedStepTime(StepTimeModel):
     def __init__(self, profile: str | Path | None = None, dtype: str = "float32", model: str | None = None,
                  kv_cache_dtype: str = "auto", quantization: str | None = None, **context: Any) -> None:
         """``profile``: a profile YAML; None picks this machine's own for ``model`` (None: the default model) in
-        ``dtype`` when one was calibrated (``this_machine.cached_profile``), else the shipped one
-        (``shipped_profile``). A profile that records another dtype than ``dtype`` is an error; one fitted on
-        runs with another ``kv_cache_dtype`` (no record: ``auto``) or ``quantization`` (no record: dense weights)
-        is used, and ``kv_cache_warning`` / ``quantization_warning`` say so."""
+        ``dtype`` when one was calibrated (``this_machine.cached_profile``: the one of this run's
+        ``quantization`` and ``kv_cache_dtype``, else the dense one), else the shipped one (``shipped_profile``).
+        A profile that records another dtype than ``dtype`` is an error; one fitted on runs with another
+        ``kv_cache_dtype`` (no record: ``auto``) or ``quantization`` (no record: dense weights) is used, and
+        ``kv_cache_warning`` / ``quantization_warning`` say so."""
         from nanovllm.harness.sim.this_machine import cached_profile
 
-        # This machine's own profile (calibrate --this-machine), when there is one for the default model.
-        self.cached = cached_profile(dtype) if not profile and model in (None, "") else None
+        # This machine's own profile (calibrate --this-machine), when there is one for the default model: of
+        # this run's weights and KV cache where calibrated, else the dense one (which then warns).
+        self.cached = None
+        if not profile and model in (None, ""):
+            self.cached = cached_profile(dtype, quantization, kv_cache_dtype) or cached_profile(dtype)
         path = Path(profile) if profile else self.cached or shipped_profile(dtype, model)
         if not path.is_file():
             raise ValueError(f"runner.profile: calibration profile {str(path)!r} does not exist "
@@ -158,6 +162,15 @@ class CalibratedStepTime(StepTimeModel):
             return None
         return f"runner.profile: {self.path.name} was fitted on runs with engine.{key}={fitted}, this run uses {ours}"
 
+    def _calibrate_hint(self) -> str:
+        """The command that calibrates this machine for this run's settings (dtype, threads, weights, KV cache)."""
+        import torch
+
+        from nanovllm.harness.sim.this_machine import calibrate_command
+
+        quantization = None if self.quantization == "none" else self.quantization
+        return calibrate_command(self.dtype, torch.get_num_threads(), quantization, self.kv_cache_dtype)
+
     def kv_cache_warning(self) -> str | None:
         """One line when the profile's runs had another KV-cache dtype than this run (an 8-bit cache changes
         what attention costs: the profile's ``context_tokens``/``attn_pairs`` terms are the other cache's);
@@ -165,9 +178,9 @@ class CalibratedStepTime(StepTimeModel):
         start = self._fitted_otherwise("kv_cache_dtype", "auto", self.kv_cache_dtype)
         fitted = self.profile.get("kv_cache_dtype") or "auto"
         return None if start is None else (
-            f"{start}: its attention terms are those of the {fitted} cache (calibrate from runs with "
-            f"engine.kv_cache_dtype={self.kv_cache_dtype} for that cache's step times); the KV memory, blocks and "
-            "preemptions are this run's")
+            f"{start}: its attention terms are those of the {fitted} cache (for that cache's step times, "
+            f"calibrate from runs with engine.kv_cache_dtype={self.kv_cache_dtype}: `{self._calibrate_hint()}`); "
+            "the KV memory, blocks and preemptions are this run's")
 
     def quantization_warning(self) -> str | None:
         """One line when the profile's runs had other weights than this run (``quantization``: int8 or GGUF
@@ -176,7 +189,8 @@ class CalibratedStepTime(StepTimeModel):
         fitted = self.profile.get("quantization") or "none"
         return None if start is None else (
             f"{start}: its linear-layer terms are those of {'dense' if fitted == 'none' else fitted} weights "
-            f"(calibrate from runs with engine.quantization={self.quantization} for their step times)")
+            f"(for their step times, calibrate from runs with engine.quantization={self.quantization}: "
+            f"`{self._calibrate_hint()}`)")
 
     def machine_warning(self) -> str | None:
         """One line when the profile was measured on another machine than this one (another CPU
@@ -190,7 +204,9 @@ class CalibratedStepTime(StepTimeModel):
 
 @register_step_time("analytical")
 class AnalyticalStepTime(StepTimeModel):
-    """Roofline: per-step overhead plus the slower of compute and memory traffic, on ``hardware``."""
+    """Roofline: per-step overhead plus the slower of compute and memory traffic, on ``hardware``. With quantized
+    weights (``cost.int8_matmuls``) the linears' products run at the int8 peak and attention at the dtype's, and
+    the weights stream as stored (``ModelCost.weight_bytes``)."""
 
     def __init__(self, cost: ModelCost, hardware: Hardware | None, dtype: str, **context: Any) -> None:
         if hardware is None:
@@ -198,10 +214,12 @@ class AnalyticalStepTime(StepTimeModel):
         self.cost = cost
         self.hardware = hardware
         self.flops_per_s = hardware.peak_flops_for(dtype) * hardware.flops_efficiency
+        self.matmul_flops_per_s = hardware.matmul_peak_flops(dtype, cost) * hardware.flops_efficiency
         self.bytes_per_s = hardware.memory_bandwidth * hardware.bandwidth_efficiency
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
-        compute = self.cost.step_flops(features) / self.flops_per_s
+        compute = (self.cost.step_matmul_flops(features) / self.matmul_flops_per_s
+                   + self.cost.step_attention_flops(features) / self.flops_per_s)
         memory = self.cost.step_bytes(features) / self.bytes_per_s
         return self.hardware.step_overhead + max(compute, memory)
 

@@ -2,6 +2,7 @@
 profile of this machine's own, calibrated with one command and cached::
 
     python -m nanovllm.harness.sim.calibrate --this-machine [--dtype bfloat16] [--threads 1] [--full]
+                                             [--quantization int8|gguf] [--kv-cache-dtype int8|fp8_e4m3]
 
 A step time is a property of the CPU it was measured on (its model, the instruction set the kernels use, the
 torch threads), so ``calibrate`` writes that into every profile (``machine:``) and ``runner=sim`` compares it
@@ -12,9 +13,12 @@ That command makes real runs of the calibration workloads (the ones ``experiment
 shipped profiles on, ``CALIBRATION_WORKLOADS``; by default ``SHORT_ROUNDS`` round of them, ``--full`` the
 study's ``FULL_ROUNDS``) and writes the profile into the per-machine cache (``profiles_dir()``:
 ``$NANOVLLM_SIM_PROFILES``, default ``$NANOVLLM_CACHE/sim-profiles``, i.e. ``~/.cache/nanovllm/sim-profiles``),
-one directory per CPU model, ISA level and thread count (``machine_key``), one file per dtype, with the runs
-beside it. ``runner=sim`` without ``runner.profile`` then uses that profile instead of the shipped one
-(``cached_profile``), as long as its own torch thread count is the profile's.
+one directory per CPU model, ISA level and thread count (``machine_key``), one file per dtype and engine
+setting that changes step times (quantized weights, an 8-bit KV cache: ``profile_name``), with the runs beside
+it. ``runner=sim`` without ``runner.profile`` then uses that profile instead of the shipped one
+(``cached_profile``), as long as its own torch thread count is the profile's; a quantized or 8-bit-KV run
+without a profile of its own settings takes the dense one, and its warning names the command that calibrates
+its settings.
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ RUN_OVERRIDES = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=f
 SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (~40 s of serving on the EPYC, 4 min on a 2-core Xeon)
 FULL_ROUNDS = 5   # --full: the study's protocol, 10 runs
 DTYPES = ("bfloat16", "float32")  # the dtypes a profile is shipped in
+
+
+QUANTIZATIONS = ("int8", "gguf")  # engine.quantization values a profile can be calibrated for (None: dense)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # engine.kv_cache_dtype values
+
+
+def settings_overrides(quantization: str | None = None, kv_cache_dtype: str = "auto") -> list[str]:
+    """The engine overrides of runs with quantized weights and/or an 8-bit KV cache (none for the defaults);
+    ``ValueError`` naming the flag for a value the engine does not take."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return ([f"engine.quantization={quantization}"] if quantization else []) + \
+        ([f"engine.kv_cache_dtype={kv_cache_dtype}"] if kv_cache_dtype != "auto" else [])
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -100,20 +119,26 @@ def profiles_dir() -> Path:
     return sim_profiles_dir()
 
 
-def profile_name(dtype: str) -> str:
-    """The file name of a profile of the default model (SmolLM2-135M) in ``dtype``, shipped or cached."""
-    return f"smollm2-135m-{dtype}-cpu.yaml"
+def profile_name(dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto") -> str:
+    """The file name of a profile of the default model (SmolLM2-135M) in ``dtype``, shipped or cached:
+    ``smollm2-135m-bfloat16-cpu.yaml``, and for runs with quantized weights and/or an 8-bit KV cache
+    ``smollm2-135m-bfloat16-int8-kv-int8-cpu.yaml`` (only dense profiles are shipped)."""
+    settings = (f"-{quantization}" if quantization else "") + \
+        (f"-kv-{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+    return f"smollm2-135m-{dtype}{settings}-cpu.yaml"
 
 
-def cached_profile_path(dtype: str, info: Mapping[str, Any] | None = None) -> Path:
-    """Where this machine's (or ``info``'s) profile in ``dtype`` is cached, whether or not it exists."""
-    return profiles_dir() / machine_key(info or this_machine()) / profile_name(dtype)
+def cached_profile_path(dtype: str, info: Mapping[str, Any] | None = None, quantization: str | None = None,
+                        kv_cache_dtype: str = "auto") -> Path:
+    """Where this machine's (or ``info``'s) profile in ``dtype`` (with those weights and KV cache) is cached,
+    whether or not it exists."""
+    return profiles_dir() / machine_key(info or this_machine()) / profile_name(dtype, quantization, kv_cache_dtype)
 
 
-def cached_profile(dtype: str) -> Path | None:
-    """This machine's cached profile of the default model in ``dtype`` (at the current torch thread count), or
-    None when none was calibrated."""
-    path = cached_profile_path(dtype)
+def cached_profile(dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto") -> Path | None:
+    """This machine's cached profile of the default model in ``dtype`` (at the current torch thread count) for
+    runs with ``quantization`` and ``kv_cache_dtype``, or None when none was calibrated."""
+    path = cached_profile_path(dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     return path if path.is_file() else None
 
 
@@ -178,9 +203,13 @@ def describe_machine(info: Mapping[str, Any]) -> str:
     return f"{info.get('cpu', 'unknown CPU')} ({info.get('isa', 'unknown ISA')}, {threads} thread{plural})"
 
 
-def calibrate_command(dtype: str, threads: int) -> str:
-    """The command that calibrates this machine in ``dtype`` with ``threads`` threads (``calibrate --this-machine``)."""
-    return f"python -m nanovllm.harness.sim.calibrate --this-machine --dtype {dtype} --threads {threads}"
+def calibrate_command(dtype: str, threads: int, quantization: str | None = None,
+                      kv_cache_dtype: str = "auto") -> str:
+    """The command that calibrates this machine in ``dtype`` with ``threads`` threads (``calibrate --this-machine``),
+    for runs with ``quantization`` and ``kv_cache_dtype``."""
+    return (f"python -m nanovllm.harness.sim.calibrate --this-machine --dtype {dtype} --threads {threads}"
+            + (f" --quantization {quantization}" if quantization else "")
+            + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""))
 
 
 def mismatch(profile: Mapping[str, Any], label: str, dtype: str,
@@ -207,28 +236,33 @@ def mismatch(profile: Mapping[str, Any], label: str, dtype: str,
 # -- calibrate this machine ---------------------------------------------------------------------------------------
 
 def calibrate_this_machine(dtype: str = "bfloat16", threads: int = 1, rounds: int = SHORT_ROUNDS,
-                           out: str | Path | None = None, echo: bool = True) -> tuple[dict, Path]:
+                           out: str | Path | None = None, echo: bool = True, quantization: str | None = None,
+                           kv_cache_dtype: str = "auto") -> tuple[dict, Path]:
     """Make the real runs of rounds 1..``rounds`` of the calibration workloads here (``threads`` torch threads,
-    ``dtype``), fit a profile on them and write it to ``out`` (None: this machine's cache entry, the one
-    ``runner=sim`` picks up). The runs go beside the profile (``runs-<dtype>/``), replacing earlier ones.
-    Returns the profile and where it went."""
+    ``dtype``, weights ``quantization``, KV cache ``kv_cache_dtype``), fit a profile on them and write it to
+    ``out`` (None: this machine's cache entry for those settings, the one ``runner=sim`` picks up for runs
+    with them). The runs go beside the profile (``runs-<dtype>[-<quantization>][-kv-<kv dtype>]/``), replacing earlier ones. Returns the
+    profile and where it went."""
     from nanovllm.harness.sim.calibrate import calibrate
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if threads < 1 or rounds < 1:
         raise ValueError(f"--threads and --rounds must be at least 1, got {threads} and {rounds}")
+    settings = settings_overrides(quantization, kv_cache_dtype)
     here = this_machine(threads=threads)
-    out = Path(out) if out is not None else cached_profile_path(dtype, here)
-    runs_root = out.parent / f"runs-{dtype}"
+    default_out = cached_profile_path(dtype, here, quantization, kv_cache_dtype)
+    out = Path(out) if out is not None else default_out
+    setting_name = profile_name(dtype, quantization, kv_cache_dtype).removeprefix("smollm2-135m-")
+    runs_root = out.parent / f"runs-{setting_name.removesuffix('-cpu.yaml')}"  # runs-bfloat16, runs-bfloat16-int8
     shutil.rmtree(runs_root, ignore_errors=True)
     run_dirs = []
     start = time.perf_counter()
     for name, overrides in calibration_runs(rounds):
         run_dirs.append(runs_root / name)
-        run_engine(overrides, run_dirs[-1], dtype, threads, echo=echo)
-    command = (f"{calibrate_command(dtype, threads)} --rounds {rounds}"
-               + (f" --out {out}" if out != cached_profile_path(dtype, here) else ""))
+        run_engine([*overrides, *settings], run_dirs[-1], dtype, threads, echo=echo)
+    command = (f"{calibrate_command(dtype, threads, quantization, kv_cache_dtype)} --rounds {rounds}"
+               + (f" --out {out}" if out != default_out else ""))
     profile = calibrate(run_dirs, out, command=command)
     if profile["machine"].get("threads") != threads:
         raise RuntimeError(f"calibration runs recorded {profile['machine'].get('threads')} torch threads, not the "
