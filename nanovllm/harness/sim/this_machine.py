@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nanovllm import machine
+from nanovllm.config import KV_CACHE_DTYPES, QUANTIZATIONS  # what a profile can be calibrated for (re-exported)
 from nanovllm.paths import SIM_PROFILES_ENV, sim_profiles_dir
 
 PROFILES_ENV = SIM_PROFILES_ENV
@@ -56,10 +57,6 @@ RUN_OVERRIDES = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=f
 SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (~40 s of serving on the EPYC, 4 min on a 2-core Xeon)
 FULL_ROUNDS = 5   # --full: the study's protocol, 10 runs
 DTYPES = ("bfloat16", "float32")  # the dtypes a profile is shipped in
-
-
-QUANTIZATIONS = ("int8", "gguf")  # engine.quantization values a profile can be calibrated for (None: dense)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # engine.kv_cache_dtype values
 
 
 def settings_overrides(quantization: str | None = None, kv_cache_dtype: str = "auto") -> list[str]:
