@@ -409,6 +409,11 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
 _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def gguf_head_name(tensors) -> str:
+    """The tensor a GGUF model's LM head runs: ``output.weight``, or the embedding it is tied to."""
+    return "output.weight" if "output.weight" in tensors else "token_embd.weight"
+
+
 def gguf_stored_bytes(path: Path) -> tuple[int, int, int]:
     """(bytes, weights) of the matmul weights a forward pass over ``path``'s blocks streams -- the decoder
     layers' linears and the LM head (``output``, or the tied ``token_embd``), as the file stores them -- and the
@@ -416,7 +421,7 @@ def gguf_stored_bytes(path: Path) -> tuple[int, int, int]:
     simulator's cost model of a GGUF run (``ModelCost.from_hf_config``) takes them; a built model's own count
     (``LlamaForCausalLM.streamed_weights``) agrees."""
     _, tensors = read_gguf(path)
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head = gguf_head_name(tensors)
     matmuls = [tensor for name, tensor in tensors.items()
                if name == head or (name.startswith("blk.") and name.split(".")[-2] in _GGUF_LINEARS)]
     if not matmuls or head not in tensors:
@@ -540,7 +545,8 @@ def build_gguf_model(hf_config, gguf_path: Path, dtype: torch.dtype, max_positio
     norm(model.norm, "output_norm.weight")
     embedding = weights.linear("token_embd.weight")
     model.embed_tokens = QuantEmbedding(embedding, dtype)
-    head = weights.linear("output.weight") if weights.has("output.weight") else embedding
+    head_name = gguf_head_name(weights.tensors)
+    head = embedding if head_name == "token_embd.weight" else weights.linear(head_name)
     model.lm_head = head
     model.lm_head_chunks = nn.ModuleList([head])
     model.kernels = kernels

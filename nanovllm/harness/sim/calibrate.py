@@ -8,8 +8,9 @@ The second form makes the runs too: the calibration workloads of the shipped pro
 them by default, 2 runs: 4-8 minutes on one core of a loaded 2-core Xeon; ``--full``: the study's five
 rounds), fitted into this machine's profile cache, which ``runner=sim`` then uses instead of the shipped
 profile (``nanovllm.harness.sim.this_machine``); with ``--quantization`` / ``--kv-cache-dtype`` the runs use
-those weights and that KV cache, and the profile is the one simulated runs with the same settings take. Every profile records the machine its runs were measured on
-(``machine``: CPU model, architecture, ISA level, torch threads, copy bandwidth), from the runs' ``metrics.json``
+those weights and that KV cache, and the profile is the one simulated runs with the same settings take. Every
+profile records the machine its runs were measured on (``machine``: CPU model, architecture, ISA level, torch
+threads, copy bandwidth), from the runs' ``metrics.json``
 (runs that record none: what the ``--out`` profile says if it was fitted on the same runs, else the calibrating
 process's), and ``runner=sim`` warns in one logged line when that is not this machine.
 

@@ -1,17 +1,15 @@
 """Hardware descriptions for the analytical step-time model (the Hydra group ``hardware=``).
 
-A description gives peak FLOP/s per dtype (``int8``: operations a second, what quantized linears run at), memory bandwidth and size, how much of the peaks real kernels reach,
-and a fixed per-step overhead (scheduling, launches, sampling). The KV cache gets what ``memory_fraction`` of
+A description gives peak FLOP/s per dtype (``int8``: operations a second, what quantized linears run at),
+memory bandwidth and size, how much of the peaks real kernels reach, and a fixed per-step overhead (scheduling,
+launches, sampling). The KV cache gets what ``memory_fraction`` of
 memory leaves after the weights, as a serving engine sizes it on a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Mapping
-
-if TYPE_CHECKING:
-    from nanovllm.harness.monitor import ModelCost
+from typing import Any, Mapping
 
 
 @dataclass
@@ -67,10 +65,10 @@ class Hardware:
                              f"{', '.join(sorted(self.peak_flops))}); add one or choose engine.dtype among them")
         return self.peak_flops[dtype]
 
-    def matmul_peak_flops(self, dtype: str, cost: "ModelCost") -> float:
-        """The peak the linears run against: ``int8``'s where they multiply in int8 (``cost.int8_matmuls``:
+    def matmul_peak_flops(self, dtype: str, int8_matmuls: bool) -> float:
+        """The peak the linears run against: ``int8``'s where they multiply in int8 (``ModelCost.int8_matmuls``:
         ``engine.quantization`` int8 or gguf), else ``dtype``'s."""
-        if not cost.int8_matmuls:
+        if not int8_matmuls:
             return self.peak_flops_for(dtype)
         if "int8" not in self.peak_flops:
             raise ValueError(f"hardware.peak_flops has no int8 entry (has: {', '.join(sorted(self.peak_flops))}), "

@@ -113,7 +113,8 @@ class Simulation(ServedEngine):
         """MFU/MBU peaks: the hardware's when simulating one; none for a step-time model whose seconds are no
         machine's (``token_cost``); else the configured ones (this machine's)."""
         if self.hardware is not None:
-            return MonitorConfig(peak_flops=self.hardware.matmul_peak_flops(self.engine.config.dtype, self.cost),
+            return MonitorConfig(peak_flops=self.hardware.matmul_peak_flops(self.engine.config.dtype,
+                                                                         self.cost.int8_matmuls),
                                  peak_bandwidth=self.hardware.memory_bandwidth, calibrate=False)
         return configured if self.model.machine_seconds else MonitorConfig(calibrate=False)
 
@@ -125,7 +126,8 @@ class Simulation(ServedEngine):
 
 def _kv_sized(config: EngineConfig, cost: ModelCost, hardware: Hardware | None) -> EngineConfig:
     """With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``: the KV cache gets the memory the weights
-    (as stored: ``ModelCost.weight_memory_bytes``, int8 or GGUF blocks when quantized) leave on it (``Hardware.kv_cache_bytes`` says when they do not fit)."""
+    (as stored: ``ModelCost.weight_memory_bytes``, int8 or GGUF blocks when quantized) leave on it
+    (``Hardware.kv_cache_bytes`` says when they do not fit)."""
     if hardware is None:
         return config
     kv_bytes = hardware.kv_cache_bytes(cost.weight_memory_bytes)

@@ -214,7 +214,7 @@ class AnalyticalStepTime(StepTimeModel):
         self.cost = cost
         self.hardware = hardware
         self.flops_per_s = hardware.peak_flops_for(dtype) * hardware.flops_efficiency
-        self.matmul_flops_per_s = hardware.matmul_peak_flops(dtype, cost) * hardware.flops_efficiency
+        self.matmul_flops_per_s = hardware.matmul_peak_flops(dtype, cost.int8_matmuls) * hardware.flops_efficiency
         self.bytes_per_s = hardware.memory_bandwidth * hardware.bandwidth_efficiency
 
     def predict(self, features: Mapping[str, int], now: float) -> float:

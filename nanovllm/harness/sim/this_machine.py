@@ -120,9 +120,13 @@ def profile_name(dtype: str, quantization: str | None = None, kv_cache_dtype: st
     """The file name of a profile of the default model (SmolLM2-135M) in ``dtype``, shipped or cached:
     ``smollm2-135m-bfloat16-cpu.yaml``, and for runs with quantized weights and/or an 8-bit KV cache
     ``smollm2-135m-bfloat16-int8-kv-int8-cpu.yaml`` (only dense profiles are shipped)."""
-    settings = (f"-{quantization}" if quantization else "") + \
-        (f"-kv-{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
-    return f"smollm2-135m-{dtype}{settings}-cpu.yaml"
+    return f"smollm2-135m-{dtype}{settings_suffix(quantization, kv_cache_dtype)}-cpu.yaml"
+
+
+def settings_suffix(quantization: str | None = None, kv_cache_dtype: str = "auto") -> str:
+    """What a profile's and its runs' names add for quantized weights and/or an 8-bit KV cache: ``-int8``,
+    ``-kv-int8``, ``-int8-kv-int8``; nothing for the defaults."""
+    return (f"-{quantization}" if quantization else "") + (f"-kv-{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
 
 
 def cached_profile_path(dtype: str, info: Mapping[str, Any] | None = None, quantization: str | None = None,
@@ -238,8 +242,8 @@ def calibrate_this_machine(dtype: str = "bfloat16", threads: int = 1, rounds: in
     """Make the real runs of rounds 1..``rounds`` of the calibration workloads here (``threads`` torch threads,
     ``dtype``, weights ``quantization``, KV cache ``kv_cache_dtype``), fit a profile on them and write it to
     ``out`` (None: this machine's cache entry for those settings, the one ``runner=sim`` picks up for runs
-    with them). The runs go beside the profile (``runs-<dtype>[-<quantization>][-kv-<kv dtype>]/``), replacing earlier ones. Returns the
-    profile and where it went."""
+    with them). The runs go beside the profile (``runs-<dtype>[-<quantization>][-kv-<kv dtype>]/``), replacing
+    earlier ones. Returns the profile and where it went."""
     from nanovllm.harness.sim.calibrate import calibrate
 
     if dtype not in DTYPES:
@@ -250,8 +254,7 @@ def calibrate_this_machine(dtype: str = "bfloat16", threads: int = 1, rounds: in
     here = this_machine(threads=threads)
     default_out = cached_profile_path(dtype, here, quantization, kv_cache_dtype)
     out = Path(out) if out is not None else default_out
-    setting_name = profile_name(dtype, quantization, kv_cache_dtype).removeprefix("smollm2-135m-")
-    runs_root = out.parent / f"runs-{setting_name.removesuffix('-cpu.yaml')}"  # runs-bfloat16, runs-bfloat16-int8
+    runs_root = out.parent / f"runs-{dtype}{settings_suffix(quantization, kv_cache_dtype)}"
     shutil.rmtree(runs_root, ignore_errors=True)
     run_dirs = []
     start = time.perf_counter()
