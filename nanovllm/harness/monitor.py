@@ -66,13 +66,15 @@ class ModelCost:
             return any(name.endswith(suffix) for name in names for suffix in suffixes)
 
         dtype = next(model.parameters()).dtype
-        # Quantized weights: the bytes the model really streams per weight (its first parameter, the embedding,
-        # is still in the model dtype), and int8 arithmetic.
+        # The bytes the model really streams per weight, where they are not the dtype's: quantized weights (its
+        # first parameter, the embedding, is still in the model dtype), and packed layouts padded to whole blocks
+        # of features (the kernel dispatched on this CPU decides: fast_path.linear_weight_bytes); int8 arithmetic.
         from nanovllm.models.quantized import QuantEmbedding, QuantLinear
 
         int8_matmuls = any(isinstance(m, QuantLinear) for m in model.linear_layers() + model.lm_head_layers())
         nbytes, weights = model.streamed_weights()
-        bytes_per_weight = nbytes / weights if int8_matmuls and weights else None
+        as_dtype = weights * dtype.itemsize
+        bytes_per_weight = nbytes / weights if weights and (int8_matmuls or nbytes != as_dtype) else None
         cost = dataclasses.replace(
             cls.from_hf_config(model.config, dtype, kv_cache_dtype),
             qkv_bias=has("q_proj.bias", "qkv_proj.bias"), o_bias=has("o_proj.bias"),

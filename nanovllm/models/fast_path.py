@@ -80,6 +80,19 @@ def linear_kernel(dtype: torch.dtype, isa: str | None = None) -> str:
     return "brgemm" if isa in BRGEMM_FLOAT32_LEVELS else "onednn"
 
 
+# Output features per block of each kernel's stored weight (brgemm_linear.cpp's BLOCK_N, bf16_fma_linear.cpp's
+# kFeatures): the weight is padded with zero features to whole blocks. oneDNN's layouts hold N x K.
+PACKED_FEATURES = {"brgemm": 32, "bf16-fma": 16, "onednn+gemv": 1, "onednn": 1}
+
+
+def linear_weight_bytes(kernel: str, out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """Bytes of weight a ``PackedLinear`` of ``kernel`` stores and a forward pass reads (``num_bytes``): N padded
+    to the kernel's blocks of features times K, at ``dtype``'s size. Pure, so the cost model and tests can ask it
+    for any CPU's kernel."""
+    block = PACKED_FEATURES[kernel]
+    return -(-out_features // block) * block * in_features * torch.finfo(dtype).bits // 8
+
+
 class PackedLinear(nn.Module):
     """A bias-optional CPU linear (bfloat16 or float32) whose weight is stored once in its kernel's layout; the
     kernel is ``linear_kernel(dtype)`` when the compiled ``kernels`` are given, else oneDNN's prepacked linear.

@@ -42,18 +42,41 @@ GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")     # the quantized GGUF tensor type
 GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
 
 
+def int8_kernel_at(isa: str, flags: frozenset[str]) -> str:
+    """The kernel an int8 linear gets at ISA level ``isa`` on a CPU with ``/proc/cpuinfo`` ``flags``: ``amx``
+    (AMX-INT8 tiles: the ``amx`` level on a CPU with ``amx_int8``), ``i8x16`` (interleaved by 16 features: VNNI in
+    the ``avx512_bf16`` build, AVX2 in the ``avx2`` and ``avx512`` builds) or ``vector`` (quant_gemm.cpp's row
+    kernel, the scalar build). Pure, so tests can ask it for CPUs they do not run on; ``int8_kernel`` applies it
+    to this machine."""
+    if isa == "amx" and "amx_int8" in flags:
+        return "amx"
+    return "vector" if isa == "scalar" else "i8x16"
+
+
 def int8_kernel(kernels) -> str:
-    """The kernel an int8 linear runs with the compiled ``kernels`` (None: none): ``amx`` (AMX-INT8 tiles, on
-    the ``amx`` ISA level when the CPU and OS allow them), ``i8x16`` (interleaved by 16 features: VNNI in the
-    ``avx512_bf16`` build's other CPUs, AVX2 in the avx2 and avx512 builds) or ``vector`` (quant_gemm.cpp's row kernel,
-    the scalar build)."""
+    """The kernel an int8 linear runs with the compiled ``kernels`` (None: ``vector``, the torch fallback):
+    ``int8_kernel_at`` for the level in force and this CPU's flags, within what that build runs (a build without
+    the tiles, or an OS that refuses this process them, gets ``i8x16``; the scalar build ``vector``). Called when
+    a ``QuantLinear`` is built."""
     from nanovllm import machine
 
     if kernels is None:
         return "vector"
-    if machine.selected_isa() == "amx" and kernels.int8_amx_available():
+    if int8_kernel_at(machine.selected_isa(), machine.cpu_flags()) == "amx" and kernels.int8_amx_available():
         return "amx"
     return "i8x16" if kernels.i8x16_available() else "vector"
+
+
+def int8_weight_bytes(kernel: str, out_features: int, in_features: int) -> int:
+    """Bytes an int8 linear of ``kernel`` stores and a forward pass reads: its codes in that kernel's layout and
+    its float32 channel scales. ``amx``: 16-feature blocks, K padded to 64 (``pack_int8_amx``); ``i8x16``: N
+    padded to 64 features, codes and scales (``pack_i8x16``); ``vector``: [N, K] codes and [N] scales."""
+    if kernel == "amx":
+        return -(-out_features // 16) * 16 * (-(-in_features // 64) * 64) + 4 * out_features
+    if kernel == "i8x16":
+        padded = -(-out_features // Q4X16_ITEM) * Q4X16_ITEM
+        return padded * in_features + 4 * padded
+    return out_features * in_features + 4 * out_features
 
 
 class QuantLinear(nn.Module):

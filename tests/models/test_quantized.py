@@ -10,7 +10,8 @@ import torch
 
 from helpers import random_quant_linear
 from nanovllm.config import EngineConfig
-from nanovllm.models.quantized import FORMAT_IDS, GGUFWeights, QuantLinear, dequantize
+from nanovllm import machine
+from nanovllm.models.quantized import FORMAT_IDS, GGUFWeights, QuantLinear, dequantize, int8_kernel
 
 
 def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -21,6 +22,31 @@ def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
     # 127 / amax as the kernel divides (torch's scalar / tensor multiplies by the reciprocal: a rounding apart)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     return (torch.round(groups * inv) * (amax / 127)).reshape(rows, k)
+
+
+def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
+    p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
+    flat = x.float()
+    amax = flat.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    p1 = torch.round(flat * inv)
+    p2 = (torch.round(flat * (inv * 256)) - 256 * p1).clamp(max=127)
+    return (p1 + p2 / 256) * (amax / 127)
+
+
+def _activations_multiplied(x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """What an int8 layer of ``kernel`` multiplies its weights by: two digits per token on the tiles, int8 codes
+    per token and 32 values everywhere else."""
+    return _two_digit_activations(x) if kernel == "amx" else _quantize_activations(x)
+
+
+@pytest.fixture
+def at_build_level(monkeypatch, kernel_isa) -> str:
+    """The level in force pinned to the kernel build's own (``NANOVLLM_CPU_ISA``): on an AMX CPU the
+    avx512_bf16 build then dispatches int8 to its VNNI kernel, not the tiles, so that kernel is tested there too."""
+    monkeypatch.setenv(machine.ISA_ENV, kernel_isa)
+    return kernel_isa
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
@@ -94,7 +120,8 @@ def test_q4_layers_give_back_their_blocks_rows_and_fusions_in_either_layout(comp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33, 70])
 @pytest.mark.parametrize("n, k", [(21, 96), (100, 224), (128, 64)])
-def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, dtype, rows, n, k):
+def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(compiled, at_build_level, dtype, rows,
+                                                                            n, k):
     """i8x16_linear (int8 weights as unsigned w + 128, interleaved by 16 features; VNNI in the avx512_bf16 build,
     AVX2's multiply by nibble-split codes in the avx2 and avx512 builds) against the row kernel (quant_linear) on
     the same codes and activations: every row-group shape (1-4 rows a pass, then the rest; AVX2's second tile of 64
@@ -102,7 +129,8 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     (the correction for the unsigned weights). The first and last rows' first block is all 127 and all -127 codes
     against weight rows of 127 and -127: AVX2's int16 sums at their largest (8 steps of 2 x 255 x 8 = 32640). Its
     codes and scales come back as stored, single rows and fused. The scalar build keeps the row kernel and
-    refuses the call."""
+    refuses the call. Each build runs at its own level, so the dispatch (``int8_kernel``) picks this kernel on
+    an AMX CPU too."""
     generator = torch.Generator().manual_seed(rows * 1000 + n)
     weight = torch.randn(n, k, generator=generator)
     weight[0, :32] = weight[0].abs().max()  # saturated codes: 127, and -127 below
@@ -113,8 +141,8 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     x = torch.randn(rows, k, generator=generator)
     x[0, :32], x[-1, :32] = 1.0, -1.0  # every code 127 (high nibble 8), or -127 (-8), in the first block
     x = x.to(dtype)
-    if not compiled.i8x16_available():
-        assert layer.kernel == "vector"
+    assert layer.kernel == int8_kernel(compiled)
+    if layer.kernel == "vector":
         with pytest.raises(RuntimeError, match="no AVX2"):
             compiled.i8x16_linear(x, plain.qweight, plain.scales, None, n)
         return
@@ -140,26 +168,32 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
 def test_quantized_layers_reuse_their_scratch_across_shapes_and_growth(compiled, fmt):
     """A quantized linear's activation codes and scales live in per-thread scratch (nanovllm/csrc/scratch.h),
     reused by every later call: calls that alternate two K (kept shapes), then a batch larger than any before (the
-    buffers grow and old views are dropped), then the first shapes again, each give what the layer gave alone."""
+    buffers grow and old views are dropped), then the first shapes again, each give what the layer gave alone, and
+    what the activations its kernel multiplies by (``_activations_multiplied``) give."""
     generator = torch.Generator().manual_seed(7)
     layers = {k: random_quant_linear(fmt, 48, k, generator, compiled) for k in (64, 160)}
+    assert fmt != "int8" or all(layer.kernel == int8_kernel(compiled) for layer in layers.values())
     inputs = [torch.randn(rows, k, generator=generator) for rows, k in
               [(3, 64), (3, 160), (3, 64), (300, 160), (3, 160), (5, 64)]]
     alone = [layers[x.shape[1]](x).clone() for x in inputs]  # each right after a call of another shape
     again = [layers[x.shape[1]](x) for x in reversed(inputs)]
     assert all(torch.equal(a, b) for a, b in zip(alone, reversed(again)))
-    reference = [_quantize_activations(x) @ layers[x.shape[1]].dequantize().T for x in inputs]
+    reference = [_activations_multiplied(x, layers[x.shape[1]].kernel) @ layers[x.shape[1]].dequantize().T
+                 for x in inputs]
     assert all((a - r).abs().max() <= 1e-4 * r.abs().max() for a, r in zip(alone, reference))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_with_stolen_work(compiled, dtype):
+def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_with_stolen_work(compiled, dtype,
+                                                                                              monkeypatch):
     """K = 8224 (257 blocks of 32: 32 groups of eight and one more; an all-zero block among them): the
     quantizer's eight-blocks-at-once path and its per-block rest, against the scalar build's per-block loop (same
     codes and scales, so the same integer sums). 70 rows at this K are three tiles of the VNNI kernel's rows (28
     a tile, two of the AVX2 kernel's 64); 4 threads on a machine with fewer cores (63 feature blocks) finish their
     ranges at different times, and the ones done first take work items from the back of the others' (TileRanges,
-    which x16_gemm and x16_gemm_avx2 share)."""
+    which x16_gemm and x16_gemm_avx2 share). Every int8 kernel this build dispatches to runs: the row kernel, the
+    interleaved one at the build's own level, and where the level in force takes the tiles, the AMX kernel, held
+    to its own activations (two digits per token: five tiles of rows, K padded to 8256)."""
     from nanovllm import kernels
 
     rows, n, k = 70, 1000, 8224
@@ -171,13 +205,21 @@ def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_wit
     x = x.to(dtype)
     scalar = QuantLinear.from_dense_int8(weight, None, None)
     scalar.kernels = kernels.load("scalar")
-    expected = scalar(x).float()
     row_kernel = QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, None)
     row_kernel.kernels = compiled
     layers = [row_kernel]
-    if compiled.i8x16_available():
+    in_force = int8_kernel(compiled)
+    if in_force == "amx":
         layers.append(QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled))
-        assert layers[-1].kernel == "i8x16"
+    with monkeypatch.context() as pinned:
+        pinned.setenv(machine.ISA_ENV, compiled.isa)
+        at_build_level = int8_kernel(compiled)
+        if at_build_level == "i8x16":
+            layers.append(QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled))
+    assert [layer.kernel for layer in layers] == ["vector"] + [kernel for kernel in ("amx", "i8x16")
+                                                               if kernel in (in_force, at_build_level)]
+    expected = {"vector": scalar(x).float(), "i8x16": scalar(x).float(),
+                "amx": _two_digit_activations(x).double() @ scalar.dequantize().double().T}
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
@@ -186,7 +228,34 @@ def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_wit
         torch.set_num_threads(threads)
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     for kernel, y in results:
-        assert (y - expected).abs().max() <= tolerance * expected.abs().max(), kernel
+        reference = expected[kernel].float()
+        assert (y - reference).abs().max() <= tolerance * reference.abs().max(), kernel
+
+
+def test_the_amx_kernel_gives_the_row_kernels_sums_where_both_codes_are_exact():
+    """Where every token's values are whole multiples of its max|x| / 127 and every group of 32 holds that max,
+    the tiles' two digits (the second all zero) and the row kernel's per-32 codes are the same integers: the AMX
+    kernel then gives the row kernel's output, up to the order of float additions. Runs where the level in force
+    takes the tiles; elsewhere the dispatch says why not."""
+    from nanovllm import kernels
+
+    compiled = kernels.load()
+    if int8_kernel(compiled) != "amx":
+        assert not (machine.selected_isa() == "amx" and "amx_int8" in machine.cpu_flags()
+                    and compiled.int8_amx_available())
+        return
+    generator = torch.Generator().manual_seed(11)
+    rows, n, k = 20, 40, 224
+    codes = torch.randint(-127, 128, (rows, k), generator=generator).float()
+    codes.view(rows, k // 32, 32)[:, :, 0] = 127.0  # every group's max is the token's
+    x = codes * torch.rand(rows, 1, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    tiles = QuantLinear.from_dense_int8(weight, None, compiled)
+    row_kernel = QuantLinear.from_dense_int8(weight, None, None)
+    row_kernel.kernels = compiled
+    assert tiles.kernel == "amx" and row_kernel.kernel == "vector"
+    y, expected = tiles(x), row_kernel(x)
+    assert (y - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,17 +295,6 @@ def test_q8_0_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     assert (y.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * reference.abs().max()
 
 
-def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
-    p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
-    flat = x.float()
-    amax = flat.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
-    p1 = torch.round(flat * inv)
-    p2 = (torch.round(flat * (inv * 256)) - 256 * p1).clamp(max=127)
-    return (p1 + p2 / 256) * (amax / 127)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("n, k", [(21, 96), (48, 64), (40, 224)])
@@ -262,14 +320,14 @@ def test_int8_amx_linear_is_the_integer_dot_product_of_two_digit_activations(com
 
 
 def test_int8_layers_take_the_tiles_on_the_amx_level_and_give_back_their_codes():
-    from nanovllm import kernels, machine
+    from nanovllm import kernels
 
     compiled = kernels.load()
     weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
     plain = QuantLinear.from_dense_int8(weight, None, None)
     stored = QuantLinear.from_dense_int8(weight, None, compiled)
-    on_tiles = machine.selected_isa() == "amx" and compiled.int8_amx_available()
-    expected = "amx" if on_tiles else ("i8x16" if compiled.i8x16_available() else "vector")
+    expected = int8_kernel(compiled)
+    on_tiles = expected == "amx"
     assert plain.kernel == "vector" and stored.kernel == expected
     if on_tiles:
         assert stored.qweight.dtype == torch.uint8 and stored.qweight.shape == (3, 128 * 16)  # K padded to 128
