@@ -21,7 +21,7 @@ column is that loop's, and the columns in between include the Python loop's per-
 
 The running sequences have distinct prompts (no prefix cache), so a decode step reads as much KV cache as real
 traffic does: with one shared prompt every sequence would read the same few cached blocks from the CPU's caches
-and attention would look faster than it is. Setting up 256 of them costs their prefills (~30 s in bf16).
+and attention would look faster than it is. Setting up 256 of them costs their prefills.
 """
 
 from __future__ import annotations

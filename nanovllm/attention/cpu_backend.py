@@ -12,8 +12,7 @@ position, and the block tables as one int32 tensor. Prefill chunks over a cached
 whose position says how many keys they see. GQA: each kernel work item serves all query heads of one KV head.
 On AVX-512 CPUs the kernel's vectorized path (16 keys at a time, scores reduced together, accumulators in
 registers; for bf16 caches both products on the AVX-512 BF16 dot-product instruction) also beats SDPA on long
-prefill chunks (``experiments/bench_attention.py``, one thread: a 256-token chunk on 128 cached tokens 1.65 ms
-per layer vs 3.56 ms through SDPA's masked padded group, a 64-sequence decode step 0.26 ms vs 14.0 ms), so by
+prefill chunks (``experiments/bench_attention.py``; docs/speed.md has the measurement and its machine), so by
 default every token goes to the kernel. ``sdpa_min_query`` sends long chunks to
 SDPA instead, which can pay on CPUs without AVX-512, where the kernel runs its plain loop.
 

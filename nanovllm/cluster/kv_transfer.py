@@ -126,7 +126,8 @@ class SharedMemoryTransfer(KVTransfer):
 
     def send(self, request_id: str, data: torch.Tensor) -> Any:
         path = self.directory / f"nanovllm-kv-{os.getpid()}-{next(self._ids)}"
-        # write(2) into tmpfs, not a fresh mapping: faulting in a new shared mapping page by page is 3-5x slower.
+        # write(2) into tmpfs, not a fresh mapping: faulting in a new shared mapping page by page is several times
+        # slower.
         raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         try:
             with open(path, "wb") as file:

@@ -7,16 +7,15 @@ layout its kernel reads, so no matmul reorders its weight again on every call. W
 
 - ``brgemm``: nano-vllm's loop over oneDNN's brgemm micro-kernel (``nanovllm/csrc/brgemm_linear.cpp``), for
   float32 on every x86 SIMD level and for bfloat16 on AMX (its tiles). One stored copy serves every row count.
-  Against oneDNN's prepacked linear (the next kernel), on a 2-core Xeon with AMX, SmolLM2-135M's 121 linears with
-  distinct weights, 2 threads (``experiments/bench_linears.py``, docs/speed.md): bf16 1.2-1.26x faster from 1
-  to 32 rows, 1.05x at 128, level at 512; float32 1.05-1.2x faster up to 32 rows, level at 128, 0.90x at 512
-  (a prefill chunk). One copy per weight, so no switch by row count: the whole-run benchmarks decide.
+  It is ahead of oneDNN's prepacked linear (the next kernel) at decode row counts and level or behind at
+  prefill-sized ones (``experiments/bench_linears.py``; docs/speed.md has the measurement and its machine). One
+  copy per weight, so no switch by row count: the whole-run benchmarks decide.
 - ``onednn+gemv``: bfloat16 without AMX (AVX-512 BF16): oneDNN's prepacked linear, and nano-vllm's bf16 GEMV for
   at most ``PackedLinear.GEMV_MAX_ROWS`` rows.
 - ``bf16-fma``: bfloat16 on AVX2 (no AVX-512): nano-vllm's kernel (``nanovllm/csrc/bf16_fma_linear.cpp``), bf16
   weights widened to float32 in registers and multiplied with float32 FMAs. oneDNN has no bf16 GEMM below
-  AVX-512, and ATen's own bf16 matmul, what ran before, is 1.3-1.4x slower at one row and 3-5.4x from 8 rows on
-  (AVX2 EPYC, SmolLM2-135M's linears, ``experiments/bench_linears.py --dtypes bfloat16``; docs/speed.md).
+  AVX-512, and ATen's own bf16 matmul, what ran before, is slower at one row and several times slower from a few
+  rows on (``experiments/bench_linears.py --dtypes bfloat16``; docs/speed.md has the measurement).
 - ``onednn``: oneDNN's prepacked linear at every row count (bfloat16 on AVX-512 without BF16, float32 on the
   scalar level).
 
@@ -100,8 +99,7 @@ class PackedLinear(nn.Module):
     With ``onednn+gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (a decode step of one or two sequences) go
     through nano-vllm's bf16 GEMV kernel (``nanovllm/csrc/gemv.cpp``) on the plain weight, kept for that purpose:
     with so few rows the layer is one pass over its weights, and oneDNN's blocked GEMM reads them slower than the
-    kernel (measured one thread, SmolLM2's 186 layer shapes: 1 row 27.3 -> 23.6 ms, 2 rows 28.8 -> 21.3 ms;
-    at 4 rows oneDNN is ahead again).
+    kernel does; from 4 rows on oneDNN is ahead again (``experiments/bench_linears.py`` times both).
     """
 
     GEMV_MAX_ROWS = 2

@@ -43,8 +43,8 @@ CALIBRATION_FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_sampled", 
 # engine sends inputs of at most ``gemv_max_rows`` rows (decode steps of one or two sequences) through its GEMV
 # kernel and larger ones through oneDNN's GEMM (``nanovllm.models.fast_path.PackedLinear``). The two cost
 # differently: the GEMV reads the weights once per row, the GEMM once per step, so a step time linear in the
-# row count is off by 10-20% on both sides of the switch (3-sequence decodes measured 1.1-1.2x the
-# rows-linear prediction, 6-sequence ones 0.85-0.9x). In float32 every row count goes through oneDNN's prepacked
+# row count is off on both sides of the switch (too low just above it, too high further up). In float32 every
+# row count goes through oneDNN's prepacked
 # GEMM, which switches kernels by row count itself (3-sequence decodes measured slower than 4-sequence ones); the
 # calibration finds that switch from the steps and stores it as ``gemv_max_rows`` too (``gemv_rows`` then counts
 # the rows of oneDNN's few-row kernel).

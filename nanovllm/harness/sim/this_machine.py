@@ -54,7 +54,7 @@ CALIBRATION_WORKLOADS: dict[str, list[str]] = {
 }
 # Engine settings of every calibration (and study) run.
 RUN_OVERRIDES = ["engine.max_num_seqs=8", "progress=false", "monitor.calibrate=false"]
-SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (~40 s of serving on the EPYC, 4 min on a 2-core Xeon)
+SHORT_ROUNDS = 1  # --this-machine: one round, 2 runs (a short calibration, against the study's 10 runs)
 FULL_ROUNDS = 5   # --full: the study's protocol, 10 runs
 DTYPES = ("bfloat16", "float32")  # the dtypes a profile is shipped in
 
