@@ -2,10 +2,10 @@
 // (at::native::cpublas::brgemm): AMX tiles for bfloat16 on CPUs with AMX-BF16, AVX-512 / AVX2 FMA for float32.
 //
 // Why not oneDNN's prepacked linear (torch.ops.mkldnn._linear_pointwise)? At the row counts of decoding (1 to a
-// few dozen rows) a linear is bound by reading its weight once, and that primitive reads it ~1.2-1.4x slower
-// than this loop does (measured on a 2-core Xeon with AMX, SmolLM2-135M's 121 linear shapes, distinct weights
-// per layer so nothing stays in cache: experiments/bench_linears.py). The loop is the simplest one that reads
-// each weight byte once per block of rows:
+// few dozen rows) a linear is bound by reading its weight once, and that primitive reads it more slowly than
+// this loop does (experiments/bench_linears.py: SmolLM2-135M's linear shapes, distinct weights per layer so
+// nothing stays in cache; docs/speed.md has the measurement and its machine). The loop is the simplest one that
+// reads each weight byte once per block of rows:
 //   - the weight is stored once, at load time, in blocks of BLOCK_N = 32 output features, each block K x 32 in
 //     the layout the micro-kernel reads (VNNI pairs for bf16, plain rows for float32);
 //   - threads split the output-feature blocks (then the row blocks); for each, one brgemm call multiplies up to

@@ -2,8 +2,8 @@
 //
 // The Python loop over layers calls the same kernels in the same order (fused add + RMSNorm, the fused q/k/v
 // linear, rotary, paged attention, o_proj, add + RMSNorm, gate/up, SiLU-and-mul, down_proj), but around each
-// kernel it pays a module call, a reshape or two and an argument parse: ~15-30 us a linear on a slow 2-core
-// Xeon, against ~15 us for the kernel itself at batch 1 (SmolLM2-135M's Q4_1 o_proj). Here the loop and the
+// kernel it pays a module call, a reshape or two and an argument parse, which on a slow core cost as much as
+// a small linear's kernel itself at batch 1 (SmolLM2-135M's Q4_1 o_proj). Here the loop and the
 // views cost nanoseconds, and the GIL is released for the whole step. The arithmetic is unchanged: every
 // result is bitwise the Python loop's (tests/models/test_decoder_stack.py).
 #include "kernels.h"
@@ -38,7 +38,7 @@ LinearKind linear_kind(const std::string& name) {
 
 // oneDNN's prepacked linear, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), the call
 // PackedLinear.forward makes. It is registered with torch's dispatcher, not declared in a public header, so it is
-// called boxed: a few microseconds, against the ~20 us a Python module call around it costs.
+// called boxed, which costs far less than the Python module call around it.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =

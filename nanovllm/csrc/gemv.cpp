@@ -1,8 +1,9 @@
 // y = x W^T (+ b) for a few rows of x in bfloat16: the linear layers of a small decode batch.
 //
 // With one to a few rows, a linear layer is a pass over its weight matrix and nothing else: the time is the
-// bytes of W over the memory bandwidth. oneDNN's blocked GEMM, tuned for many rows, reaches ~12 GB/s there on
-// this CPU (one thread) against ~18 GB/s that a plain read of the weights gets, so these rows take this path.
+// bytes of W over the memory bandwidth. oneDNN's blocked GEMM, tuned for many rows, reads the weights there
+// more slowly than a plain read of them does (experiments/bench_linears.py times both), so these rows take this
+// path.
 // Each work item is 16 output features: for every row of x, 16 running dot products over K with the
 // AVX-512 BF16 dot-product instruction (pairs of bf16 products summed into float32 lanes), reduced together
 // into 16 outputs, plus the bias, rounded once to bf16. The block's 16 weight rows stay in L1 between the

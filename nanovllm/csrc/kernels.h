@@ -2,7 +2,7 @@
 // decoder_stack.cpp calls them from its C++ loop over the decoder layers.
 //
 // Kernel sources include ATen and torch/library.h, never <torch/extension.h>: that header pulls in all of libtorch's
-// C++ frontend (nn, optim, data) and made each file take ~30 s to compile against ~9 s; only the two files that
+// C++ frontend (nn, optim, data) and made each file take several times as long to compile; only the two files that
 // talk to Python (bindings.cpp, decoder_stack.cpp) include <torch/python.h>.
 #pragma once
 

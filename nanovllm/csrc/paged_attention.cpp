@@ -49,8 +49,8 @@ inline float row_scale(const uint8_t* row, int64_t head_dim) {
 
 // The cache slot of key ``key`` of a sequence, from its block table ``table`` (paged: block key / block_size,
 // row key % block_size within it). The kernels look a slot up per key; for a power-of-two block size that is a
-// shift and a mask, where a 64-bit division had taken ~10% of the int8 cache's decode attention (AVX-512 BF16
-// EPYC, bench_decode_attention.py --hot: 3.01-3.08 against 2.72-2.76 ms).
+// shift and a mask, where a 64-bit division had taken a measurable share of the int8 cache's decode attention
+// (experiments/bench_decode_attention.py --hot).
 inline int64_t key_slot(const int32_t* table, int64_t key, int64_t block_size) {
   if ((block_size & (block_size - 1)) == 0) {  // a power of two (the engine's 16): a shift and a mask
     const int shift = __builtin_ctzll(static_cast<uint64_t>(block_size));
@@ -67,14 +67,14 @@ inline int64_t key_slot(const int32_t* table, int64_t key, int64_t block_size) {
 // 32 sequences of 96 tokens in the default model) is far larger than the caches, and one KV head's rows sit a
 // whole token's row of heads apart, in 16-token blocks scattered over the cache, where the hardware prefetchers
 // (which follow a stream only once it has run a while) start late in every block. Left to them, the kernels
-// waited on the loads: bf16 on the AVX-512 BF16 EPYC read 10-11 GB/s of K/V against 26 GB/s copy bandwidth
-// (experiments/bench_decode_attention.py), and P.V waited most, its rows first touched after the softmax.
+// waited on the loads, reading K/V well below the copy bandwidth (experiments/bench_decode_attention.py;
+// docs/speed.md), and P.V waited most, its rows first touched after the softmax.
 // So the kernels fetch ahead: each group of kAhead keys in pass 1 fetches the next group's key rows, and the
 // same group's value rows while within kValuesAhead keys of the start; pass 2 keeps kValuesAhead keys ahead.
 // Into L2 (prefetcht1), not L1: a T0 prefetch holds one of L1's few miss buffers until its line arrives, and a
 // group's worth of them was no faster than none. Only for a sequence's lone query token (a decode): the tokens
 // of a prefill chunk share their sequence's rows, which stay in cache after the first token, and there the
-// prefetches were pure overhead (a 512-token prefill's attention took 1.35x as long with them).
+// prefetches were pure overhead (a long prefill's attention took longer with them).
 template <typename Cache>
 struct RowPrefetch {
   const Cache* k_cache;

@@ -1,8 +1,8 @@
 // Per-thread scratch tensors for a kernel's temporaries (an int8 linear's activation codes, scales and sums).
 //
 // A quantized linear used to allocate four or five such tensors per call through torch's allocator. Over a step's
-// 121 int8 linears that made the activation quantizer 3.3x slower at batch 1 (0.24 against 0.07 ms) and 1.5x at
-// 32 rows (0.60 against 0.40 ms; AVX-512 BF16 EPYC, experiments/ab_quant_gemm.py, docs/quantization.md). Here
+// 121 int8 linears those allocations were most of the activation quantizer's time at batch 1 and a large share
+// at 32 rows (experiments/ab_quant_gemm.py; the measurement is in experiments/results/history_quantization.md). Here
 // each calling thread keeps one growing byte buffer per slot and hands out tensors over it, without allocating.
 #pragma once
 
@@ -24,7 +24,7 @@ enum class Scratch : int { kCodes, kCodes2, kScales, kSums, kCodeSums, kCount };
 // call and is done with them when it returns. The buffer grows to the largest request and lives as long as the
 // thread (a prefill's activation codes: rows x K bytes). The last few shapes' tensors are kept too: a decode step
 // asks for the same handful again and again (rows x hidden, rows x intermediate), and making even a view costs
-// ~0.25 us, about what the allocation did.
+// about what the allocation did.
 inline at::Tensor thread_scratch(Scratch slot, at::IntArrayRef sizes, at::ScalarType dtype) {
   struct View {
     std::vector<int64_t> sizes;
