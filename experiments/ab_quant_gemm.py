@@ -1,9 +1,9 @@
 """Two versions of the quantized kernels' source side by side in one process: the int8 linears of one step of the
 default model, each version in turn, round after round, so that every round of A has a round of B beside it.
 
-On a shared machine the speed of a whole process can move by 15-20% between spells (the AVX-512 BF16 EPYC of
-docs/quantization.md: int8 runs in two clusters of speed, an OpenMP fork/join taking 0.5-0.7 us in one and
-1.3-2 us in the other). Timing version A in one process and version B in the next compares the spells as much
+On a shared machine the speed of a whole process can move between spells by more than a kernel change does (the
+AVX-512 BF16 EPYC of docs/quantization.md: int8 runs in two clusters of speed, an OpenMP fork/join costing more in
+one than in the other). Timing version A in one process and version B in the next compares the spells as much
 as the kernels; pairing the rounds in one process does not. Each version is compiled from its file (with this
 build's flags, in its own operator namespace) and runs ``quantize_rows`` and ``x16_gemm`` (the VNNI int8
 kernel, ``i8x16_linear``'s) directly, without torch's dispatcher:

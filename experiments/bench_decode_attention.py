@@ -3,7 +3,7 @@ heads, head_dim 64), bf16 (or an 8-bit cache), a batch of sequences decoding one
 
 Each of the 30 layers has its own part of one cache tensor, as the engine allocates it (``--hot`` shares one
 layer's), so the K/V rows stream from memory as in a decode step. The figures are the median ms per step over
-the rounds (this machine's runs move by 10-30%, so one step is no measurement) and the K/V bytes read per second.
+the rounds (runs on a shared machine move, so one step is no measurement) and the K/V bytes read per second.
 ``--prefill`` times each sequence's ``--keys`` tokens as one prompt instead (every token a query, causally),
 where a chunk's tokens share their sequence's rows. ``--kv-cache-dtype int8`` / ``fp8_e4m3`` times the 8-bit
 cache kernel (``paged_attention_8bit``) on the same shapes (bytes per row: 64 codes + a 4-byte scale).

@@ -80,8 +80,8 @@ class PathRun:
         self.prefill_s: list[float] = []
         self.outputs: list[list[int]] = []
         # Warm-up: the whole workload once, untimed. The engine's own warm-up covers its step shapes, but the
-        # first full run in a process still measured 10-20% slower (the first path of a run was penalised
-        # against later ones of the same kind: 380 against 480-500 tok/s for bf16 on the AVX-512 BF16 EPYC).
+        # first full run in a process still measured slower (the first path of a run was penalised against later
+        # ones of the same kind).
         with self.stack():
             run_nanovllm(self.llm, self.prompts, max_tokens)
 

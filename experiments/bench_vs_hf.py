@@ -93,7 +93,7 @@ def bench_path(path: str, num_prompts: int, max_tokens: int, repeats: int, keep_
     total = num_prompts * max_tokens
     # Warm both up on the whole workload once, untimed, so one-time costs (allocator pages, first-call dispatch,
     # oneDNN primitives for each shape) are not timed: after a small warm-up batch the first full run in a process
-    # still measured 10-20% slower than later ones (bf16 on the AVX-512 BF16 EPYC).
+    # still measured slower than later ones.
     run_nanovllm(llm, prompts, max_tokens)
     run_transformers(model, prompts, max_tokens, pad_id)
     ours_s, ours_tokens = min((run_nanovllm(llm, prompts, max_tokens) for _ in range(repeats)), key=lambda r: r[0])

@@ -16,9 +16,9 @@ router class. Real runs alternate router by router and ``--rounds`` repeats them
 
 The profile. A replica that shares the machine with another one steps slower than one alone (the two compete
 for memory bandwidth and caches, and the driver and Ray's daemons take CPU from them), by how much depending on
-what the other one runs: measured here, two replicas' steps at 12 req/s took a median 1.2x what the one-engine
-profile predicts, and a profile fitted on two replicas serving ``calibrate --this-machine``'s synthetic and chat
-workloads predicted this workload's steps 12% too slow. So the simulator is calibrated, as for one engine, on real
+what the other one runs: measured here, two replicas' steps took longer than the one-engine profile predicts,
+and a profile fitted on two replicas serving ``calibrate --this-machine``'s synthetic and chat workloads
+mispredicted this workload's steps too (docs/cluster.md has the figures). So the simulator is calibrated, as for one engine, on real
 runs of what it simulates: the real 2-replica cluster serving this workload with round_robin at 0.5x and 1.5x
 ``--rate`` with seed 1 (``CALIBRATION_RATES``, ``CALIBRATION_SEED``), fitted by
 ``nanovllm.harness.sim.calibrate``. The study's runs (seed 0, ``--rate``, every router) are not among them:

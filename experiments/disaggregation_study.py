@@ -12,7 +12,7 @@ replicas: N colocated, N/4 prefill + 3N/4 decode, and N/2 + N/2, each behind lea
 workload: Poisson arrivals at ``rate`` x N requests/s, prompts 2048 +- 50% tokens, outputs 256 +- 50%. Goodput is
 DistServe's: requests per second that meet both SLOs (TTFT <= ``TTFT_SLO_MS``, TPOT <= ``TPOT_SLO_MS``).
 
-real: the default model in ``--dtype`` (float32: on a CPU without AVX-512 BF16 bfloat16 is ~3x slower) on this machine, 2 replicas in Ray actors (one thread each): 2 colocated vs
+real: the default model in ``--dtype`` (float32: on a CPU without AVX-512 BF16 bfloat16 was the slower dtype when this study was set up) on this machine, 2 replicas in Ray actors (one thread each): 2 colocated vs
 1 prefill + 1 decode (shared-memory K/V), prompts 192 +- 25% tokens, 32 output tokens, at each rate. The simulator
 is calibrated as for the routers study (``cluster_real_vs_sim.py``): on real runs of this workload (both
 configurations, the middle rate, seed 1), never on the runs it is compared with (seed 0); its K/V transfers take
@@ -50,7 +50,7 @@ GPU_MODEL = ROOT / "nanovllm" / "data" / "models" / "llama-3-8b"
 HARDWARE = ROOT / "conf" / "hardware" / "h100_sxm.yaml"
 TTFT_SLO_MS, TPOT_SLO_MS = 1000.0, 40.0           # the GPU study's SLOs (a chatbot's, loose on TPOT)
 TIGHT_TPOT_SLO_MS = 12.0                          # and a tight TPOT target (a code assistant's)
-REAL_TTFT_SLO_MS, REAL_TPOT_SLO_MS = 3000.0, 150.0  # this machine's (a CPU is ~100x slower)
+REAL_TTFT_SLO_MS, REAL_TPOT_SLO_MS = 3000.0, 150.0  # this machine's (a CPU is far slower)
 ROUTER = {"name": "least_loaded", "prefill": None, "decode": None}
 CALIBRATION_SEED = 1
 

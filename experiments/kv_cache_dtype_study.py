@@ -8,8 +8,8 @@ Every request arrives at once (a burst), so the cache is the limit: with the mod
 fit at a time and growing decodes preempt each other; the int8 cache holds ~1.9x the blocks (one byte per value
 plus a float32 scale per token and KV head). Reports blocks, preemptions, median / p99 TTFT and output throughput,
 and writes ``experiments/results/kv_cache_dtype.md`` and ``.json``. Pin it to one core for steady numbers
-(``OMP_NUM_THREADS=1 taskset -c 1``); float32 is the default model dtype because on an AVX2-only CPU it runs ~3x
-faster than bfloat16.
+(``OMP_NUM_THREADS=1 taskset -c 1``); float32 is the default model dtype because on an AVX2-only CPU it ran faster
+than bfloat16 when this study was set up.
 """
 
 from __future__ import annotations
