@@ -1,9 +1,9 @@
 // y = x W^T (+ b) in bfloat16 on CPUs without bf16 arithmetic (AVX2): bf16 weights, float32 multiply-adds.
 //
 // Below AVX-512, oneDNN has no bf16 GEMM, and torch's own (ATen's) bf16 matmul runs far below its float32 GEMM
-// there, so a bf16 model ran slower than the same model in float32 (docs/speed.md). Here the weights stay bf16
-// in memory (half float32's bytes: batch 1 is bound by reading them) and become float32 in registers, where bf16
-// is only float32's upper half: one shift or one mask per value, no rounding.
+// there, so a bf16 model ran slower than the same model in float32 (experiments/results/history_speed.md).
+// Here the weights stay bf16 in memory (half float32's bytes: batch 1 is bound by reading them) and become
+// float32 in registers, where bf16 is only float32's upper half: one shift or one mask per value, no rounding.
 //
 // Layout (pack_bf16_fma_weight, once at load): blocks of 16 output features, each K x 16 bf16, and within one k
 // the features in the order f0, f8, f1, f9, ..., f7, f15. One 32-byte load then holds the block's 16 weights of
