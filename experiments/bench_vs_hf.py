@@ -82,8 +82,8 @@ def _timed(fn) -> float:
 
 def bench_path(path: str, num_prompts: int, max_tokens: int, repeats: int, keep_outputs: bool = False) -> dict:
     """Both engines on the same prompts, nano-vllm on ``path`` (a key of ``PATHS``), transformers in its dtype.
-    ``keep_outputs`` adds the prompts, nano-vllm's outputs and the model directory (for a third engine to run
-    the same thing: bench_vs_vllm.py)."""
+    ``keep_outputs`` adds the prompts, nano-vllm's outputs, the model directory and the engine (for a third engine
+    to run the same thing, and for timed rounds after this one: bench_vs_vllm.py)."""
     dtype, fuse, quantization = PATHS[path]
     llm = LLM(dtype=dtype, num_kv_blocks=2048, max_model_len=2048, fuse_projections=fuse, quantization=quantization)
     prompts = chat_prompts(llm, num_prompts)
@@ -102,7 +102,7 @@ def bench_path(path: str, num_prompts: int, max_tokens: int, repeats: int, keep_
                           key=lambda r: r[0])
     ours_b1 = batch1_decode_ms(lambda p, n: run_nanovllm(llm, [p], n), prompts[0], max_tokens)
     hf_b1 = batch1_decode_ms(lambda p, n: run_transformers(model, [p], n, pad_id), prompts[0], max_tokens)
-    extra = {"prompts": prompts, "nanovllm_outputs": ours_tokens, "model_dir": str(dense_dir)}
+    extra = {"prompts": prompts, "nanovllm_outputs": ours_tokens, "model_dir": str(dense_dir), "llm": llm}
     return {
         **(extra if keep_outputs else {}),
         "path": path, "dtype": dtype, "quantization": quantization, "nanovllm_tok_s": total / ours_s, "transformers_tok_s": total / hf_s,

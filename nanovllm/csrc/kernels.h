@@ -40,7 +40,7 @@ at::Tensor q8x16_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
 bool int8_amx_available();
 at::Tensor pack_int8_amx(at::Tensor codes);
 at::Tensor int8_amx_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
-                              c10::optional<at::Tensor> bias, int64_t out_features);
+                              c10::optional<at::Tensor> bias, int64_t out_features, int64_t digits = 2);
 bool brgemm_bf16_available();
 at::Tensor pack_brgemm_weight(at::Tensor weight);
 at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from nanovllm import machine
-from nanovllm.models.quantized import QuantLinear
+from nanovllm.models.quantized import INT8_ACTIVATION_DIGITS, QuantLinear
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -167,6 +167,7 @@ def prepack(module: nn.Module, names: tuple[str, ...], kernels=None, quantizatio
         if not isinstance(linear, nn.Linear):
             continue
         if quantization == "int8":
-            setattr(module, name, QuantLinear.from_dense_int8(linear.weight, linear.bias, kernels))
+            setattr(module, name, QuantLinear.from_dense_int8(linear.weight, linear.bias, kernels,
+                                                              INT8_ACTIVATION_DIGITS.get(name, 2)))
         elif can_prepack(linear.weight, kernels):
             setattr(module, name, PackedLinear(linear.weight, linear.bias, kernels=kernels))

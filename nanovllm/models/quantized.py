@@ -10,11 +10,11 @@ stay in the engine's ``dtype``.
 
 - ``int8``: W8A8 made at load from the dense weights: symmetric int8 per output channel (scale = max |w| / 127
   of the row, vLLM's int8 weights), every linear layer, the LM head included (on this model a fifth of the
-  weights). Activations get dynamic scales (one scale per token, vLLM's default, cost SmolLM2 2-4% perplexity):
-  on CPUs with AMX-INT8 (``int8_kernel``) one scale per token in two int8 digits on the tiles
-  (``nanovllm/csrc/int8_amx.cpp``, weights stored in the tiles' layout); elsewhere per token and group of 32
-  values, in ``i8x16_linear`` (weights interleaved by 16 features; AVX-512 VNNI or AVX2) or the row kernel. Both cost
-  ~0 (docs/quantization.md).
+  weights). Activations get dynamic scales: on CPUs with AMX-INT8 (``int8_kernel``) one scale per token on the
+  tiles (``nanovllm/csrc/int8_amx.cpp``, weights stored in the tiles' layout), in one int8 digit (vLLM's dynamic
+  per-token scheme) or two, per projection (``INT8_ACTIVATION_DIGITS``); elsewhere per token and group of 32
+  values, in ``i8x16_linear`` (weights interleaved by 16 features; AVX-512 VNNI or AVX2) or the row kernel.
+  docs/quantization.md has what each scheme costs in perplexity and the command that measures it.
 - ``gguf``: the blocks of a GGUF file as they are stored: Q8_0, Q4_0 and Q4_1 (the default model is Q4_1, its
   embedding Q8_0), activations per 32 values as llama.cpp quantizes them for these blocks. The model is built
   straight from the file (memory-mapped; the blocks are only split into code, scale and offset arrays) without the
@@ -40,6 +40,14 @@ BLOCK = 32                                     # weights per GGUF block, activat
 FORMAT_IDS = {"int8": 0, "q8_0": 1, "q4_1": 2, "q4_0": 2}
 GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")     # the quantized GGUF tensor types quantization="gguf" runs
 GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
+# The int8 digits per token of each projection's activations on the AMX tiles (the other kernels quantize per 32
+# values and ignore this). A second digit doubles the tile products, which bound a prefill on tiles, so a
+# projection takes one where one keeps the quantized standard: o_proj (attention's output) and gate_up_proj. q/k/v
+# keep two (their errors pass through the softmax's exponential), and so does down_proj (SiLU(gate) x up, where
+# a few tokens' outliers set the scale): one digit there moves greedy tokens off the dense path's top-5.
+# ``experiments/int8_activation_schemes.py`` measures every choice; docs/quantization.md has the table. Names not
+# listed (the LM head) take two.
+INT8_ACTIVATION_DIGITS = {"qkv_proj": 2, "o_proj": 1, "gate_up_proj": 1, "down_proj": 2}
 
 
 def int8_kernel_at(isa: str, flags: frozenset[str]) -> str:
@@ -85,14 +93,18 @@ class QuantLinear(nn.Module):
     tiles, ``int8_amx_linear``), ``q4x16`` (Q4 interleaved by 16 features, ``q4x16_linear``), ``i8x16`` (int8
     interleaved likewise, ``i8x16_linear``, on AVX2 and VNNI CPUs without AMX-INT8) or ``q8x16`` (GGUF's Q8_0
     interleaved likewise, ``q8x16_linear``, the avx2 and avx512 builds), chosen at
-    construction from the CPU and the kernel build. Built at load (``from_dense_int8``, ``GGUFWeights.linear``);
-    the engine only calls ``forward``."""
+    construction from the CPU and the kernel build. ``activation_digits`` (1 or 2): the int8 digits per token
+    of the activations on the ``amx`` kernel (``INT8_ACTIVATION_DIGITS``). Built at load (``from_dense_int8``,
+    ``GGUFWeights.linear``); the engine only calls ``forward``."""
 
     def __init__(self, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bias: torch.Tensor | None, in_features: int, kernels) -> None:
+                 bias: torch.Tensor | None, in_features: int, kernels, activation_digits: int = 2) -> None:
         super().__init__()
         if in_features % BLOCK:
             raise ValueError(f"quantized linears need in_features divisible by {BLOCK}, got {in_features}")
+        if activation_digits not in (1, 2):
+            raise ValueError(f"activation_digits must be 1 or 2, got {activation_digits}")
+        self.activation_digits = activation_digits
         self.fmt = fmt
         self.format_id = FORMAT_IDS[fmt]
         self.qweight, self.scales, self.mins, self.bias = qweight, scales, mins, bias
@@ -118,13 +130,14 @@ class QuantLinear(nn.Module):
             self.qweight, self.scales = pack_q8x16(qweight, scales)
 
     @classmethod
-    def from_dense_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "QuantLinear":
+    def from_dense_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels,
+                        activation_digits: int = 2) -> "QuantLinear":
         """Symmetric per-output-channel int8 of a dense ``weight`` [N, K] (vLLM's W8A8 weight scheme)."""
         w = weight.detach().float()
         scale = w.abs().amax(dim=1) / 127.0
         codes = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls("int8", codes.contiguous(), scale.contiguous(), None, _bias(bias, weight.dtype), w.shape[1],
-                   kernels)
+                   kernels, activation_digits)
 
     def canonical(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(codes, scales, mins) in the vector kernel's layout ([N, K] int8 or [N, K / 2] packed 4-bit codes,
@@ -166,7 +179,7 @@ class QuantLinear(nn.Module):
         canonical = [p.canonical() for p in parts]
         mins = None if first.mins is None else torch.cat([c[2] for c in canonical])
         return cls(first.fmt, torch.cat([c[0] for c in canonical]), torch.cat([c[1] for c in canonical]), mins,
-                   bias, first.in_features, first.kernels)
+                   bias, first.in_features, first.kernels, max(p.activation_digits for p in parts))
 
     def to_activation_dtype(self, dtype: torch.dtype) -> None:
         """Cast the bias to the model's activation dtype (the kernel adds it in that dtype)."""
@@ -177,7 +190,8 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         # Through the dispatcher (the kernels' library registers it) so profiles count it as a linear.
         if self.kernel == "amx":
-            y = self.kernels.int8_amx_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features)
+            y = self.kernels.int8_amx_linear_op(flat, self.qweight, self.scales, self.bias, self.out_features,
+                                                self.activation_digits)
         elif self.kernel == "q4x16":
             y = self.kernels.q4x16_linear_op(flat, self.qweight, self.scales, self.mins, self.bias, self.out_features)
         elif self.kernel == "i8x16":
@@ -194,7 +208,8 @@ class QuantLinear(nn.Module):
         if self.kernels is None:
             return None
         return self.kernels.stack_linear(self.kernel, self.qweight, self.scales, self.mins, self.bias,
-                                         self.out_features, self.format_id)
+                                         self.out_features, self.format_id,
+                                         activation_digits=self.activation_digits)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these codes stand for (tests and the reference comparison; never on the
@@ -210,7 +225,8 @@ class QuantLinear(nn.Module):
     def kernel_name(self) -> str:
         """What runs this layer, for the profile: the format and the kernel build's vector path, or the tiles."""
         if self.kernel == "amx":
-            return "int8_amx_linear int8 (AMX-INT8 tiles, activations per token in two digits)"
+            digits = "two digits" if self.activation_digits == 2 else "one digit"
+            return f"int8_amx_linear int8 (AMX-INT8 tiles, activations per token in {digits})"
         if self.kernel in ("q4x16", "i8x16", "q8x16"):
             return (f"{self.kernel}_linear {self.fmt} int8-dot, interleaved by 16 features "
                     f"({self.kernels.quant_gemm_isa()})")

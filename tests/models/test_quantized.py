@@ -24,21 +24,23 @@ def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * inv) * (amax / 127)).reshape(rows, k)
 
 
-def _two_digit_activations(x: torch.Tensor) -> torch.Tensor:
+def _two_digit_activations(x: torch.Tensor, digits: int = 2) -> torch.Tensor:
     """What the AMX int8 kernel multiplies by: per token, d (p1 + p2 / 256) with d = max|x| / 127,
-    p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127)."""
+    p1 = round(x / d) and p2 = round(256 x / d) - 256 p1 (at most 127); with one digit, d p1."""
     flat = x.float()
     amax = flat.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     p1 = torch.round(flat * inv)
+    if digits == 1:
+        return p1 * (amax / 127)
     p2 = (torch.round(flat * (inv * 256)) - 256 * p1).clamp(max=127)
     return (p1 + p2 / 256) * (amax / 127)
 
 
-def _activations_multiplied(x: torch.Tensor, kernel: str) -> torch.Tensor:
-    """What an int8 layer of ``kernel`` multiplies its weights by: two digits per token on the tiles, int8 codes
-    per token and 32 values everywhere else."""
-    return _two_digit_activations(x) if kernel == "amx" else _quantize_activations(x)
+def _activations_multiplied(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """What an int8 ``layer`` multiplies its weights by: its digits per token on the tiles, int8 codes per token
+    and 32 values on every other kernel."""
+    return _two_digit_activations(x, layer.activation_digits) if layer.kernel == "amx" else _quantize_activations(x)
 
 
 @pytest.fixture
@@ -178,7 +180,7 @@ def test_quantized_layers_reuse_their_scratch_across_shapes_and_growth(compiled,
     alone = [layers[x.shape[1]](x).clone() for x in inputs]  # each right after a call of another shape
     again = [layers[x.shape[1]](x) for x in reversed(inputs)]
     assert all(torch.equal(a, b) for a, b in zip(alone, reversed(again)))
-    reference = [_activations_multiplied(x, layers[x.shape[1]].kernel) @ layers[x.shape[1]].dequantize().T
+    reference = [_activations_multiplied(x, layers[x.shape[1]]) @ layers[x.shape[1]].dequantize().T
                  for x in inputs]
     assert all((a - r).abs().max() <= 1e-4 * r.abs().max() for a, r in zip(alone, reference))
 
@@ -295,14 +297,15 @@ def test_q8_0_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     assert (y.float() - reference).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * reference.abs().max()
 
 
+@pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("n, k", [(21, 96), (48, 64), (40, 224)])
-def test_int8_amx_linear_is_the_integer_dot_product_of_two_digit_activations(compiled, dtype, rows, n, k):
+def test_int8_amx_linear_is_the_integer_dot_product_of_its_digits(compiled, digits, dtype, rows, n, k):
     """On every build: where the CPU and OS run AMX-INT8 tiles (the avx512_bf16 build on an AMX CPU), the
-    kernel's output over whole and partial tiles of rows (from 16 rows on, padded ones), an odd number of
-    16-feature blocks and a partial last one (21, 40), K a multiple of 64 and not (96, 224: padded); elsewhere
-    it refuses to run, saying why."""
+    kernel's output in one and two digits per token over whole and partial tiles of rows (from 16 rows on,
+    padded ones), an odd number of 16-feature blocks and a partial last one (21, 40), K a multiple of 64 and not
+    (96, 224: padded); elsewhere it refuses to run, saying why."""
     generator = torch.Generator().manual_seed(rows + n)
     plain = QuantLinear.from_dense_int8(torch.randn(n, k, generator=generator), None, None)
     packed = compiled.pack_int8_amx(plain.qweight)
@@ -312,8 +315,8 @@ def test_int8_amx_linear_is_the_integer_dot_product_of_two_digit_activations(com
         with pytest.raises(RuntimeError, match="has no AMX-INT8 tiles"):
             compiled.int8_amx_linear(x, packed, plain.scales, bias, n)
         return
-    y = compiled.int8_amx_linear(x, packed, plain.scales, bias, n)
-    reference = _two_digit_activations(x).double() @ plain.dequantize().double().T + bias.double()
+    y = compiled.int8_amx_linear(x, packed, plain.scales, bias, n, digits)
+    reference = _two_digit_activations(x, digits).double() @ plain.dequantize().double().T + bias.double()
     assert y.dtype == dtype and y.shape == (rows, n)
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     assert (y.double() - reference).abs().max() <= tolerance * reference.abs().max()
@@ -348,6 +351,8 @@ def test_int8_amx_linear_refuses_a_weight_of_another_shape(compiled):
         compiled.int8_amx_linear(torch.randn(2, 128), packed, scales, None, 32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         compiled.int8_amx_linear(torch.randn(2, 64).half(), packed, scales, None, 32)
+    with pytest.raises(RuntimeError, match="digits must be 1 or 2, got 3"):
+        compiled.int8_amx_linear(torch.randn(2, 64), packed, scales, None, 32, 3)
 
 
 def test_quant_linear_refuses_shapes_and_dtypes_it_cannot_run(compiled):
