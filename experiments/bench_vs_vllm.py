@@ -46,14 +46,16 @@ PEER = Path(__file__).resolve().parent / "vllm_peer.py"
 RESULT_PREFIX = "nano-vllm-bench-result: "  # as vllm_peer.py prints it (that file imports nothing of ours)
 
 
-def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """vLLM's results for the same prompts, from ``vllm_peer.py`` under ``python``."""
+def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], max_tokens: int,
+             batch1: bool = True) -> dict:
+    """vLLM's results for the same prompts, from ``vllm_peer.py`` under ``python`` (``batch1``: with its batch-1
+    latency too)."""
     cores = os.cpu_count() or 1
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_LOGGING_LEVEL": "WARNING"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
-                   "max_model_len": 2048}, f)
+                   "max_model_len": 2048, "batch1": batch1}, f)
     try:
         done = subprocess.run([python, str(PEER), f.name], env=env, capture_output=True, text=True)
     finally:
@@ -111,7 +113,6 @@ def main() -> None:
         rows.append({**ours, **peer})
     print(f"workload: {args.num_prompts} chat prompts, {args.max_tokens} new tokens each (greedy, EOS ignored), "
           f"{torch.get_num_threads()} threads for nano-vllm and transformers, all cores for vLLM")
-    scratch.cleanup()
     print("| path | vLLM path | nano-vllm tok/s | transformers tok/s | vLLM CPU tok/s | nano-vllm / transformers | "
           "nano-vllm / vLLM | batch-1 ms/token nano-vllm / transformers / vLLM | outputs identical to vLLM | "
           "GEMM floor tok/s |")
@@ -123,6 +124,7 @@ def main() -> None:
               f"{r['vllm_batch1_ms_per_token']:.1f} | {r['identical_to_vllm']}/{args.num_prompts} | "
               f"{r['floor_tok_s']:.1f} |")
     rounds = timed_rounds(args, engines, vllm_models) if args.rounds > 1 else []
+    scratch.cleanup()  # vLLM's W8A8 checkpoint, read by every round
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "results": rows, "rounds": rounds}, f, indent=2)
@@ -137,7 +139,8 @@ def timed_rounds(args: argparse.Namespace, engines: dict[str, tuple], vllm_model
         figures = {}
         for path, (llm, prompts) in engines.items():
             seconds, _ = run_nanovllm(llm, prompts, args.max_tokens)
-            peer = run_vllm(args.vllm_python, vllm_models[path], PATHS[path][0], prompts, args.max_tokens)
+            peer = run_vllm(args.vllm_python, vllm_models[path], PATHS[path][0], prompts, args.max_tokens,
+                            batch1=False)
             figures[path] = {"nanovllm_tok_s": total / seconds, "vllm_tok_s": peer["vllm_tok_s"]}
         print(f"round {number}: " + "; ".join(f"{p} nano-vllm {f['nanovllm_tok_s']:.1f} / vLLM {f['vllm_tok_s']:.1f} "
                                               f"tok/s" for p, f in figures.items()), flush=True)

@@ -3,7 +3,7 @@
     VLLM_PYTHON experiments/vllm_peer.py JOB.json  -> prints one line: RESULT_PREFIX + JSON
 
 JOB: {"model": dense HF model dir, "dtype": "bfloat16"|"float32", "prompts": [[token ids]...],
-"max_tokens": int, "max_model_len": int}. It times the same thing as bench_vs_hf.py does for nano-vllm and
+"max_tokens": int, "max_model_len": int, "batch1": bool (default true)}. It times the same thing as bench_vs_hf.py does for nano-vllm and
 transformers: all prompts in one ``generate`` call (greedy, EOS ignored), then batch-1 decode latency as
 (time for max_tokens - time for 1 token) / (max_tokens - 1) on the first prompt. Only the standard library and
 vLLM are imported here.
@@ -41,12 +41,15 @@ def main() -> None:
 
     generate(prompts, job["max_tokens"])  # warm-up on the whole workload, untimed, as the other two engines get
     elapsed, tokens = generate(prompts, job["max_tokens"])
-    generate(prompts[:1], 2)
-    short = min(generate(prompts[:1], 1)[0] for _ in range(2))
-    full = generate(prompts[:1], job["max_tokens"])[0]
+    batch1_ms = None
+    if job.get("batch1", True):
+        generate(prompts[:1], 2)
+        short = min(generate(prompts[:1], 1)[0] for _ in range(2))
+        full = generate(prompts[:1], job["max_tokens"])[0]
+        batch1_ms = (full - short) / (job["max_tokens"] - 1) * 1e3
     print(RESULT_PREFIX + json.dumps({
         "vllm_tok_s": len(prompts) * job["max_tokens"] / elapsed,
-        "vllm_batch1_ms_per_token": (full - short) / (job["max_tokens"] - 1) * 1e3,
+        "vllm_batch1_ms_per_token": batch1_ms,
         "vllm_load_s": load_s, "vllm_outputs": tokens,
     }))
 

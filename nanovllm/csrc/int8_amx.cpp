@@ -206,7 +206,7 @@ void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* 
       for (int64_t mt = 0; mt < m_tiles; ++mt) {
         const int64_t row0 = mt * kTileRows, rows = std::min(kTileRows, m - row0);
         const int8_t* x1 = p1 + row0 * kp;
-        const int8_t* x2 = p2 + row0 * kp;
+        const int8_t* x2 = kTwoDigits ? p2 + row0 * kp : nullptr;  // no second digit: never read
         // With one digit, tiles 3, 4 and 6 (the second digit's) are never touched.
         _tile_zero(0);
         if constexpr (kTwoDigits) _tile_zero(3);

@@ -2,8 +2,8 @@
 //
 // Three weight formats (QuantFormat below), all with K a multiple of 32:
 //   int8    W8A8: int8 [N, K] with one float32 scale per output channel (vLLM's int8 weights); x gets dynamic
-//           scales per token and group of 32 values (one scale per token cost 3-4% perplexity on SmolLM2, a
-//           group of 32 ~0: docs/quantization.md), the channel's scale applied once at the end.
+//           scales per token and group of 32 values (finer than one scale per token, whose cost
+//           docs/quantization.md measures), the channel's scale applied once at the end.
 //   q8_0    GGUF's Q8_0 blocks: int8 [N, K] and one fp16 scale per 32 weights (w = d * q).
 //   q4      GGUF's Q4_1 (and Q4_0, as Q4_1 with m = -8 d) blocks: 4-bit codes packed two to a byte [N, K / 2]
 //           in GGUF's order (byte j of a block: element j in the low nibble, element j + 16 in the high one),
@@ -855,7 +855,7 @@ struct Q4x16Avx2 {
     for (int64_t b = 0; b < nb; ++b) {
       __m256i sums[R][2];
       for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 2  // as in I8x16Avx2::dot (fully unrolled: 1.27x the row kernel at one row, 1.52x so)
+#pragma GCC unroll 2  // as in I8x16Avx2::dot: fully unrolled, GCC hoists the loads and spills the block sums
       for (int v = 0; v < 4; ++v) {
         const uint8_t* block = fb_codes + b * 256 + 64 * v;
         const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
@@ -908,8 +908,8 @@ struct Q4x16Avx2 {
 // The same integers as every other int8 kernel, so the same outputs.
 //
 // Two rows' step is inline assembly: with intrinsics GCC writes each int16 sum to a fresh register and copies it
-// back (8 copies and a spill a step), which made the kernel no faster than three multiplies (AVX2 EPYC, 30
-// decoder layers at 32 rows, one thread: 59 ms against 67-69 ms for intrinsics and for vpsignb's kernel).
+// back (8 copies and a spill a step), which made the kernel no faster than three multiplies (the measurement
+// is in experiments/results/history_quantization.md).
 #define NANOVLLM_NIBBLE_ROW(A, H0, H1, L0, L1)                                                         \
   "vpbroadcastd (%[" A "]), %[t]\n\t"                                                                 \
   "vpmaddubsw %[t], %[u0], %[m]\n\tvpaddw %[m], %[" H0 "], %[" H0 "]\n\t"                             \
@@ -992,7 +992,7 @@ using Q8x16Avx2 = Int8x16Avx2<true>;
 
 // Rows [t0, t1) against feature block fb (two rows a pass), into y. Not inlined into x16_gemm_avx2's loop over
 // work items: there GCC gave the kernels' inline-asm steps fewer registers and spilled their sums to the stack
-// every step (1.45x the time at 32 rows).
+// every step.
 template <typename T, typename W>
 __attribute__((noinline)) void x16_block_avx2(const W& w, int64_t fb, int64_t t0, int64_t t1, int64_t k, int64_t n,
                                               const T* bias, T* y, const int8_t* xq, const float* xd,

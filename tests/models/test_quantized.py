@@ -322,6 +322,35 @@ def test_int8_amx_linear_is_the_integer_dot_product_of_its_digits(compiled, digi
     assert (y.double() - reference).abs().max() <= tolerance * reference.abs().max()
 
 
+def test_each_int8_projection_takes_its_activation_digits():
+    """A model made int8 gives each projection the digits ``INT8_ACTIVATION_DIGITS`` names (the LM head two); on
+    the tiles each layer multiplies by its own digits, and the profile's kernel name says how many. (That the C++
+    decoder stack runs the same layers bitwise as the Python loop is tests/models/test_decoder_stack.py's.)"""
+    import transformers
+
+    from nanovllm.models.llama import LlamaForCausalLM
+    from nanovllm.models.quantized import INT8_ACTIVATION_DIGITS
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, max_positions=64).use_fast_path("int8")
+    for layer in model.layers:
+        for name, linear in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]:
+            assert linear.activation_digits == INT8_ACTIVATION_DIGITS[name]
+    assert [head.activation_digits for head in model.lm_head_layers()] == [2]
+    generator = torch.Generator().manual_seed(1)
+    for layer in model.linear_layers() + model.lm_head_layers():
+        assert layer.kernel == int8_kernel(model.kernels)
+        if layer.kernel != "amx":
+            continue
+        assert ("two digits" if layer.activation_digits == 2 else "one digit") in layer.kernel_name()
+        x = torch.randn(7, layer.in_features, generator=generator)
+        expected = _two_digit_activations(x, layer.activation_digits).double() @ layer.dequantize().double().T
+        assert (layer(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_int8_layers_take_the_tiles_on_the_amx_level_and_give_back_their_codes():
     from nanovllm import kernels
 
@@ -529,9 +558,8 @@ def test_quantized_weights_meet_the_quantized_standard(llm, parity_prompts, quan
     assert report.passed, (report.perplexity, report.dense_perplexity)
     assert report.perplexity != report.dense_perplexity  # the quantized path really ran
     # At each prompt's first divergence both tokens are in the other side's top-5 (vLLM's standard). How long
-    # greedy tokens agree before that is reported, not bounded: it follows the machine's float rounding
-    # (int8 in float32: 68.5% of 24 tokens on an AVX-512 BF16 EPYC, docs/quantization.md; 35% of 16 on an AMX
-    # Xeon, at the same perplexity).
+    # greedy tokens agree before that is reported, not bounded: it follows the machine's float rounding and the
+    # kernel's activation scheme (docs/quantization.md has it per CPU kind).
     assert all(r.close for r in report.results), [(r.prompt, r.matching_prefix) for r in report.results]
 
 
