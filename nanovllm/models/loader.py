@@ -295,7 +295,7 @@ def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = Fals
     key = (str(Path(model_dir).resolve()), str(dtype), str(device), fast_path, quantization)
     model = _LOADED.get(key)
     if model is None and quantization == "gguf":
-        from nanovllm.models.quantized import build_gguf_model
+        from nanovllm.models.gguf_model import build_gguf_model
 
         model = build_gguf_model(hf_config, gguf, dtype, max_positions_of(hf_config))
         _LOADED[key] = model
