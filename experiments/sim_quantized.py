@@ -4,7 +4,7 @@
 
 For the dense bf16 engine and each setting (``int8``: ``engine.quantization=int8``; ``int8-kv8``: that and
 ``engine.kv_cache_dtype=int8``; ``gguf``: the default model's own Q4_1 blocks), ``calibrate --this-machine``
-fits a profile here (``nanovllm.harness.sim.this_machine.calibrate_this_machine``: the shipped profiles'
+fits a profile here (``nanovllm.harness.sim.calibrate.calibrate_this_machine``: the shipped profiles'
 calibration workloads, one round, one torch thread). Then each compared workload of ``sim_accuracy.py``
 (``WORKLOADS``, fcfs, workload seed 0, never a calibration seed) is served for real ``--repeats`` times with the
 setting, and simulated twice with the real first run's output lengths: with the setting's own profile (what
@@ -29,8 +29,8 @@ from sim_accuracy import METRICS, WORKLOADS  # noqa: E402
 
 from nanovllm import machine  # noqa: E402
 from nanovllm.harness.records import read_metrics  # noqa: E402
+from nanovllm.harness.sim.calibrate import calibrate_this_machine  # noqa: E402
 from nanovllm.harness.sim.this_machine import (  # noqa: E402
-    calibrate_this_machine,
     profile_name,
     run_engine,
     settings_overrides,

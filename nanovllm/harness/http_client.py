@@ -317,7 +317,7 @@ def run_over_http(cfg: Any, hc: Any) -> dict[str, Any]:
     from nanovllm.harness.interrupt import STOP
     from nanovllm.harness.loggers import LOGGERS, configured_loggers
     from nanovllm.harness.metrics import format_summary
-    from nanovllm.harness.run import plugin_spec
+    from nanovllm.harness.option_types import plugin_spec
     from nanovllm.harness.sim.this_machine import this_machine
     from nanovllm.harness.workload import generate_workload, validate_workload_config
     from nanovllm.models.loader import resolve_model

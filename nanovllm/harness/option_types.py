@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from nanovllm.registry import Registry
+
 
 def check_option_types(cls: type, options: Mapping[str, Any], where: str) -> None:
     """ValueError ``<where>.<option> must be <type>, got <value>`` for the first option whose value does not
@@ -50,3 +52,14 @@ def _describe(hint: Any) -> str:
     if inspect.isclass(hint):
         return hint.__name__
     return str(hint).replace("typing.", "").replace("collections.abc.", "")
+
+
+def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
+    """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
+    spec = registry.check(dict(node), where)
+    check_option_types(registry.get(spec["name"]), node, where)
+    if registry.kind in ("policy", "allocator", "logger", "router", "kv_transfer"):
+        # Their constructors validate option values (an eviction or predictor name, a W&B mode); a throwaway
+        # instance (a one-block allocator; a logger not yet started) reports a bad value before the model loads.
+        registry.build(spec, *([1] * len(registry.engine_args)))
+    return spec

@@ -63,12 +63,11 @@ from nanovllm.harness.objective import (
     check_sweeper_direction,
     objective_value,
 )
-from nanovllm.harness.option_types import check_option_types
+from nanovllm.harness.option_types import plugin_spec
 from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
-from nanovllm.registry import Registry
 from nanovllm.router import ROUTERS
 from nanovllm.sampling import SamplingParams
 
@@ -89,17 +88,6 @@ def config_dir() -> Path:
 
 
 # -- checks that run before the model loads ------------------------------------------------------------------------
-
-def plugin_spec(registry: Registry, node: Any, where: str) -> dict[str, Any]:
-    """``{name, **options}`` from a config node, checked now by the registry (as ``LLM(...)`` checks it)."""
-    spec = registry.check(dict(node), where)
-    check_option_types(registry.get(spec["name"]), node, where)
-    if registry.kind in ("policy", "allocator", "logger", "router", "kv_transfer"):
-        # Their constructors validate option values (an eviction or predictor name, a W&B mode); a throwaway
-        # instance (a one-block allocator; a logger not yet started) reports a bad value before the model loads.
-        registry.build(spec, *([1] * len(registry.engine_args)))
-    return spec
-
 
 def _check_model_path(path: str | None) -> None:
     """A set ``model.path`` must exist (null: the default model); what is inside is the loader's to check."""

@@ -47,8 +47,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import shlex
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,6 +60,7 @@ from scipy.optimize import nnls
 
 from nanovllm.harness.records import read_config, read_run
 from nanovllm.harness.sim import runs_archive as archives
+from nanovllm.harness.sim import this_machine
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
     KERNEL_FEATURES,
@@ -200,8 +203,6 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     times on one machine). ``gemv_max_rows``: the kernel split to fit ("auto":
     ``default_gemv_max_rows``; "fit": ``fitted_kernel_switch``; None or 0: none). ``runs_archive``: the
     ``{"file", "sha256"}`` of the archive the runs came from, recorded after ``command``."""
-    from nanovllm.harness.sim.this_machine import profile_machine
-
     steps: list[dict] = []
     gaps: list[float] = []
     configs = []
@@ -235,7 +236,7 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
             metadata[key] = values.pop()
     metadata.update(recorded)
     runs = [str(Path(r)) for r in run_dirs]
-    metadata["machine"] = profile_machine(machines, previous=_previous_machine(out, runs))
+    metadata["machine"] = this_machine.profile_machine(machines, previous=_previous_machine(out, runs))
     metadata.update(runs=runs, command=command or "")
     if runs_archive:
         metadata[archives.KEY] = {"file": runs_archive["file"], "sha256": runs_archive["sha256"]}
@@ -280,9 +281,41 @@ def _runs_archive(run_dirs: Sequence[str], out: str, given: str | None) -> dict[
     return {"file": given, "sha256": digest}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from nanovllm.harness.sim import this_machine
+def calibrate_this_machine(dtype: str = "bfloat16", threads: int = 1, rounds: int = this_machine.SHORT_ROUNDS,
+                           out: str | Path | None = None, echo: bool = True, quantization: str | None = None,
+                           kv_cache_dtype: str = "auto") -> tuple[dict, Path]:
+    """Make the real runs of rounds 1..``rounds`` of the calibration workloads here (``threads`` torch threads,
+    ``dtype``, weights ``quantization``, KV cache ``kv_cache_dtype``), fit a profile on them and write it to
+    ``out`` (None: this machine's cache entry for those settings, the one ``runner=sim`` picks up for runs
+    with them). The runs go beside the profile (``runs-<dtype>[-<quantization>][-kv-<kv dtype>]/``), replacing
+    earlier ones. Returns the profile and where it went."""
+    if dtype not in this_machine.DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(this_machine.DTYPES)}, got {dtype!r}")
+    if threads < 1 or rounds < 1:
+        raise ValueError(f"--threads and --rounds must be at least 1, got {threads} and {rounds}")
+    settings = this_machine.settings_overrides(quantization, kv_cache_dtype)
+    here = this_machine.this_machine(threads=threads)
+    default_out = this_machine.cached_profile_path(dtype, here, quantization, kv_cache_dtype)
+    out = Path(out) if out is not None else default_out
+    runs_root = out.parent / f"runs-{dtype}{this_machine.settings_suffix(quantization, kv_cache_dtype)}"
+    shutil.rmtree(runs_root, ignore_errors=True)
+    run_dirs = []
+    start = time.perf_counter()
+    for name, overrides in this_machine.calibration_runs(rounds):
+        run_dirs.append(runs_root / name)
+        this_machine.run_engine([*overrides, *settings], run_dirs[-1], dtype, threads, echo=echo)
+    command = (f"{this_machine.calibrate_command(dtype, threads, quantization, kv_cache_dtype)} --rounds {rounds}"
+               + (f" --out {out}" if out != default_out else ""))
+    profile = calibrate(run_dirs, out, command=command)
+    if profile["machine"].get("threads") != threads:
+        raise RuntimeError(f"calibration runs recorded {profile['machine'].get('threads')} torch threads, not the "
+                           f"{threads} asked for (OMP_NUM_THREADS={threads} did not take effect)")
+    if echo:
+        print(f"calibration runs took {time.perf_counter() - start:.0f} s", flush=True)
+    return profile, out
 
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.harness.sim.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="*", help="directories of real runs (with steps.jsonl)")
@@ -320,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.full and args.rounds is not None:
                 _fail("give --full or --rounds, not both")
             rounds = this_machine.FULL_ROUNDS if args.full else args.rounds or this_machine.SHORT_ROUNDS
-            profile, out = this_machine.calibrate_this_machine(args.dtype, args.threads, rounds, args.out,
+            profile, out = calibrate_this_machine(args.dtype, args.threads, rounds, args.out,
                                                                quantization=args.quantization,
                                                                kv_cache_dtype=args.kv_cache_dtype)
         else:

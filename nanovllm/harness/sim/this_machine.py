@@ -26,10 +26,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -235,38 +233,3 @@ def mismatch(profile: Mapping[str, Any], label: str, dtype: str,
 
 
 # -- calibrate this machine ---------------------------------------------------------------------------------------
-
-def calibrate_this_machine(dtype: str = "bfloat16", threads: int = 1, rounds: int = SHORT_ROUNDS,
-                           out: str | Path | None = None, echo: bool = True, quantization: str | None = None,
-                           kv_cache_dtype: str = "auto") -> tuple[dict, Path]:
-    """Make the real runs of rounds 1..``rounds`` of the calibration workloads here (``threads`` torch threads,
-    ``dtype``, weights ``quantization``, KV cache ``kv_cache_dtype``), fit a profile on them and write it to
-    ``out`` (None: this machine's cache entry for those settings, the one ``runner=sim`` picks up for runs
-    with them). The runs go beside the profile (``runs-<dtype>[-<quantization>][-kv-<kv dtype>]/``), replacing
-    earlier ones. Returns the profile and where it went."""
-    from nanovllm.harness.sim.calibrate import calibrate
-
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if threads < 1 or rounds < 1:
-        raise ValueError(f"--threads and --rounds must be at least 1, got {threads} and {rounds}")
-    settings = settings_overrides(quantization, kv_cache_dtype)
-    here = this_machine(threads=threads)
-    default_out = cached_profile_path(dtype, here, quantization, kv_cache_dtype)
-    out = Path(out) if out is not None else default_out
-    runs_root = out.parent / f"runs-{dtype}{settings_suffix(quantization, kv_cache_dtype)}"
-    shutil.rmtree(runs_root, ignore_errors=True)
-    run_dirs = []
-    start = time.perf_counter()
-    for name, overrides in calibration_runs(rounds):
-        run_dirs.append(runs_root / name)
-        run_engine([*overrides, *settings], run_dirs[-1], dtype, threads, echo=echo)
-    command = (f"{calibrate_command(dtype, threads, quantization, kv_cache_dtype)} --rounds {rounds}"
-               + (f" --out {out}" if out != default_out else ""))
-    profile = calibrate(run_dirs, out, command=command)
-    if profile["machine"].get("threads") != threads:
-        raise RuntimeError(f"calibration runs recorded {profile['machine'].get('threads')} torch threads, not the "
-                           f"{threads} asked for (OMP_NUM_THREADS={threads} did not take effect)")
-    if echo:
-        print(f"calibration runs took {time.perf_counter() - start:.0f} s", flush=True)
-    return profile, out
