@@ -74,19 +74,22 @@ def test_each_cpu_kind_gets_its_level_kernels_and_byte_counts(pretend_cpu, kind)
 
 
 def test_an_amx_cpu_without_amx_int8_runs_bf16_on_tiles_and_int8_on_vnni(pretend_cpu, monkeypatch):
+    amx, vnni = EXPECTED["xeon_amx"], EXPECTED["epyc_avx512_bf16"]
     flags = pretend_cpu("xeon_amx") - {"amx_int8"}
     monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
-    assert machine.selected_isa() == "amx" and linear_kernel(torch.bfloat16) == "brgemm"
-    assert int8_kernel_at("amx", flags) == "i8x16"
+    # The level and the bf16 linears stay the AMX Xeon's; int8 takes the VNNI kernel, as on a CPU without tiles.
+    assert machine.selected_isa() == amx["level"] and linear_kernel(torch.bfloat16) == amx["bf16"]
+    assert int8_kernel_at(machine.selected_isa(), flags) == vnni["int8"]
 
 
 def test_a_forced_level_is_what_the_dispatch_reads(pretend_cpu, monkeypatch):
+    avx2, amx = EXPECTED["epyc_avx2"], EXPECTED["xeon_amx"]
     flags = pretend_cpu("xeon_amx")
-    monkeypatch.setenv(machine.ISA_ENV, "avx2")
-    assert machine.selected_isa() == "avx2" and linear_kernel(torch.bfloat16) == "bf16-fma"
-    assert int8_kernel_at(machine.selected_isa(), flags) == "i8x16"
+    monkeypatch.setenv(machine.ISA_ENV, avx2["level"])  # the AMX Xeon forced down gets the AVX2 EPYC's kernels
+    assert machine.selected_isa() == avx2["level"] and linear_kernel(torch.bfloat16) == avx2["bf16"]
+    assert int8_kernel_at(machine.selected_isa(), flags) == avx2["int8"]
     pretend_cpu("epyc_avx2")
-    monkeypatch.setenv(machine.ISA_ENV, "amx")
+    monkeypatch.setenv(machine.ISA_ENV, amx["level"])
     with pytest.raises(ValueError, match="does not support it"):
         machine.selected_isa()
 

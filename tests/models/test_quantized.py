@@ -40,7 +40,7 @@ def _two_digit_activations(x: torch.Tensor, digits: int = 2) -> torch.Tensor:
 def _activations_multiplied(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """What an int8 ``layer`` multiplies its weights by: its digits per token on the tiles, int8 codes per token
     and 32 values on every other kernel."""
-    return _two_digit_activations(x, layer.activation_digits) if layer.kernel == "amx" else _quantize_activations(x)
+    return _two_digit_activations(x, layer.activation_digits) if layer.per_token_activations else _quantize_activations(x)
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_int8_interleaved_by_16_features_gives_the_row_kernels_integer_sums(comp
     x[0, :32], x[-1, :32] = 1.0, -1.0  # every code 127 (high nibble 8), or -127 (-8), in the first block
     x = x.to(dtype)
     assert layer.kernel == int8_kernel(compiled)
-    if layer.kernel == "vector":
+    if not compiled.i8x16_available():
         with pytest.raises(RuntimeError, match="no AVX2"):
             compiled.i8x16_linear(x, plain.qweight, plain.scales, None, n)
         return
@@ -209,29 +209,32 @@ def test_int8_layers_over_long_rows_give_the_scalar_builds_sums_in_tiles_and_wit
     scalar.kernels = kernels.load("scalar")
     row_kernel = QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, None)
     row_kernel.kernels = compiled
-    layers = [row_kernel]
+    # Every kernel the dispatch gives this build: at the level in force (the tiles, on an AMX CPU) and at the
+    # build's own level (its vector kernel), each once.
     in_force = int8_kernel(compiled)
-    if in_force == "amx":
-        layers.append(QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled))
     with monkeypatch.context() as pinned:
         pinned.setenv(machine.ISA_ENV, compiled.isa)
         at_build_level = int8_kernel(compiled)
-        if at_build_level == "i8x16":
-            layers.append(QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled))
-    assert [layer.kernel for layer in layers] == ["vector"] + [kernel for kernel in ("amx", "i8x16")
-                                                               if kernel in (in_force, at_build_level)]
-    expected = {"vector": scalar(x).float(), "i8x16": scalar(x).float(),
-                "amx": _two_digit_activations(x).double() @ scalar.dequantize().double().T}
+        own = QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled)
+    kernels_run = list(dict.fromkeys([row_kernel.kernel, in_force, at_build_level]))
+    layers = [row_kernel]
+    if in_force not in (row_kernel.kernel, at_build_level):
+        layers.append(QuantLinear("int8", scalar.qweight, scalar.scales, None, None, k, compiled))
+    if at_build_level != row_kernel.kernel:
+        layers.append(own)
+    assert [layer.kernel for layer in layers] == kernels_run
+    dense = scalar(x).float()
+    per_token = _two_digit_activations(x).double() @ scalar.dequantize().double().T
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        results = [(layer.kernel, layer(x).float()) for layer in layers for _ in range(3)]
+        results = [(layer, layer(x).float()) for layer in layers for _ in range(3)]
     finally:
         torch.set_num_threads(threads)
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
-    for kernel, y in results:
-        reference = expected[kernel].float()
-        assert (y - reference).abs().max() <= tolerance * reference.abs().max(), kernel
+    for layer, y in results:
+        reference = per_token.float() if layer.per_token_activations else dense
+        assert (y - reference).abs().max() <= tolerance * reference.abs().max(), layer.kernel
 
 
 def test_the_amx_kernel_gives_the_row_kernels_sums_where_both_codes_are_exact():
