@@ -103,9 +103,10 @@ def main() -> None:
         if (dtype, vllm_path) not in vllm_runs:
             vllm_runs[dtype, vllm_path] = run_vllm(args.vllm_python, model_dir, dtype, ours["prompts"],
                                                    args.max_tokens)
-        llm = ours.pop("llm")
-        engines[path] = (llm, ours["prompts"]) if args.rounds > 1 else (None, None)
-        del llm
+        engine = ours.pop("llm")
+        if args.rounds > 1:  # kept only for the rounds; otherwise freed before the next path builds its own
+            engines[path] = (engine, ours["prompts"])
+        del engine
         del ours["model_dir"], ours["prompts"]
         peer = dict(vllm_runs[dtype, vllm_path], vllm_path=vllm_path)
         mine = ours.pop("nanovllm_outputs")
