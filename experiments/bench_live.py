@@ -25,7 +25,7 @@ import torch
 from nanovllm import LLM, machine
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.live.launch import start_live
-from nanovllm.harness.loggers import JsonlLogger, RunLogger
+from nanovllm.serving.loggers import JsonlLogger, RunLogger
 from nanovllm.harness.serving import serve
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 

@@ -50,7 +50,7 @@ from nanovllm.cluster.config import ClusterConfig  # noqa: E402
 from nanovllm.config import EngineConfig  # noqa: E402
 from nanovllm.harness.cluster import ServedCluster  # noqa: E402
 from nanovllm.harness.sim.calibrate import calibrate  # noqa: E402
-from nanovllm.harness.loggers import JsonlLogger  # noqa: E402
+from nanovllm.serving.loggers import JsonlLogger  # noqa: E402
 from nanovllm.harness.workload import generate_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -40,8 +40,8 @@ from nanovllm import machine  # noqa: E402
 from nanovllm.cluster.config import ClusterConfig  # noqa: E402
 from nanovllm.config import EngineConfig  # noqa: E402
 from nanovllm.harness.cluster import ServedCluster  # noqa: E402
-from nanovllm.harness.loggers import JsonlLogger  # noqa: E402
-from nanovllm.harness.metrics import SLO  # noqa: E402
+from nanovllm.serving.loggers import JsonlLogger  # noqa: E402
+from nanovllm.serving.metrics import SLO  # noqa: E402
 from nanovllm.harness.sim.calibrate import calibrate  # noqa: E402
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload  # noqa: E402
 
@@ -67,7 +67,7 @@ def shapes(replicas: int) -> list[tuple[str, ClusterConfig]]:
 
 def goodput(records, duration: float, ttft_ms: float, tpot_ms: float) -> float:
     """Requests/s that completed within both SLOs."""
-    from nanovllm.harness.metrics import is_completed, tpot_s, ttft_s
+    from nanovllm.serving.metrics import is_completed, tpot_s, ttft_s
 
     good = sum(1 for r in records if is_completed(r) and ttft_s(r) * 1e3 <= ttft_ms
                and (tpot_s(r) is None or tpot_s(r) * 1e3 <= tpot_ms))

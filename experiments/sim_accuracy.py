@@ -126,7 +126,7 @@ def measure(setup: Setup, rounds: list[int]) -> None:
     import json
 
     from nanovllm import machine
-    from nanovllm.harness.records import read_metrics
+    from nanovllm.serving.records import read_metrics
 
     info = machine.describe(REAL_RUN_THREADS)
     print(machine.header(info=info), flush=True)
@@ -146,7 +146,7 @@ def measure(setup: Setup, rounds: list[int]) -> None:
 
 def finished(run_dirs: list[Path]) -> list[Path]:
     """``run_dirs``, or a SystemExit naming the first one without a ``metrics.json`` (run ``measure`` first)."""
-    from nanovllm.harness.records import read_metrics
+    from nanovllm.serving.records import read_metrics
 
     for run_dir in run_dirs:
         if not read_metrics(run_dir):
@@ -171,7 +171,7 @@ def pack(setup: Setup) -> None:
 
 def output_lengths(run_dir: Path) -> dict[str, int]:
     """Request id -> number of output tokens, from a run's ``requests.jsonl``."""
-    from nanovllm.harness.records import read_run
+    from nanovllm.serving.records import read_run
 
     return {r["request_id"]: r["num_output_tokens"] for r in read_run(run_dir, missing_ok=False).requests}
 
@@ -180,7 +180,7 @@ def against_profile(run_dir: Path, profile: Path, dtype: str) -> tuple[float, li
     """The run's total step time (steps that did work) over what ``profile`` predicts for the same steps (above
     1: the machine ran slower than in the profile's runs, below 1 faster), and the features whose values in the
     run's steps leave the profile's ``feature_range`` (there the profile extrapolates)."""
-    from nanovllm.harness.records import read_run
+    from nanovllm.serving.records import read_run
     from nanovllm.harness.sim.step_time import CalibratedStepTime, with_kernel_features, working_steps
 
     model = CalibratedStepTime(profile, dtype=dtype)
@@ -196,7 +196,7 @@ def compare(setup: Setup, repeats: int, profiles: str = "shipped") -> None:
     """Simulate each compared workload and policy with the shipped profile, or (``leave-one-out``: another
     *workload*, not only other runs) with a profile fitted on the other two compared workloads' real runs, and
     write the table against the ``repeats`` real runs of each."""
-    from nanovllm.harness.records import read_metrics
+    from nanovllm.serving.records import read_metrics
     from nanovllm.harness.sim.calibrate import calibrate as fit
 
     rounds = range(1, repeats + 1)

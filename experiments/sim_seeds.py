@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sim_accuracy import DTYPES, METRICS, POLICIES, WORKLOADS, Setup
 
-from nanovllm.harness.records import read_metrics
+from nanovllm.serving.records import read_metrics
 
 
 def real_dir(setup: Setup, workload: str, policy: str, seed: int) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from sim_accuracy import DTYPES, METRICS, POLICIES, WORKLOADS, Setup
 
-from nanovllm.harness.records import read_metrics
+from nanovllm.serving.records import read_metrics
 
 DEFAULT_FACTORS = (0.96, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.03, 1.04)
 

@@ -3,7 +3,7 @@ entry point (whose structured configs mirror these names)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "gguf")  # nanovllm/models/quantized.py
@@ -103,9 +103,6 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
         return cls(**options)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # What ``kv_cache_dtype`` may be (vLLM's option name and values): auto = the model dtype.

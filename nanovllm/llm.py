@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from nanovllm.chat_template import chat_token_ids
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
-from nanovllm.outputs import RequestMetrics, RequestOutput, StepRecord
+from nanovllm.engine.protocol import EngineClient
+from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.plugins import load_plugins
 from nanovllm.progress import RequestProgress
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
+from nanovllm.serving.loop import StepLoop
+from nanovllm.serving.records import RequestRecord
 
 Prompt = str | list[int]
 
@@ -51,22 +54,38 @@ class LLM:
         replicas = _cluster_config(cluster)
         if replicas is not None and replicas.replicas > 1:
             from nanovllm.cluster.ray_replicas import RayCluster
-            from nanovllm.router import ROUTERS
+            from nanovllm.router import ROUTERS, Router
 
+            decode_router: Router | None = None
             if replicas.disaggregated:
                 from nanovllm.cluster.disaggregated import pool_routers
 
-                routers = pool_routers(router)
+                prefill_router, decode_router = pool_routers(router)
             else:
-                routers = (ROUTERS.build(router), None)
-            self.engine: Any = RayCluster(config, replicas, routers[0],
-                                          dict(scheduler=scheduler, allocator=allocator, attention=attention),
-                                          plugin_paths=plugins, step_time=step_time, decode_router=routers[1])
+                prefill_router = ROUTERS.build(router)
+            engine: EngineClient = RayCluster(
+                config, replicas, prefill_router, dict(scheduler=scheduler, allocator=allocator, attention=attention),
+                plugin_paths=plugins, step_time=step_time, decode_router=decode_router)
         else:
-            self.engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
-        self.tokenizer = self.engine.tokenizer
-        # The step records of the latest generate() call only: an LLM serving many calls keeps no history.
-        self.last_steps: list[StepRecord] = []
+            engine = LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention)
+        self._adopt(engine)
+
+    @classmethod
+    def from_engine(cls, engine: EngineClient) -> "LLM":
+        """An ``LLM`` over an engine built elsewhere (any ``EngineClient``: an ``LLMEngine`` on any runner, the
+        simulator's included, or a cluster), so ``generate`` and ``chat`` drive it."""
+        llm = cls.__new__(cls)
+        llm._adopt(engine)
+        return llm
+
+    def _adopt(self, engine: EngineClient) -> None:
+        self.engine: EngineClient = engine
+        self.tokenizer = engine.tokenizer
+        # The records of the latest generate() call only (nanovllm.serving.records: its step records, numbered
+        # from 0 with times relative to its start, and its requests in the order they ended): an LLM serving
+        # many calls keeps no history.
+        self.last_steps: list[dict[str, Any]] = []
+        self.last_requests: list[RequestRecord] = []
 
     def generate(
         self,
@@ -97,7 +116,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}``) or a list of them, through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(list[dict], messages)]
+        else:
+            conversations = list(cast(Sequence[list[dict]], messages))
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -107,22 +129,18 @@ class LLM:
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for request in requests:
             self.engine.add_request(request)
-        self.last_steps = []
-        finished = output_tokens = 0
         with RequestProgress(len(requests), disable=not use_tqdm or len(requests) < 2, desc="generate") as bar:
+            loop = StepLoop(self.engine, progress=bar)
+            self.last_steps, self.last_requests = loop.steps, loop.requests
             try:
                 while self.engine.has_unfinished():
-                    result = self.engine.step()
-                    self.last_steps.append(result.record)
-                    finished += len(result.finished)
-                    output_tokens += sum(r.num_output_tokens for r in result.finished)
-                    bar.update(finished, output_tokens)
+                    loop.step()
             except BaseException:
                 # Ctrl-C (or a fault) mid-generate: abort what is left so the engine stays usable for the
                 # next call, its blocks free and its queues empty; then let the original exception go on (a
                 # second fault while cleaning up must not hide it).
                 with contextlib.suppress(Exception):
-                    self.abort_unfinished("interrupted")
+                    loop.abort_all("interrupted")
                 raise
         return [self._output(r) for r in requests]
 
@@ -130,16 +148,11 @@ class LLM:
         """Abort every request this LLM still has waiting or running (their blocks are freed, the policy hears
         ``on_finish``) and report them out of the engine at once. Returns their ids. ``generate`` calls it
         when interrupted; to abort a single request of your own loop use ``llm.engine.abort_request(id)``."""
-        ids = self.engine.abort_all(reason)
-        while self.engine.has_unfinished():
-            self.engine.step()  # nothing left to run: this step (one per replica) only reports the aborted requests
-        return ids
+        return StepLoop(self.engine).abort_all(reason)
 
     def close(self) -> None:
         """Stop what this LLM started: a cluster's replicas and its Ray instance (an engine holds nothing)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 
 class StepRecord(TypedDict):
@@ -33,6 +33,7 @@ class StepRecord(TypedDict):
     num_evictions: int                  # cached blocks evicted during this step
     kv_slots_unused: int                # internal fragmentation: allocated slots of running requests not
                                         # holding a computed token, after the step
+    replica: NotRequired[int]           # on a cluster: the replica that ran the step
 
 
 @dataclass

@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
         from nanovllm import LLM
         from nanovllm.config import torch_dtype
-        from nanovllm.harness.monitor import measure_peak_flops
+        from nanovllm.serving.monitor import measure_peak_flops
 
         fuse = {"auto": None, "true": True, "false": False}[args.fuse_projections]
         trace_dir = Path(args.trace_dir)

@@ -289,7 +289,7 @@ def serve_with_live_loggers(served: Any, workload: Sequence[Any], run_dir: Path)
     starting the dashboard process: a test builds the Bokeh document from the files itself)."""
     from nanovllm.harness.live.config import LiveConfig
     from nanovllm.harness.live.launch import LiveSession
-    from nanovllm.harness.loggers import JsonlLogger
+    from nanovllm.serving.loggers import JsonlLogger
 
     live = LiveSession(LiveConfig(mode="web"), run_dir)
     loggers = [JsonlLogger(), *live.attach(served.engine, len(workload))]

@@ -33,7 +33,8 @@ from typing import Any, Sequence
 from nanovllm.cluster.cluster import Cluster
 from nanovllm.cluster.kv_transfer import KVTransfer, LocalTransfer
 from nanovllm.cluster.replica import LocalReplica
-from nanovllm.engine.engine import LLMEngine, StepOutput
+from nanovllm.engine.engine import LLMEngine
+from nanovllm.engine.protocol import StepOutput
 from nanovllm.request import Request
 from nanovllm.router import Router, StepTimeEstimate
 
@@ -100,18 +101,27 @@ class DisaggregatedCluster(Cluster):
             self._deliver(request, index, t)
         return super().abort_all(reason)
 
+    def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
+        """Abort ``request_id`` wherever it is; one whose K/V are on the way is delivered now, then aborted."""
+        for entry in [e for e in self._transit if e[2].request_id == request_id]:
+            self._transit.remove(entry)
+            heapq.heapify(self._transit)
+            t, _, request, index = entry
+            self._deliver(request, index, t)
+        return super().abort_request(request_id, reason)
+
     # -- the step ----------------------------------------------------------------------------------------------
     def next_ready_time(self) -> float | None:
         times = [queue[0][0] for queue in (self._ready, self._transit) if queue]
         return min(times) if times else None
 
-    def step(self, timeout: float | None = None) -> StepOutput:
+    def step(self) -> StepOutput:
         """Deliver the transfers due before the next step, then run the replica whose clock is earliest: its
         finished requests are reported; its handed-off ones go to a decode replica."""
         while self._transit and (not self._ready or self._transit[0][0] <= self._ready[0][0]):
             t, _, request, index = heapq.heappop(self._transit)
             self._deliver(request, index, t)
-        return super().step(timeout)
+        return super().step()
 
     def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
         """Each pool's router hears of the requests that ended on its replicas; a prefill replica's handed-off
@@ -148,7 +158,8 @@ class DisaggregatedCluster(Cluster):
             replica.wake(t)
         request.replica = index
         replica.add_handed_off(request)
-        request.handoff.arrival_time = t  # type: ignore[union-attr]   # (a simulated replica may be mid-step)
+        assert request.handoff is not None   # only handed-off requests are in transit
+        request.handoff.arrival_time = t   # (a simulated replica may be mid-step)
         self._mark_ready(index)
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import math
 import os
 import sys
 import time
@@ -49,12 +51,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nanovllm.allocator import prefix_block_keys
-from nanovllm.cluster.cluster import Cluster
+from nanovllm.cluster.cluster import ClusterBase
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.cluster.replica import LocalReplica
-from nanovllm.config import EngineConfig, torch_dtype
-from nanovllm.engine.engine import LLMEngine, PluginSpec, StepOutput
+from nanovllm.config import EngineConfig
+from nanovllm.engine.engine import LLMEngine, PluginSpec
+from nanovllm.engine.protocol import StepOutput
 from nanovllm.outputs import StepRecord
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import ReplicaView, Router, StepTimeEstimate
@@ -328,7 +331,7 @@ def _shift(t: float | None, offset: float) -> float | None:
     return None if t is None else t + offset
 
 
-class RayCluster(Cluster):
+class RayCluster(ClusterBase):
     """``replicas`` real engines in Ray actors behind ``router``; see the module docstring."""
 
     def __init__(self, config: EngineConfig, cluster: ClusterConfig, router: Router,
@@ -382,9 +385,9 @@ class RayCluster(Cluster):
                                                   runtime_env={"env_vars": env}).remote(
                     index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads,
                     self._view_index(index), cluster.kv_transfer if self.num_prefill else None))
-            model_dir = self._model_dir = resolve_model(config.model)
-            self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self._hf_config = AutoConfig.from_pretrained(model_dir)
+            self.model_dir = resolve_model(config.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self.hf_config = AutoConfig.from_pretrained(self.model_dir)
             infos = _gather([actor.info.remote() for actor in actors], "start")
         except BaseException:
             self._finalizer()
@@ -393,15 +396,20 @@ class RayCluster(Cluster):
         self.replicas = [RemoteReplica(index, actor, info, 0.0 if info["node_id"] == node else _offset(actor),
                                        self._view_index(index))
                          for index, (actor, info) in enumerate(zip(actors, infos))]
-        self._runner = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch_dtype(config.dtype),
-                                             model=None, clock=time.perf_counter)
+        # What the request checks read of a runner: a device for seeded generators (the model stays in the actors).
+        runner = types.SimpleNamespace(device=torch.device("cpu"))
         self.clock = time.perf_counter
-        self._config = config
+        self.config = config
         limits: dict[tuple[int, int, int], _Frontend] = {}
         for info in infos:
             key = (info["max_model_len"], info["num_kv_blocks"], info["block_size"])
-            limits.setdefault(key, _Frontend(info, self._tokenizer, self._hf_config, self._runner))
+            limits.setdefault(key, _Frontend(info, self.tokenizer, self.hf_config, runner))
         self._validators = list(limits.values())
+        # The longest request and the smallest KV cache every replica takes (the router may send it to any).
+        self.max_model_len = min(validator.max_model_len for validator in self._validators)
+        self.num_kv_blocks = min(validator.num_kv_blocks for validator in self._validators)
+        self.warmup_time = sum(info["warmup_time"] for info in infos)
+        self.warmup_steps = sum(info["warmup_steps"] for info in infos)
 
     def _view_index(self, index: int) -> int:
         """Replica ``index``'s position in its pool (the decode pool's views count from 0)."""
@@ -409,65 +417,16 @@ class RayCluster(Cluster):
 
     def _router_of(self, replica: RemoteReplica) -> Router:
         """The router of ``replica``'s pool (the cluster's one router when replicas are colocated)."""
-        return self.decode_router if self.pool_of(replica.index) == "decode" else self.router  # type: ignore
+        if self.pool_of(replica.index) == "decode":
+            assert self.decode_router is not None   # a disaggregated cluster is built with one
+            return self.decode_router
+        return self.router
 
     def pool_of(self, index: int) -> str | None:
         """"prefill" or "decode" (None: colocated replicas)."""
         if not self.num_prefill:
             return None
         return "prefill" if index < self.num_prefill else "decode"
-
-    # -- what the loops read, as of an engine ----------------------------------------------------------------
-    @property
-    def config(self) -> EngineConfig:  # type: ignore[override]
-        return self._config
-
-    @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
-        return self._tokenizer
-
-    @property
-    def hf_config(self) -> Any:  # type: ignore[override]
-        return self._hf_config
-
-    @property
-    def runner(self) -> Any:  # type: ignore[override]
-        """What the loops read of a runner: the replicas' dtype, a device for seeded generators, no model."""
-        return self._runner
-
-    @property
-    def engines(self) -> list[Any]:  # type: ignore[override]
-        return []
-
-    @property
-    def warmup_time(self) -> float:  # type: ignore[override]
-        return sum(replica.info["warmup_time"] for replica in self.replicas)
-
-    @property
-    def warmup_steps(self) -> int:  # type: ignore[override]
-        return sum(replica.info["warmup_steps"] for replica in self.replicas)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest request every replica takes (the router may send it to any)."""
-        return min(validator.max_model_len for validator in self._validators)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """The smallest replica's KV cache, in blocks (a request must fit it)."""
-        return min(validator.num_kv_blocks for validator in self._validators)
-
-    @property
-    def model_dir(self) -> Path:
-        """The model's local directory (its tokenizer and config; the weights stay in the actors)."""
-        return self._model_dir
-
-    @property
-    def actor_pids(self) -> list[int]:
-        return [replica.info["pid"] for replica in self.replicas]
-
-    def rejected_request(self, prompt: str | list, sampling_params: Any, **fields: Any) -> Request:
-        return self._validators[0].rejected_request(prompt, sampling_params, **fields)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: Request, error: str | None = None) -> None:
@@ -521,7 +480,7 @@ class RayCluster(Cluster):
         """The prefix-block keys of ``request``'s prompt, hashed once per route (every replica's lookup)."""
         last, keys = self._last_keys
         if last is not request:
-            keys = prefix_block_keys(request.token_ids, self._config.block_size)
+            keys = prefix_block_keys(request.token_ids, self.config.block_size)
             self._last_keys = (request, keys)
         return keys
 
@@ -580,20 +539,20 @@ class RayCluster(Cluster):
     def next_ready_time(self) -> float | None:
         return time.perf_counter() if self.has_unfinished() else None
 
-    def step(self, timeout: float | None = None) -> StepOutput | None:
-        """The next step any replica reports (or a dead replica's failed requests), as one engine's; None when
-        ``timeout`` seconds pass first. Replicas step on their own, so a serving loop that admits requests
-        between steps passes a timeout: a request for an idle replica then need not wait for a busy one's step."""
+    def wait_for_step(self, timeout: float | None) -> bool:
+        """Wait until a replica reports a step (or a dead replica's failed requests are to be reported), at
+        most ``timeout`` seconds. Replicas step on their own, so a serving loop that admits requests between
+        steps waits only until its next arrival: a request for an idle replica need not wait for a busy one."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         while not self._reports:
             flights = {replica.in_flight: replica for replica in self.replicas if replica.in_flight is not None}
             if not flights:
-                raise RuntimeError("RayCluster.step() called with no replica holding a request")
+                raise RuntimeError("RayCluster: waited for a step with no replica holding a request")
             ready, _ = ray.wait(list(flights), num_returns=1, timeout=timeout)
             if not ready:
-                return None
+                return False
             replica = flights[ready[0]]
             replica.in_flight = None
             try:
@@ -610,7 +569,12 @@ class RayCluster(Cluster):
             if replica.held or replica.unsent:
                 replica.send()
             if output is not None:
-                return output
+                self._reports.append(output)
+        return True
+
+    def step(self) -> StepOutput:
+        """The next step any replica reports (or a dead replica's failed requests), as one engine's."""
+        self.wait_for_step(None)
         return self._reports.popleft()
 
     def _apply(self, replica: RemoteReplica, result: Mapping[str, Any]) -> StepOutput | None:
@@ -641,9 +605,10 @@ class RayCluster(Cluster):
             failed = self._hand_off(replica, plain, now)
             if failed is not None:
                 finished.append(failed)
-        record = dict(result["record"])
-        record.update(start_time=record["start_time"] - offset, replica=replica.index)
-        return StepOutput(finished, record)  # type: ignore[arg-type]
+        record = StepRecord(**result["record"])   # the actor's, on the driver's clock
+        record["start_time"] -= offset
+        record["replica"] = replica.index
+        return StepOutput(finished, record)
 
     def _died(self, replica: RemoteReplica, exc: BaseException) -> None:
         replica.alive, replica._view = False, None
@@ -668,7 +633,7 @@ class RayCluster(Cluster):
             kv_blocks_cached=0, kv_blocks_free=state["num_total_blocks"], kv_blocks_total=state["num_total_blocks"],
             context_tokens=0, attn_pairs=0, num_sampled=0, prefix_hit_tokens=0, recomputed_tokens=0,
             num_evictions=0, kv_slots_unused=0)
-        record["replica"] = replica.index  # type: ignore[typeddict-unknown-key]
+        record["replica"] = replica.index
         self._reports.append(StepOutput(failed, record))
 
     # -- lifetime ----------------------------------------------------------------------------------------------
@@ -721,9 +686,9 @@ def _start_ray(address: str | None, replicas: int) -> bool:
         return False
     if address is None:
         ray.init(num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False, log_to_driver=True,
-                 logging_level="WARNING")
+                 logging_level=logging.WARNING)
     else:
-        ray.init(address=address, logging_level="WARNING")
+        ray.init(address=address, logging_level=logging.WARNING)
     return True
 
 
@@ -757,12 +722,12 @@ def _offset(actor: Any) -> float:
     """The actor's perf_counter minus the driver's, from the round trip with the smallest delay of five."""
     import ray
 
-    best = None
+    best: tuple[float, float] = (math.inf, 0.0)   # (round trip, offset)
     for _ in range(5):
         sent = time.perf_counter()
         theirs = ray.get(actor.clock.remote())
         back = time.perf_counter()
-        if best is None or back - sent < best[0]:
+        if back - sent < best[0]:
             best = (back - sent, theirs - (sent + back) / 2)
     return best[1]
 

@@ -9,7 +9,8 @@ import statistics
 from collections import deque
 from typing import Any
 
-from nanovllm.engine.engine import LLMEngine, StepOutput
+from nanovllm.engine.engine import LLMEngine
+from nanovllm.engine.protocol import StepOutput
 from nanovllm.request import Request
 from nanovllm.router import ReplicaView
 
@@ -98,6 +99,10 @@ class LocalReplica:
                 self._update_recent()
         self.num_decoding = sum(1 for r in self.engine.scheduler.running if r.num_output_tokens > 0)
         return output
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished here (for an abort: a scan, as aborts are rare)."""
+        return any(request.request_id == request_id for request in self._queued)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

@@ -5,7 +5,6 @@ history of its own: whoever drives it (``LLM``, the serving loop, the simulator)
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -20,6 +19,7 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolv
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
+from nanovllm.engine.protocol import EngineClient, StepError, StepOutput
 from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, resolve_runner, runner_class
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.engine.startup_checks import check_before_load
@@ -35,25 +35,7 @@ logger = logging.getLogger(__name__)
 PluginSpec = Any  # a registered name, an instance, or a mapping {"name": ..., **constructor options}
 
 
-class StepError(RuntimeError):
-    """An engine step raised. The message names the plugin (allocator, attention backend, policy) in whose code
-    it happened, when it happened in one, and the step; the engine's state after it is not to be trusted."""
-
-
-@dataclass
-class StepOutput:
-    """What one ``LLMEngine.step()`` did: the requests that ended in it (finished, or failed on arrival) and
-    its record (``start_time`` is the step's start on the engine's clock; callers make it relative to their run)."""
-
-    finished: list[Request]
-    record: StepRecord
-    plan: SchedulerOutput | None = None   # what the scheduler planned: the batch and the step's preemptions
-    # Prefill/decode disaggregation: requests this (prefill) engine prefilled and let go, each with its
-    # ``handoff`` (K/V read from the cache, blocks freed), for the cluster to move to a decode replica.
-    handed_off: list[Request] = dataclasses.field(default_factory=list)
-
-
-class LLMEngine:
+class LLMEngine(EngineClient):
     """Owns the runner and the scheduler (with its policy and allocator). Requests go in through
     ``make_request`` + ``add_request``; ``step()`` runs one step and returns what ended in it. One request's
     path: ``LLM.generate`` -> ``make_request`` (tokenize, validate) -> ``add_request`` (waiting queue) ->
@@ -283,12 +265,10 @@ class LLMEngine:
         return self._num_steps
 
     # -- the step --------------------------------------------------------------------------------------------
-    def step(self, timeout: float | None = None) -> StepOutput:
+    def step(self) -> StepOutput:
         """Run one engine step: schedule, run the model over the batch, let the scheduler append the sampled
         tokens and finish requests. Returns the requests that ended in this step and the step's record.
-        Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else.
-        ``timeout`` is for engine-like drivers whose replicas step on their own (``RayCluster.step`` may return
-        None when it passes); one engine steps at once and never waits, so it ignores it."""
+        Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else."""
         try:
             return self._step()
         except (PolicyError, StepError):
@@ -317,13 +297,13 @@ class LLMEngine:
         out = self.scheduler.schedule(start)
         for request, first_block in out.kv_loads:   # K/V prefilled elsewhere, into the blocks just allocated
             handoff = request.handoff
-            last_block = self.allocator.blocks_for(handoff.num_tokens)  # type: ignore[union-attr]
-            if handoff.data is not None:  # type: ignore[union-attr]
+            assert handoff is not None   # the scheduler plans a load only for a request that carries K/V
+            last_block = self.allocator.blocks_for(handoff.num_tokens)
+            if handoff.data is not None:
                 started = time.perf_counter()
-                self.runner.write_kv(request.block_table[first_block:last_block], handoff.data,  # type: ignore
-                                     first_block)
-                handoff.transfer_time += time.perf_counter() - started  # type: ignore[union-attr]
-                handoff.data = None  # type: ignore[union-attr]
+                self.runner.write_kv(request.block_table[first_block:last_block], handoff.data, first_block)
+                handoff.transfer_time += time.perf_counter() - started
+                handoff.data = None
         layout = _BatchLayout.of(out.scheduled)
         next_tokens, next_logprobs = self.runner.execute(out.scheduled) if out.scheduled else ([], [])
         finished = self.scheduler.update_from_output(out, next_tokens, self.clock(), self.max_model_len,

@@ -29,8 +29,8 @@ from nanovllm.cluster.disaggregated import DisaggregatedCluster, pool_router_spe
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import PluginSpec
-from nanovllm.harness.formatting import format_value
-from nanovllm.harness.records import RequestRecord
+from nanovllm.serving.formatting import format_value
+from nanovllm.serving.records import RequestRecord
 from nanovllm.harness.serving import ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.simulate import Simulation
@@ -73,7 +73,7 @@ class ServedCluster(ServedEngine):
         on the wall clock; the cost model is the HF config's (the driver loads no weights)."""
         from nanovllm.cluster.ray_replicas import RayCluster
         from nanovllm.config import torch_dtype
-        from nanovllm.harness.monitor import ModelCost
+        from nanovllm.serving.monitor import ModelCost
         from nanovllm.harness.serving import WallClock
 
         if cluster.disaggregated:

@@ -55,9 +55,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean the user's input was wrong (reported in one line), as opposed to a bug in
     nano-vllm (reported with its traceback)."""
     # Imported here: the engine pulls in torch and transformers, which the entry point imports later.
-    from nanovllm.engine.engine import StepError
+    from nanovllm.engine.protocol import StepError
     from nanovllm.engine.scheduler import PolicyError
-    from nanovllm.harness.records import RunFilesError
+    from nanovllm.serving.records import RunFilesError
     from nanovllm.plugins import PluginImportError
 
     return (ValueError, PolicyError, PluginImportError, FileNotFoundError, StepError, RunFilesError)

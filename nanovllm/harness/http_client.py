@@ -32,9 +32,9 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.metrics import SLO, breakdown, summarize
-from nanovllm.harness.records import RequestRecord
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.serving.records import RequestRecord
 from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.progress import RequestProgress
 
@@ -315,8 +315,8 @@ def run_over_http(cfg: Any, hc: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from nanovllm.harness.interrupt import STOP
-    from nanovllm.harness.loggers import LOGGERS, configured_loggers
-    from nanovllm.harness.metrics import format_summary
+    from nanovllm.serving.loggers import LOGGERS, configured_loggers
+    from nanovllm.serving.metrics import format_summary
     from nanovllm.harness.option_types import plugin_spec
     from nanovllm.harness.sim.this_machine import this_machine
     from nanovllm.harness.workload import generate_workload, validate_workload_config

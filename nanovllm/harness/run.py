@@ -42,7 +42,7 @@ from nanovllm.allocator import ALLOCATORS
 from nanovllm.attention.base import ATTENTION_BACKENDS, check_attention_available, resolve_attention
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS
-from nanovllm.config import EngineConfig
+from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.errors import (
@@ -55,9 +55,9 @@ from nanovllm.harness.errors import (
 )
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.interrupt import STOP, StartupInterrupt, interrupt_message, one_line_interrupts
-from nanovllm.harness.loggers import LOGGERS, JsonlLogger, RunLogger
-from nanovllm.harness.metrics import SLO, format_summary
-from nanovllm.harness.monitor import MonitorConfig
+from nanovllm.serving.loggers import LOGGERS, JsonlLogger, RunLogger
+from nanovllm.serving.metrics import SLO, format_summary
+from nanovllm.serving.monitor import MonitorConfig
 from nanovllm.harness.objective import (
     ObjectiveConfig,
     check_sweeper_direction,
@@ -250,7 +250,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # The slow part: torch, transformers and the model.
     STOP.starting("importing the engine")
     from nanovllm.harness.live.launch import start_live
-    from nanovllm.harness.monitor import Monitor
+    from nanovllm.serving.monitor import Monitor
     from nanovllm.harness.runners import served_engine
     from nanovllm.harness.serving import format_breakdown
     from nanovllm.harness.workload import generate_workload
@@ -266,8 +266,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         STOP.starting("generating the workload")
         workload = generate_workload(cfg.workload, engine.tokenizer)
         STOP.starting("calibrating the monitor")
-        monitor = Monitor.from_config(served.cost, served.monitor_config(checked.monitor), engine.runner.dtype,
-                                      checked.engine.device)
+        monitor = Monitor.from_config(served.cost, served.monitor_config(checked.monitor),
+                                      torch_dtype(engine.config.dtype), checked.engine.device)
     except BaseException:
         live.close()  # the dashboard process must not outlive a start-up that failed or was interrupted
         if "served" in locals():

@@ -29,11 +29,13 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
-from nanovllm.harness.formatting import format_value
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.metrics import SLO, breakdown, summarize
-from nanovllm.harness.monitor import ModelCost, Monitor, MonitorConfig
-from nanovllm.harness.records import RequestRecord, request_record, step_record
+from nanovllm.engine.protocol import EngineClient
+from nanovllm.serving.formatting import format_value
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.serving.monitor import ModelCost, Monitor, MonitorConfig
+from nanovllm.serving.loop import StepLoop
+from nanovllm.serving.records import RequestRecord
 from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.progress import RequestProgress
 from nanovllm.request import Request, RequestStatus
@@ -89,7 +91,7 @@ class ServedEngine:
     monitor counts). ``build`` makes one for a runner that keeps real time (``real``, ``tp``); the simulator's
     ``Simulation`` is one whose clock is virtual."""
 
-    engine: LLMEngine
+    engine: EngineClient
     clock: ServingClock
     cost: ModelCost
 
@@ -135,7 +137,7 @@ class ServedEngine:
 
 
 def serve(
-    engine: LLMEngine,
+    engine: EngineClient,
     workload: Sequence[WorkloadRequest],
     *,
     progress: bool = True,
@@ -166,112 +168,79 @@ def serve(
     arrived yet are only counted, and the summary says ``"interrupted": true`` over what there is.
     """
     clock = clock or WallClock()
-    run = _Run(engine, loggers, monitor, temperature, RequestProgress(len(workload), disable=not progress), clock)
+    run = _Run(engine, StepLoop(engine, loggers=loggers, monitor=monitor,
+                                progress=RequestProgress(len(workload), disable=not progress)), temperature, clock)
     try:
         run.loop(workload, stop)
     except Exception as exc:
         with contextlib.suppress(Exception):  # every request written if possible, then the original error
-            run.record_unfinished(f"engine fault: {type(exc).__name__}")
+            run.books.fail_unfinished(run.submitted, f"engine fault: {type(exc).__name__}")
         raise
     finally:
-        run.progress.close()
+        if run.books.progress is not None:
+            run.books.progress.close()
     run.check_all_ended(len(run.submitted) if run.interrupted else len(workload))
 
-    summary = summarize(run.records, run.steps, slo=slo)
+    records, steps = run.books.requests, run.books.steps
+    summary = summarize(records, steps, slo=slo)
     if run.interrupted:
         summary.update(interrupted=True, not_arrived=len(workload) - len(run.submitted))
     if monitor is not None:
-        overall = monitor.overall(run.steps)
+        overall = monitor.overall(steps)
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
     summary.update(warmup_time_s=round(engine.warmup_time, 3), warmup_steps=engine.warmup_steps)
     summary.update(annotations or {})
     if summary_extras is not None:
-        summary.update(summary_extras(run.records, run.steps))
-    breakdowns = {by: breakdown(run.records, by, slo=slo) for by in breakdown_by}
+        summary.update(summary_extras(records, steps))
+    breakdowns = {by: breakdown(records, by, slo=slo) for by in breakdown_by}
     for logger in loggers:
         logger.log_summary(summary, breakdowns)
     return RunResult(
-        requests=run.records, steps=run.steps, summary=summary, breakdowns=breakdowns,
+        requests=records, steps=steps, summary=summary, breakdowns=breakdowns,
         output_token_ids={r.request_id: r.output_token_ids for r in run.submitted
                           if r.status is RequestStatus.FINISHED},
-        wall_time=clock.now() - run.t0,
+        wall_time=clock.now() - run.books.t0,
     )
 
 
 class _Run:
-    """The state of one ``serve`` call: what was submitted, what has ended, what was logged."""
+    """The state of one ``serve`` call: what was submitted and when; its books are its ``StepLoop``'s."""
 
-    def __init__(self, engine: LLMEngine, loggers: Sequence[RunLogger], monitor: Monitor | None,
-                 temperature: float, progress: RequestProgress, clock: ServingClock) -> None:
+    def __init__(self, engine: EngineClient, books: StepLoop, temperature: float, clock: ServingClock) -> None:
         self.engine = engine
+        self.books = books
         self.clock = clock
-        self.loggers = loggers
-        self.monitor = monitor
         self.temperature = temperature
-        self.progress = progress
         self.submitted: list[Request] = []
-        self.records: list[RequestRecord] = []
-        self.steps: list[dict[str, Any]] = []
-        self.output_tokens = 0
-        self.t0 = 0.0
         self.interrupted = False
 
     def loop(self, workload: Sequence[WorkloadRequest], stop: threading.Event | None = None) -> None:
         engine = self.engine
         # Keep each request's index in the caller's list: it is the id of requests that bring none.
         pending = deque(sorted(enumerate(workload), key=lambda item: item[1].arrival_time))
-        self.t0 = self.clock.now()
+        self.books.start()
+        t0 = self.books.t0
         while pending or engine.has_unfinished():
             if stop is not None and stop.is_set():
-                self._interrupt()
+                self.interrupted = True
+                self.books.abort_all("interrupted")
                 return
             # The clock is read again after each arrival: on a cluster, a request given to an idle replica
             # starts that replica's clock at its arrival, which may be the next step to run.
-            while pending and self.t0 + pending[0][1].arrival_time <= self.clock.now():
+            while pending and t0 + pending[0][1].arrival_time <= self.clock.now():
                 self._submit(*pending.popleft())
             if engine.has_unfinished():
                 # Real replicas step on their own (RayCluster): wait for the next step only until the next
                 # arrival, which is routed then, at its time, to a replica that may be idle (None: it came first).
-                next_arrival = self.t0 + pending[0][1].arrival_time if pending else None
-                wait = None if next_arrival is None else max(0.0, next_arrival - self.clock.now())
-                result = engine.step(timeout=wait)
-                if result is None:
-                    continue
-                for request in result.finished:
-                    self._ended(request_record(request, self.t0))
-                    self.output_tokens += request.num_output_tokens
-                self._log_step(result.record)
+                next_arrival = t0 + pending[0][1].arrival_time if pending else None
+                self.books.step(None if next_arrival is None else max(0.0, next_arrival - self.clock.now()))
             elif pending:
-                self.clock.wait_until(self.t0 + pending[0][1].arrival_time, stop)
-            self.progress.update(len(self.records), self.output_tokens)
-
-    def _interrupt(self) -> None:
-        """Abort and record everything still in the engine (one model-free step reports them)."""
-        self.interrupted = True
-        self.engine.abort_all("interrupted")
-        while self.engine.has_unfinished():  # one step for an engine; one per replica with work for a cluster
-            for request in self.engine.step().finished:
-                self._ended(request_record(request, self.t0))
-
-    def record_unfinished(self, reason: str) -> None:
-        """After a fault: abort what the engine still holds (best effort: the engine may be broken) and record
-        every submitted request not yet recorded, so ``requests.jsonl`` accounts for all of them."""
-        with contextlib.suppress(Exception):
-            self.engine.abort_all(reason)
-        with contextlib.suppress(Exception):
-            self.engine.step()  # reports the aborted requests and leaves the engine empty if it still can
-        recorded = {r["request_id"] for r in self.records}
-        for request in self.submitted:
-            if request.request_id not in recorded:
-                record = request_record(request, self.t0)
-                if record["error"] is None and not request.is_finished:
-                    record.update(finish_reason="abort", error=reason)
-                self._ended(record)
+                self.clock.wait_until(t0 + pending[0][1].arrival_time, stop)
 
     def _submit(self, index: int, w: WorkloadRequest) -> None:
         request_id = w.request_id if w.request_id is not None else str(index)
         params = SamplingParams(temperature=self.temperature, max_tokens=w.max_tokens, ignore_eos=w.ignore_eos)
-        fields = dict(arrival_time=self.t0 + w.arrival_time, priority=w.priority, client_id=w.client_id,
+        fields: dict[str, Any] = dict(arrival_time=self.books.t0 + w.arrival_time, priority=w.priority, client_id=w.client_id,
                       request_id=request_id,
                       slo_ttft=None if w.ttft_slo_ms is None else w.ttft_slo_ms / 1000.0,
                       slo_e2el=None if w.e2el_slo_ms is None else w.e2el_slo_ms / 1000.0,
@@ -284,23 +253,12 @@ class _Run:
         self.engine.add_request(request, error=error)
         self.submitted.append(request)
 
-    def _ended(self, record: RequestRecord) -> None:
-        self.records.append(record)
-        for logger in self.loggers:
-            logger.log_request(record)
-
-    def _log_step(self, record: dict) -> None:
-        step = step_record(record, self.t0, len(self.steps))
-        step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
-        self.steps.append(step)
-        for logger in self.loggers:
-            logger.log_step(step)
-
     def check_all_ended(self, total: int) -> None:
         """Every request must end finished or failed; anything else is an engine bug, not a slow run."""
         stuck = [r.request_id for r in self.submitted if not r.is_finished]
-        if stuck or len(self.records) != total:
-            raise RuntimeError(f"serve ended with {len(self.records)} of {total} requests recorded; "
+        recorded = len(self.books.requests)
+        if stuck or recorded != total:
+            raise RuntimeError(f"serve ended with {recorded} of {total} requests recorded; "
                                f"unfinished: {', '.join(stuck) or 'none'}")
 
 

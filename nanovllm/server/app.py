@@ -1,7 +1,7 @@
 """The routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus) and ``POST /run/summary`` (write ``metrics.json`` now and return the summary).
 
-A route validates the body (``protocol``), makes the engine requests (``LLMEngine.make_request``: every one of
+A route validates the body (``protocol``), makes the engine requests (``EngineLoop.make_request``: every one of
 them before any is queued, as ``LLM.generate`` does), hands them to the ``EngineLoop`` and answers from their
 deltas: one JSON body, or server-sent events (``data: {chunk}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` last). A
 client that goes away mid-request has its requests aborted at once (their blocks freed, recorded as aborted
@@ -23,10 +23,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.chat_template import chat_token_ids
-from nanovllm.engine.engine import LLMEngine
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.metrics import SLO
-from nanovllm.harness.monitor import Monitor
+from nanovllm.engine.protocol import EngineClient
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.metrics import SLO
+from nanovllm.serving.monitor import Monitor
 from nanovllm.request import Request as EngineRequest
 from nanovllm.sampling import SamplingParams
 from nanovllm.server import errors
@@ -47,9 +47,11 @@ DISCONNECTED_REASON = "client disconnected"
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, its loop (started with the app), the options and the figures."""
+    """What the routes share: the engine, its loop (started with the app), the options and the figures. The
+    routes reach the engine only through its loop (``running_loop()``); they read the model's tokenizer and the
+    engine's fixed limits, which no step changes."""
 
-    engine: LLMEngine
+    engine: EngineClient
     config: ServerConfig
     model_name: str
     metrics: ServerMetrics
@@ -61,6 +63,15 @@ class ServerState:
     @property
     def model_root(self) -> str:
         return str(self.engine.model_dir)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, for chat templates and logprob tokens (the engine thread has its own copy)."""
+        return self.engine.tokenizer
 
     def running_loop(self) -> EngineLoop:
         if self.engine_loop is None:
@@ -118,7 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "nanovllm",
-            "root": state.model_root, "parent": None, "max_model_len": state.engine.max_model_len}]}
+            "root": state.model_root, "parent": None, "max_model_len": state.max_model_len}]}
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -126,22 +137,22 @@ def create_app(state: ServerState) -> FastAPI:
         params = _sampling(body, body.requested_max_tokens() or DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs)
         response_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         engine_requests = _make_requests(state, body.prompts(), params, response_id, body.priority)
-        fmt = CompletionFormat(response_id, state.model_name, state.engine.tokenizer, body.logprobs)
+        fmt = CompletionFormat(response_id, state.model_name, state.tokenizer, body.logprobs)
         return await _answer(state, request, body, engine_requests, fmt)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
         try:
-            prompt = chat_token_ids(state.engine.tokenizer, [m.as_template_message() for m in body.messages])
+            prompt = chat_token_ids(state.tokenizer, [m.as_template_message() for m in body.messages])
         except Exception as exc:  # the model's template refuses the conversation (e.g. roles out of order)
             raise OpenAIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        max_tokens = body.requested_max_tokens() or _room_left(state.engine, len(prompt))
+        max_tokens = body.requested_max_tokens() or _room_left(state.running_loop().limits, len(prompt))
         params = _sampling(body, max_tokens, body.engine_logprobs(), rename={"logprobs": "top_logprobs"})
         response_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
         engine_requests = _make_requests(state, [prompt], params, response_id, body.priority,
                                          rename={"logprobs": "top_logprobs"})
-        fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, body.engine_logprobs())
+        fmt = ChatFormat(response_id, state.model_name, state.tokenizer, body.engine_logprobs())
         return await _answer(state, request, body, engine_requests, fmt)
 
     @app.post("/run/summary", dependencies=[Depends(_api_key_checker(state.config.api_key))])
@@ -174,10 +185,12 @@ def _check_model(state: ServerState, model: str | None) -> None:
                           param="model", code="model_not_found")
 
 
-def _room_left(engine: LLMEngine, num_prompt_tokens: int) -> int:
+def _room_left(limits: tuple[int, int, int], num_prompt_tokens: int) -> int:
     """OpenAI's default ``max_tokens`` for chat: what the context has left after the prompt, here also what the
-    whole KV cache can hold (at least one, so that a prompt that fills either is refused for its length)."""
-    capacity = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
+    whole KV cache can hold (at least one, so that a prompt that fills either is refused for its length).
+    ``limits``: ``EngineLoop.limits``."""
+    max_model_len, num_kv_blocks, block_size = limits
+    capacity = min(max_model_len, num_kv_blocks * block_size)
     return max(1, capacity - num_prompt_tokens)
 
 
@@ -196,7 +209,8 @@ def _make_requests(state: ServerState, prompts: Sequence[str | list[int]], param
     for i, prompt in enumerate(prompts):
         request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
         try:
-            requests.append(state.engine.make_request(prompt, params, priority=priority, request_id=request_id))
+            requests.append(state.running_loop().make_request(prompt, params, priority=priority,
+                                                               request_id=request_id))
         except ValueError as exc:
             error = engine_value_error(exc, rename)
             if len(prompts) > 1:

@@ -21,15 +21,17 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from nanovllm.engine.engine import LLMEngine, StepError
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.metrics import SLO, breakdown, summarize
-from nanovllm.harness.monitor import Monitor
-from nanovllm.harness.records import RequestRecord, request_record, step_record
+from nanovllm.engine.protocol import EngineClient, StepError
 from nanovllm.outputs import Logprob
 from nanovllm.request import Request, RequestStatus
+from nanovllm.sampling import SamplingParams
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.loop import StepLoop
+from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.serving.monitor import Monitor
+from nanovllm.serving.records import RequestRecord
 from nanovllm.server.detokenizer import IncrementalDetokenizer
 from nanovllm.server.prometheus import ServerMetrics
 
@@ -93,28 +95,42 @@ class _Inbox:
     calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = field(default_factory=list)
 
 
-class EngineLoop:
-    """Runs ``engine`` in a thread of its own for an asyncio server on ``loop``.
+class _PrometheusFigures(RunLogger):
+    """The server's Prometheus figures, fed like the run's other loggers: after each step and ended request."""
 
-    ``submit`` / ``abort`` / ``call`` are called from the event loop; ``start`` once when the server starts and
-    ``stop`` once when it shuts down (it ends every request in flight, aborted with reason ``interrupted``).
-    ``loggers`` get every step and ended request as it happens (their ``start`` / ``finish`` are the caller's).
+    def __init__(self, metrics: ServerMetrics, engine: EngineClient) -> None:
+        self.metrics, self.engine = metrics, engine
+
+    def log_step(self, step: Mapping[str, Any]) -> None:
+        self.metrics.observe_step(step, self.engine)
+
+    def log_request(self, record: Mapping[str, Any]) -> None:
+        self.metrics.observe_request(record)
+
+
+class EngineLoop:
+    """Runs ``engine`` in a thread of its own for an asyncio server on ``loop``: the one way the HTTP handlers
+    reach the engine.
+
+    ``make_request`` / ``submit`` / ``abort`` / ``call`` are called from the event loop; ``start`` once when the
+    server starts and ``stop`` once when it shuts down (it ends every request in flight, aborted with reason
+    ``interrupted``). ``loggers`` get every step and ended request as it happens (their ``start`` / ``finish``
+    are the caller's); the books are a ``StepLoop``'s, as every driver's are.
     """
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, loggers: Sequence[RunLogger] = (),
-                 metrics: ServerMetrics | None = None, monitor: Monitor | None = None,
-                 max_waiting: int | None = None, slo: SLO | None = None) -> None:
+    def __init__(self, engine: EngineClient, loop: asyncio.AbstractEventLoop, *,
+                 loggers: Sequence[RunLogger] = (), metrics: ServerMetrics | None = None,
+                 monitor: Monitor | None = None, max_waiting: int | None = None, slo: SLO | None = None) -> None:
         self.engine = engine
         self.loop = loop
         self.loggers = list(loggers)
-        self.metrics = metrics
-        self.monitor = monitor
         self.max_waiting = max_waiting
         self.slo = slo
-        self.records: list[RequestRecord] = []
-        self.steps: list[dict[str, Any]] = []
+        figures = [_PrometheusFigures(metrics, engine)] if metrics is not None else []
+        self.books = StepLoop(engine, loggers=[*self.loggers, *figures], monitor=monitor, on_ended=self._ended)
         self.fault: str | None = None          # set when a step raised: the engine is not to be trusted
-        self.t0 = engine.clock()
+        self._failing: str | None = None       # the reason every request in flight fails with, after a fault
+        self._final: list[tuple[_Tracked, Delta]] = []   # the ended requests' last deltas, for this step
         # The engine thread detokenizes with a tokenizer of its own: the event loop tokenizes prompts with the
         # engine's at the same time, and a Rust tokenizer must not be borrowed by two threads at once.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
@@ -126,10 +142,30 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
 
     # -- the asyncio side ----------------------------------------------------------------------------------------
+    @property
+    def records(self) -> list[RequestRecord]:
+        """Every ended request's record, in the order they ended."""
+        return self.books.requests
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        """The run's step records."""
+        return self.books.steps
+
+    @property
+    def limits(self) -> tuple[int, int, int]:
+        """(max_model_len, num_kv_blocks, block_size): what a request must fit (fixed once the engine is built)."""
+        return self.engine.max_model_len, self.engine.num_kv_blocks, self.engine.config.block_size
+
     def start(self) -> None:
         """Start stepping (called once, from the server's start-up)."""
-        self.t0 = self.engine.clock()
+        self.books.start()
         self._thread.start()
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, **fields: Any) -> Request:
+        """Tokenize and validate a request (``ValueError`` naming the field), for ``submit``. Safe beside the
+        engine thread: ``EngineClient.make_request`` reads nothing a step changes."""
+        return self.engine.make_request(prompt, params, **fields)
 
     def submit(self, request: Request, queue: asyncio.Queue, index: int = 0, stop: Sequence[str] = ()) -> None:
         """Queue ``request`` (made and validated by ``engine.make_request``) for the next step; its ``Delta``s
@@ -196,8 +232,9 @@ class EngineLoop:
         """The run's serving summary so far (``metrics.summarize``), as ``metrics.json`` holds it. Call it on
         the engine thread (``call``) while it runs, or after ``stop``."""
         summary = summarize(self.records, self.steps, slo=self.slo)
-        if self.monitor is not None and self.steps:
-            overall = self.monitor.overall(self.steps)
+        monitor = self.books.monitor
+        if monitor is not None and self.steps:
+            overall = monitor.overall(self.steps)
             summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
         summary.update(warmup_time_s=round(self.engine.warmup_time, 3), warmup_steps=self.engine.warmup_steps,
                        server=True)
@@ -242,21 +279,13 @@ class EngineLoop:
     def _step(self) -> None:
         # On a cluster of real replicas, wait for the next step a little at a time, so that a request that arrives
         # meanwhile reaches its (maybe idle) replica now, not after a busy one's step (one engine never waits).
-        result = self.engine.step(timeout=CLUSTER_POLL_S)
+        self._final = []
+        result = self.books.step(CLUSTER_POLL_S)
         if result is None:
             return
-        step = step_record(result.record, self.t0, len(self.steps))
-        step = self.monitor.annotate(step) if self.monitor is not None else dict(step)
-        self.steps.append(step)
-        for run_logger in self.loggers:
-            run_logger.log_step(step)
         ended = {request.request_id for request in result.finished}
         deliveries = [self._progress(t) for request_id, t in self._tracked.items() if request_id not in ended]
-        for request in result.finished:
-            deliveries.append(self._ended(request))
-        if self.metrics is not None:
-            self.metrics.observe_step(step, self.engine)
-        self._deliver([d for d in deliveries if d is not None])
+        self._deliver([d for d in deliveries if d is not None] + self._final)
 
     def _progress(self, tracked: _Tracked) -> tuple[_Tracked, Delta] | None:
         """The new tokens of a running request, as a delta; a stop string ends it before the next step."""
@@ -276,57 +305,41 @@ class EngineLoop:
         return tracked, Delta(list(new), text.text, logprobs, request.num_prompt_tokens, tracked.num_sent,
                                     request.num_cached_tokens)
 
-    def _ended(self, request: Request) -> tuple[_Tracked, Delta] | None:
-        """Record an ended request and build its final delta (the tokens of its last step included)."""
+    def _ended(self, request: Request, record: RequestRecord) -> None:
+        """The books' hook for an ended request: its final delta (the tokens of its last step included), and
+        its record amended when a stop string ended it."""
         tracked = self._tracked.pop(request.request_id, None)
-        record = request_record(request, self.t0)
-        delta = None
-        if tracked is not None:
-            new = request.output_token_ids[tracked.num_sent:]
-            text = tracked.detokenizer.add(new)
-            if text.stopped and not tracked.stop_string_hit:  # its very last token completed a stop string
-                new, tracked.stop_string_hit = new[:max(0, text.num_tokens - tracked.num_sent)], True
-            logprobs = request.logprobs[tracked.num_sent:tracked.num_sent + len(new)] \
-                if request.logprobs and new else None
-            tracked.num_sent += len(new)
-            if tracked.stop_string_hit:
-                # Ended by a stop string: finished with "stop" for the client and in the records (an engine
-                # abort only because the engine does not read text); tokens sampled past the match do not count.
-                kept = tracked.num_sent
-                record.update(finish_reason="stop", error=None, num_output_tokens=kept,
-                              token_times=record["token_times"][:kept],
-                              finish_time=record["token_times"][kept - 1] if kept else record["finish_time"])
-            failed = request.status is RequestStatus.FAILED
-            delta = Delta(list(new), text.text + tracked.detokenizer.finish(), logprobs, request.num_prompt_tokens,
-                          tracked.num_sent, request.num_cached_tokens,
-                          finish_reason=None if failed else record["finish_reason"],
-                          error=request.error if failed else None)
         with self._cond:
             self._in_flight.discard(request.request_id)
-        self.records.append(record)
-        for run_logger in self.loggers:
-            run_logger.log_request(record)
-        if self.metrics is not None:
-            self.metrics.observe_request(record)
-        return (tracked, delta) if tracked is not None and delta is not None else None
+        if tracked is None:
+            return
+        new = request.output_token_ids[tracked.num_sent:]
+        text = tracked.detokenizer.add(new)
+        if text.stopped and not tracked.stop_string_hit:  # its very last token completed a stop string
+            new, tracked.stop_string_hit = new[:max(0, text.num_tokens - tracked.num_sent)], True
+        logprobs = request.logprobs[tracked.num_sent:tracked.num_sent + len(new)] if request.logprobs and new \
+            else None
+        tracked.num_sent += len(new)
+        if tracked.stop_string_hit:
+            # Ended by a stop string: finished with "stop" for the client and in the records (an engine abort
+            # only because the engine does not read text); tokens sampled past the match do not count.
+            kept = tracked.num_sent
+            record["finish_reason"], record["error"], record["num_output_tokens"] = "stop", None, kept
+            if kept:
+                record["finish_time"] = record["token_times"][kept - 1]
+            record["token_times"] = record["token_times"][:kept]
+        failed = request.status is RequestStatus.FAILED or self._failing is not None
+        self._final.append((tracked, Delta(
+            list(new), text.text + tracked.detokenizer.finish(), logprobs, request.num_prompt_tokens,
+            tracked.num_sent, request.num_cached_tokens,
+            finish_reason=None if failed else record["finish_reason"],
+            error=(record["error"] or self._failing) if failed else None)))
 
     def _fail_all(self, reason: str) -> None:
         """After a fault: every tracked request ends (aborted, with ``reason``) and is recorded and told."""
-        with contextlib.suppress(Exception):
-            self.engine.abort_all(reason)
-        deliveries = []
-        for tracked in list(self._tracked.values()):
-            request = tracked.request
-            record = request_record(request, self.t0)
-            if not request.is_finished:
-                record.update(finish_reason="abort", error=reason)
-            self._tracked.pop(request.request_id, None)
-            self.records.append(record)
-            for run_logger in self.loggers:
-                with contextlib.suppress(Exception):
-                    run_logger.log_request(record)
-            deliveries.append((tracked, Delta([], "", None, request.num_prompt_tokens, tracked.num_sent,
-                                                    request.num_cached_tokens, error=reason)))
+        self._final, self._failing = [], reason
+        self.books.fail_unfinished([t.request for t in list(self._tracked.values())], reason)
+        deliveries = self._final
         with self._cond:
             self._in_flight.clear()
             self._stopping = True

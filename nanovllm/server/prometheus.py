@@ -10,12 +10,12 @@ server has its own registry (several servers can live in one process, as in the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
 
-from nanovllm.harness.metrics import e2el_s, ttft_s
+from nanovllm.serving.metrics import e2el_s, ttft_s
 
 # Bucket bounds in seconds, as vLLM chooses them for the same histograms (CPU serving sits at the slow end).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -81,7 +81,7 @@ class ServerMetrics:
                                            "class.", [*plugins, "priority"], buckets=_TTFT_BUCKETS, registry=r)
         self._plugins = plugins
 
-    def observe_step(self, step: dict[str, Any], engine: Any) -> None:
+    def observe_step(self, step: Mapping[str, Any], engine: Any) -> None:
         """After each engine step (engine thread): the queue gauges, KV usage and the step's counts."""
         running, waiting = engine.queue_lengths()
         self.running.set(running)
@@ -98,7 +98,7 @@ class ServerMetrics:
         self.recomputed.inc(step["recomputed_tokens"])
         self.evictions.inc(step["num_evictions"])
 
-    def observe_request(self, record: dict[str, Any]) -> None:
+    def observe_request(self, record: Mapping[str, Any]) -> None:
         """After each ended request (engine thread): its latencies and how it ended."""
         reason = record["finish_reason"] or "failed"
         self._success.labels(**self._model, finished_reason=reason).inc()

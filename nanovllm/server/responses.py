@@ -77,8 +77,9 @@ class ResponseFormat(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        """One streamed chunk for ``delta`` of choice ``index`` (None: nothing to send for it)."""
+    def chunk(self, index: int, delta: Delta, offset: int = 0) -> dict[str, Any] | None:
+        """One streamed chunk for ``delta`` of choice ``index`` (None: nothing to send for it); ``offset``: the
+        characters of that choice's text streamed before it."""
 
     @abc.abstractmethod
     def response(self, choices: list[Choice]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from helpers import REPO
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.cluster import ServedCluster, format_per_replica
-from nanovllm.harness.loggers import JsonlLogger
+from nanovllm.serving.loggers import JsonlLogger
 from nanovllm.harness.sim import Simulation
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 

@@ -106,9 +106,9 @@ def test_views_follow_each_replicas_state_and_its_prefix_cache_at_a_small_cost(c
 
 def test_a_served_run_records_where_each_request_and_step_ran(cluster_llm, tmp_path):
     from nanovllm.harness.cluster import ServedCluster
-    from nanovllm.harness.loggers import JsonlLogger
-    from nanovllm.harness.monitor import ModelCost
-    from nanovllm.harness.records import read_run
+    from nanovllm.serving.loggers import JsonlLogger
+    from nanovllm.serving.monitor import ModelCost
+    from nanovllm.serving.records import read_run
     from nanovllm.harness.serving import WallClock
     from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 
@@ -141,8 +141,8 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
     with timed arrivals once saw replica 1's first step after its last arrival). (Last test of the module
     cluster: it loses a replica.)"""
     from nanovllm.harness.cluster import ServedCluster
-    from nanovllm.harness.loggers import RunLogger
-    from nanovllm.harness.monitor import ModelCost
+    from nanovllm.serving.loggers import RunLogger
+    from nanovllm.serving.monitor import ModelCost
     from nanovllm.harness.serving import WallClock
     from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 
@@ -205,7 +205,7 @@ def test_a_policy_that_raises_in_a_replica_is_one_error_line_and_leaves_no_ray_p
     """The exception path: a plugin (loaded in the driver and, from ``plugins``, in every actor) raises inside a
     replica's step; the run ends with the engine's own one-line error, every request that arrived is written,
     and no Ray process is left."""
-    from nanovllm.harness.records import read_jsonl
+    from nanovllm.serving.records import read_jsonl
 
     (tmp_path / "boom.py").write_text(BOOM_PLUGIN)
     before = {p.pid for p in ray_processes()}
@@ -229,7 +229,7 @@ def test_the_command_line_serves_real_replicas_and_ctrl_c_leaves_no_ray_process(
     process group, Ray's processes included) once both replicas have stepped: status 130, every request that
     arrived is recorded (finished, or aborted "interrupted"), the per-replica table is printed and written, and
     no Ray process is left."""
-    from nanovllm.harness.records import read_jsonl, read_run
+    from nanovllm.serving.records import read_jsonl, read_run
 
     before = {p.pid for p in ray_processes()}
     run_dir = tmp_path / "run"
@@ -277,7 +277,7 @@ def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_pr
 
     from helpers import cli_env, free_port, wait_until_healthy
     from nanovllm import LLM, SamplingParams
-    from nanovllm.harness.records import read_run
+    from nanovllm.serving.records import read_run
 
     engine = LLM(model=str(tiny_model), dtype="float32", **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

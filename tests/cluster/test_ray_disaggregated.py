@@ -129,9 +129,9 @@ def test_a_dead_decode_replica_fails_what_it_held_with_the_reason_and_nothing_is
     killed = False
     deadline = time.monotonic() + 120
     while cluster.has_unfinished() and time.monotonic() < deadline:
-        output = cluster.step(timeout=0.05)
-        if output is None:
+        if not cluster.wait_for_step(0.05):
             continue
+        output = cluster.step()
         ended += output.finished
         if not killed and output.record["replica"] == 1:
             cluster.kill_replica(1)

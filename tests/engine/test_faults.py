@@ -15,7 +15,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.torch_backend import TorchAttention
-from nanovllm.engine.engine import StepError
+from nanovllm.engine.protocol import StepError
 from nanovllm.models import loader
 from nanovllm.sampling import INVALID_TOKEN, Sampler
 from helpers import TINY, cli_env, one_error_line, run_cli

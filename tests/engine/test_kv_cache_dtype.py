@@ -14,7 +14,7 @@ from nanovllm.attention.base import check_kv_cache_dtype
 from nanovllm.attention.torch_backend import TorchAttention
 from nanovllm.config import EngineConfig
 from nanovllm.engine.kv_cache import allocate_kv_cache, bytes_per_block
-from nanovllm.harness.monitor import ModelCost
+from nanovllm.serving.monitor import ModelCost
 from nanovllm.harness.sim import Simulation
 from nanovllm.harness.workload import WorkloadRequest
 

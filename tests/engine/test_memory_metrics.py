@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from helpers import bare_scheduler, drive, make_request
 from nanovllm import LLM, SamplingParams
-from nanovllm.harness.metrics import summarize
-from nanovllm.harness.records import request_record
+from nanovllm.serving.metrics import summarize
+from nanovllm.serving.records import request_record
 
 
 def _early_and_late(allocator: str = "paged"):

@@ -30,8 +30,8 @@ from nanovllm.harness.live.feed import (
 )
 from nanovllm.harness.live.launch import LiveSession, NeverFails, _start_dashboard, free_port
 from nanovllm.harness.live.tui import TuiView, sparkline
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.records import JsonlTail, RunWriter
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.records import JsonlTail, RunWriter
 
 
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.metrics import SLO
-from nanovllm.harness.monitor import ModelCost, Monitor
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.metrics import SLO
+from nanovllm.serving.monitor import ModelCost, Monitor
 from nanovllm.harness.serving import RunResult, format_breakdown, serve
 from nanovllm.harness.workload import WorkloadRequest
 

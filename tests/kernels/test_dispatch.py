@@ -23,7 +23,7 @@ CPU_KINDS: dict[str, frozenset[str]] = {
     "epyc_avx2": frozenset(_BASE),
 }
 
-# The tiny Llama of tests/harness/test_monitor.py (hidden 64, intermediate 160, 3 layers, 4 heads of 16, 2 KV
+# The tiny Llama of tests/serving/test_monitor.py (hidden 64, intermediate 160, 3 layers, 4 heads of 16, 2 KV
 # heads, vocabulary 97) as the fast path stores it: fused qkv, o, fused gate_up, down per layer, then the head.
 TINY_SHAPES = [(128, 64), (64, 64), (320, 64), (64, 160)] * 3 + [(97, 64)]
 

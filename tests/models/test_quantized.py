@@ -532,7 +532,7 @@ def test_a_gguf_engine_runs_the_files_blocks_and_no_dense_weight(llm):
     dense_bytes = sum(p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert weight_bytes < 0.25 * dense_bytes  # 4-5 bits a weight against float32's 32
     # What the monitor's MBU counts a step as streaming: these blocks, not float32 weights.
-    from nanovllm.harness.monitor import ModelCost
+    from nanovllm.serving.monitor import ModelCost
 
     assert model.streamed_weights()[0] == weight_bytes == ModelCost.from_model(model).weight_bytes
     # The simulator's cost of the same run, from the file's header alone: the same bytes, and in memory the

@@ -13,7 +13,7 @@ import pytest
 from helpers import bare_scheduler, by_id, make_request, simulate, workload_request
 from nanovllm import POLICIES
 from nanovllm.engine.scheduler import PolicyError
-from nanovllm.harness.metrics import tpot_s, ttft_s
+from nanovllm.serving.metrics import tpot_s, ttft_s
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:

@@ -28,9 +28,9 @@ from helpers import wait_for
 from nanovllm import Policy, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine
-from nanovllm.harness.loggers import JsonlLogger
-from nanovllm.harness.metrics import summarize
-from nanovllm.harness.records import RequestRecord, read_jsonl
+from nanovllm.serving.loggers import JsonlLogger
+from nanovllm.serving.metrics import summarize
+from nanovllm.serving.records import RequestRecord, read_jsonl
 from nanovllm.server.app import ServerState
 from nanovllm.server.config import ServerConfig
 from nanovllm.server.detokenizer import IncrementalDetokenizer

@@ -21,9 +21,9 @@ import yaml
 
 from nanovllm import machine
 from nanovllm.config import EngineConfig
-from nanovllm.harness.loggers import JsonlLogger
-from nanovllm.harness.monitor import MonitorConfig
-from nanovllm.harness.records import RunWriter, read_run
+from nanovllm.serving.loggers import JsonlLogger
+from nanovllm.serving.monitor import MonitorConfig
+from nanovllm.serving.records import RunWriter, read_run
 from nanovllm.harness.serving import serve
 from nanovllm.harness.runners import check_runner
 from nanovllm.harness.sim import Hardware, Simulation, step_time, this_machine

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanovllm.harness.metrics import breakdown, summarize
-from nanovllm.harness.records import (
+from nanovllm.serving.metrics import breakdown, summarize
+from nanovllm.serving.records import (
     BLOCKS_FILE,
     CONFIG_FILE,
     ENGINE_FILE,

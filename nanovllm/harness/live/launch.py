@@ -16,10 +16,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from nanovllm.harness.live.config import LiveConfig
-from nanovllm.harness.loggers import RunLogger
+from nanovllm.serving.loggers import RunLogger
 
 
 def _warn(message: str) -> None:
@@ -45,10 +45,10 @@ class NeverFails(RunLogger):
     def start(self, *args: Any, **kwargs: Any) -> None:
         self._call("start", *args, **kwargs)
 
-    def log_step(self, step: dict) -> None:
+    def log_step(self, step: Mapping[str, Any]) -> None:
         self._call("log_step", step)
 
-    def log_request(self, record: dict) -> None:
+    def log_request(self, record: Mapping[str, Any]) -> None:
         self._call("log_request", record)
 
     def log_summary(self, summary: dict, breakdowns: dict | None = None) -> None:

@@ -14,15 +14,15 @@ each replica's batch and KV usage from ``steps.jsonl``, whose records say which 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import time
 
-from nanovllm.config import head_dim_of
+from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.kv_cache import bytes_per_block
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.records import RunWriter
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.records import RunWriter
 from nanovllm.request import Request
 
 
@@ -93,7 +93,7 @@ class SnapshotLogger(RunLogger):
         self._writer = RunWriter.for_extras(run_dir)
         self._writer.write_engine_info(engine_info(self.engine, self.num_requests))
 
-    def log_step(self, step: dict) -> None:
+    def log_step(self, step: Mapping[str, Any]) -> None:
         if self._writer is None or step["step"] % self.every:
             return
         if self._t0 is None:
@@ -119,7 +119,7 @@ def cluster_info(cluster: Any, num_requests: int) -> dict[str, Any]:
         "num_kv_blocks": sum(r["num_kv_blocks"] for r in replicas),
         "block_size": replicas[0]["block_size"],
         "bytes_per_block": bytes_per_block(hf.num_hidden_layers, getattr(hf, "num_key_value_heads", None) or heads,
-                                           head_dim, replicas[0]["block_size"], cluster.runner.dtype),
+                                           head_dim, replicas[0]["block_size"], torch_dtype(cluster.config.dtype)),
         "max_num_seqs": sum(r["max_num_seqs"] for r in replicas),
         "max_num_batched_tokens": sum(r["max_num_batched_tokens"] for r in replicas),
         "num_requests": num_requests,

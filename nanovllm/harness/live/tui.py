@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from rich.console import Console, Group
@@ -20,8 +20,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from nanovllm.harness.loggers import RunLogger
-from nanovllm.harness.metrics import tpot_s, ttft_s
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.metrics import tpot_s, ttft_s
 
 SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -116,10 +116,10 @@ class TuiLogger(RunLogger):
                           transient=False)
         self._live.start()
 
-    def log_step(self, step: dict) -> None:
+    def log_step(self, step: Mapping[str, Any]) -> None:
         self.view.add_step(step)
 
-    def log_request(self, record: dict) -> None:
+    def log_request(self, record: Mapping[str, Any]) -> None:
         self.view.add_request(record)
 
     def finish(self) -> None:

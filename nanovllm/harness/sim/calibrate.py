@@ -58,7 +58,7 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from nanovllm.harness.records import read_config, read_run
+from nanovllm.serving.records import read_config, read_run
 from nanovllm.harness.sim import runs_archive as archives
 from nanovllm.harness.sim import this_machine
 from nanovllm.harness.sim.step_time import (

@@ -22,8 +22,8 @@ from typing import Any, Mapping, Sequence
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.engine import PluginSpec
 from nanovllm.engine.sim_runner import simulated_engine
-from nanovllm.harness.monitor import ModelCost, MonitorConfig
-from nanovllm.harness.records import read_run
+from nanovllm.serving.monitor import ModelCost, MonitorConfig
+from nanovllm.serving.records import read_run
 from nanovllm.harness.serving import RunResult, ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, CalibratedStepTime, StepTimeModel

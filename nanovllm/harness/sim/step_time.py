@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from nanovllm.harness.monitor import ModelCost
-from nanovllm.harness.records import read_run
+from nanovllm.serving.monitor import ModelCost
+from nanovllm.serving.records import read_run
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.registry import Registry
 

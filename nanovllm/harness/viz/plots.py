@@ -1,6 +1,6 @@
 """Plots of one run, or a comparison of several, drawn from the run's files alone.
 
-A run directory holds ``requests.jsonl`` and ``steps.jsonl`` (``nanovllm.harness.records``) and ``metrics.json``
+A run directory holds ``requests.jsonl`` and ``steps.jsonl`` (``nanovllm.serving.records``) and ``metrics.json``
 (summary plus ``breakdowns``). Every plot here is a function from loaded runs to a matplotlib ``Figure``;
 figures are built without pyplot, so nothing touches the global backend or leaks open figures, and saving
 goes through Agg.
@@ -18,8 +18,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from nanovllm.harness.metrics import e2el_s, is_completed, tpot_s, ttft_s
-from nanovllm.harness.records import RunData, read_run
+from nanovllm.serving.metrics import e2el_s, is_completed, tpot_s, ttft_s
+from nanovllm.serving.records import RunData, read_run
 
 QUEUED, PREFILL, DECODE = "#bbbbbb", "#e4572e", "#4c72b0"
 MAX_TIMELINE_REQUESTS = 400  # beyond this the bars are sub-pixel; the first ones still show the pattern

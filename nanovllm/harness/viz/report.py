@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanovllm.harness.formatting import format_value
+from nanovllm.serving.formatting import format_value
 from nanovllm.harness.viz.plots import (
     RunData,
     compare_runs,

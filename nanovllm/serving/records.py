@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator, TypedDict
+from typing import IO, Any, Iterator, Mapping, TypedDict
 
 from nanovllm.outputs import StepRecord
 from nanovllm.request import Request
@@ -151,13 +151,13 @@ class RunWriter:
         requests another writer owns; it leaves their files alone."""
         return cls(run_dir, core_files=False)
 
-    def write_step(self, step: dict) -> None:
+    def write_step(self, step: Mapping[str, Any]) -> None:
         self._write(self._steps, step)
 
-    def write_request(self, record: dict) -> None:
+    def write_request(self, record: Mapping[str, Any]) -> None:
         self._write(self._requests, record)
 
-    def _write(self, stream: IO[str] | None, row: dict) -> None:
+    def _write(self, stream: IO[str] | None, row: Mapping[str, Any]) -> None:
         if stream is None:
             raise RuntimeError("RunWriter is closed")
         with _writing(self.run_dir):

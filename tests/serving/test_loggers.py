@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nanovllm.harness.loggers import (
+from nanovllm.serving.loggers import (
     LOGGERS,
     JsonlLogger,
     RunLogger,

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from helpers import step_record
-from nanovllm.harness.monitor import (
+from nanovllm.serving.monitor import (
     ModelCost,
     Monitor,
     MonitorConfig,
@@ -111,7 +111,7 @@ def test_int8_models_are_measured_against_the_int8_peak(monkeypatch) -> None:
     """A model whose linears multiply in int8 gets int8's calibrated peak for its MFU (a matmul of int8 codes,
     torch._int_mm), a dense one its dtype's. Which peak is measured is the rule; how the two peaks compare is
     the CPU's (on AMX, bf16 runs on tiles too and int8 gains little), so no ratio between them is asserted."""
-    from nanovllm.harness import monitor
+    from nanovllm.serving import monitor
 
     measured: list[torch.dtype] = []
 

@@ -1,4 +1,4 @@
-"""The serving summary of a run, computed from its plain records (``nanovllm.harness.records``).
+"""The serving summary of a run, computed from its plain records (``nanovllm.serving.records``).
 
 Key names and definitions follow ``vllm bench serve`` so numbers can be compared side by side:
 
@@ -16,12 +16,12 @@ a zero-length run are 0.0. Nothing here raises or warns on empty input.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from nanovllm.harness.formatting import format_value
-from nanovllm.harness.records import RequestRecord, StepRecord
+from nanovllm.serving.formatting import format_value
+from nanovllm.serving.records import RequestRecord
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 _LATENCY_STATS = ("mean", "median", "std", "p90", "p99")
@@ -55,12 +55,15 @@ def is_completed(r: RequestRecord) -> bool:
     return r["error"] is None and r["finish_time"] is not None
 
 
-def ttft_s(r: RequestRecord) -> float | None:
+def ttft_s(r: Mapping[str, Any]) -> float | None:
     return None if r["first_token_time"] is None else r["first_token_time"] - r["arrival_time"]
 
 
-def e2el_s(r: RequestRecord) -> float:
-    return r["finish_time"] - r["arrival_time"]
+def e2el_s(r: Mapping[str, Any]) -> float:
+    """End-to-end latency of a completed request (``is_completed``: it has a finish time)."""
+    finish = r["finish_time"]
+    assert finish is not None, "e2el_s of a request that has not finished"
+    return finish - r["arrival_time"]
 
 
 def tpot_s(r: RequestRecord) -> float | None:
@@ -158,10 +161,10 @@ def _own_slo_attainment(requests: Sequence[RequestRecord]) -> float | None:
     def met(r: RequestRecord) -> bool:
         if not is_completed(r):
             return False
-        ttft = ttft_s(r)
-        if r.get("slo_ttft") is not None and (ttft is None or ttft > r["slo_ttft"]):
+        ttft, slo_ttft, slo_e2el = ttft_s(r), r.get("slo_ttft"), r.get("slo_e2el")
+        if slo_ttft is not None and (ttft is None or ttft > slo_ttft):
             return False
-        return r.get("slo_e2el") is None or e2el_s(r) <= r["slo_e2el"]
+        return slo_e2el is None or e2el_s(r) <= slo_e2el
 
     return sum(map(met, targeted)) / len(targeted)
 
@@ -198,7 +201,7 @@ def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]
     return out
 
 
-def _memory_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+def _memory_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Prefix-cache and fragmentation figures from the step records (None for runs recorded before them).
     Internal fragmentation is the mean, over steps, of allocated KV slots not holding a computed token."""
     if not steps or "kv_slots_unused" not in steps[0]:
@@ -210,7 +213,7 @@ def _memory_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
     }
 
 
-def _step_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+def _step_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     usage = [s["kv_blocks_used"] / s["kv_blocks_total"] for s in steps if s["kv_blocks_total"] > 0]
     durations = [s["duration"] for s in steps]
     return {
@@ -221,7 +224,7 @@ def _step_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
     }
 
 
-def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord] = (),
+def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, Any]] = (),
               duration: float | None = None, slo: SLO | None = None) -> dict[str, Any]:
     """The flat serving summary of a run, with ``vllm bench serve`` key names (see the module docstring).
 
@@ -260,7 +263,7 @@ def breakdown(requests: Sequence[RequestRecord], by: str, **kw: Any) -> dict[str
     kw.setdefault("steps", ())
     groups: dict[Any, list[RequestRecord]] = {}
     for r in requests:
-        groups.setdefault(r[by], []).append(r)
+        groups.setdefault(r.get(by), []).append(r)
     return {str(value): summarize(groups[value], **kw) for value in sorted(groups, key=_group_key)}
 
 

@@ -1,4 +1,5 @@
-"""``python -m nanovllm.serve``: the same Hydra configuration as ``python -m nanovllm.run`` (model, scheduler,
+"""The command behind ``python -m nanovllm.serve``, where the HTTP server (``nanovllm.server``, which stands on the
+core and ``nanovllm.serving`` alone) meets the research harness's configuration: the same Hydra configuration as ``python -m nanovllm.run`` (model, scheduler,
 allocator, attention, engine, logger, live, plugins, monitor, slo) plus ``server.*``, and instead of a workload
 an OpenAI-compatible HTTP server on ``server.host:server.port``::
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,10 +31,10 @@ from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.errors import check_group_choices, exit_with_error, one_line_errors, user_errors
 from nanovllm.harness.interrupt import STOP
 from nanovllm.harness.live.launch import free_port
-from nanovllm.harness.loggers import configured_loggers
-from nanovllm.harness.metrics import format_summary
 from nanovllm.harness.run import check_config, config_dir
 from nanovllm.server.config import ServerConfig
+from nanovllm.serving.loggers import configured_loggers
+from nanovllm.serving.metrics import format_summary
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
     STOP.starting("importing the engine")
     import uvicorn  # noqa: F401  (imported here, so a missing install fails before the model loads)
 
+    from nanovllm.config import torch_dtype
     from nanovllm.harness.live.launch import start_live
-    from nanovllm.harness.monitor import Monitor
     from nanovllm.harness.runners import served_engine
+    from nanovllm.serving.monitor import Monitor
     from nanovllm.server.app import ServerState
     from nanovllm.server.http import HTTPServer, uvicorn_config
     from nanovllm.server.prometheus import ServerMetrics
@@ -70,10 +72,11 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
                                allocator=checked.allocator, attention=checked.attention)
         engine = served.engine
         STOP.starting("calibrating the monitor")
-        monitor = Monitor.from_config(served.cost, checked.monitor, engine.runner.dtype, checked.engine.device)
+        monitor = Monitor.from_config(served.cost, checked.monitor, torch_dtype(engine.config.dtype),
+                                      checked.engine.device)
         STOP.starting("starting the loggers")
         loggers = configured_loggers(checked.logger) + live.attach(engine, 0)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = cast(dict, OmegaConf.to_container(cfg, resolve=True))
         for run_logger in loggers:
             run_logger.start(run_dir, resolved, name=run_dir.name)
     except BaseException:

@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from helpers import request_record
-from nanovllm.harness.metrics import SLO, breakdown, format_summary, summarize
-from nanovllm.harness.records import RunWriter, read_run
+from nanovllm.serving.metrics import SLO, breakdown, format_summary, summarize
+from nanovllm.serving.records import RunWriter, read_run
 
 
 def _step(i: int, duration: float, used: int, total: int = 10) -> dict:

@@ -1,6 +1,6 @@
 """How hard a run drives the hardware: model FLOPs utilisation (MFU) and memory-bandwidth utilisation (MBU).
 
-Both come from a step record alone (``nanovllm.harness.records.StepRecord``) and a cost model of the network, so they
+Both come from a step record alone (``nanovllm.serving.records.StepRecord``) and a cost model of the network, so they
 can be computed live by the engine or long after from ``steps.jsonl``:
 
 * FLOPs per step = dense matmuls on every computed token + the LM head on sampled rows only + attention
@@ -56,7 +56,7 @@ class ModelCost:
     resident_bytes: int | None = None
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> "ModelCost":
+    def from_model(cls, model: Any, kv_cache_dtype: str = "auto") -> "ModelCost":
         """The cost of a built model: sizes from its config, biases and q/k norms from the parameters it
         really has, bytes per element from its weights' dtype, KV bytes from ``kv_cache_dtype`` (the engine's
         ``EngineConfig.kv_cache_dtype``). What the engine runs is what is counted."""

@@ -5,7 +5,7 @@ choose it with ``logger=name``. The engine calls, in order::
 
     start(run_dir, config, group, name)  ->  log_step(step)* / log_request(record)*  ->  log_summary(...)  ->  finish()
 
-Steps and requests are the plain records of ``nanovllm.harness.records`` (optionally annotated by the monitor), so a
+Steps and requests are the plain records of ``nanovllm.serving.records`` (optionally annotated by the monitor), so a
 logger never sees an engine object.
 """
 
@@ -15,10 +15,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
-from nanovllm.harness.records import RunWriter, dumps
+from nanovllm.serving.records import RunWriter, dumps
 from nanovllm.registry import Registry
+
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]   # wandb.init(mode=...)
 
 
 class RunLogger:
@@ -27,10 +30,10 @@ class RunLogger:
     def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
         """Called once before the first step. ``run_dir`` exists; ``config`` is the run's resolved config."""
 
-    def log_step(self, step: dict) -> None:
+    def log_step(self, step: Mapping[str, Any]) -> None:
         """One engine step (a ``StepRecord``, maybe with monitor fields such as ``mfu``)."""
 
-    def log_request(self, record: dict) -> None:
+    def log_request(self, record: Mapping[str, Any]) -> None:
         """One finished (or failed) request (a ``RequestRecord``)."""
 
     def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
@@ -74,10 +77,10 @@ class JsonlLogger(RunLogger):
     def start(self, run_dir: Path, config: dict, group: str | None = None, name: str | None = None) -> None:
         self.writer = RunWriter(run_dir, config)
 
-    def log_step(self, step: dict) -> None:
+    def log_step(self, step: Mapping[str, Any]) -> None:
         self._open().write_step(step)
 
-    def log_request(self, record: dict) -> None:
+    def log_request(self, record: Mapping[str, Any]) -> None:
         self._open().write_request(record)
 
     def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
@@ -106,7 +109,7 @@ class WandbLoggerConfig:
 
     project: str = "nanovllm"
     entity: str | None = None
-    mode: str | None = "offline"
+    mode: WandbMode | None = "offline"
     group: str | None = None
     tags: list[str] = field(default_factory=list)
 
@@ -145,7 +148,7 @@ class WandbLogger(JsonlLogger):
         self,
         project: str = "nanovllm",
         entity: str | None = None,
-        mode: str | None = "offline",
+        mode: WandbMode | None = "offline",
         group: str | None = None,
         tags: list[str] | tuple[str, ...] = (),
     ) -> None:
@@ -172,15 +175,15 @@ class WandbLogger(JsonlLogger):
             settings=_quiet_settings(wandb),
         )
 
-    def log_step(self, step: dict) -> None:
+    def log_step(self, step: Mapping[str, Any]) -> None:
         super().log_step(step)
         metrics = _numeric(step)
         metrics.pop("step", None)  # it is the x axis (``_step``), not a metric
         self.run.log(metrics, step=int(step["step"]))
 
-    def log_request(self, record: dict) -> None:
+    def log_request(self, record: Mapping[str, Any]) -> None:
         super().log_request(record)
-        self._requests_seen.append(record)
+        self._requests_seen.append(dict(record))
 
     def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
         super().log_summary(summary, breakdowns)

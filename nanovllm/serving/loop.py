@@ -1,0 +1,109 @@
+"""``StepLoop``: the one place where ``step()`` results become a run's records.
+
+Every driver runs requests through an ``EngineClient`` (``nanovllm.engine.protocol``) the same way: add them,
+step while any is unfinished, and after each step turn the step's record into the run's (numbered from 0, times
+relative to the run's start), annotate it with MFU/MBU when a monitor is given, write it and every request that
+ended through the loggers, and move the progress bar. ``LLM.generate``, the Hydra serving loop
+(``nanovllm.harness.serving.serve``) and the HTTP server's engine thread (``nanovllm.server.engine_loop``) differ
+only in when requests arrive and what else they do between steps; the books are kept here, once, so the same
+requests give the same records whichever drives them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Sequence
+
+from nanovllm.engine.protocol import EngineClient, StepOutput
+from nanovllm.progress import RequestProgress
+from nanovllm.request import Request
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.monitor import Monitor
+from nanovllm.serving.records import RequestRecord, request_record, step_record
+
+#: Called with each ended request and its record before the record is kept and logged; it may amend the record
+#: (the HTTP server ends a request at a stop string, which the engine reports as an abort).
+RecordHook = Callable[[Request, RequestRecord], None]
+
+
+class StepLoop:
+    """One run on ``client``: its step and request records, kept and logged as they happen.
+
+    ``loggers`` get every step and ended request (their ``start`` / ``finish`` are the caller's, who knows the
+    run directory); ``monitor`` annotates each step with its FLOPs, bytes, MFU and MBU; ``progress`` is moved
+    after every step; ``on_ended`` may amend an ended request's record before it is kept (``RecordHook``).
+    The run's clock starts when the loop is made, or at ``start()``.
+    """
+
+    def __init__(self, client: EngineClient, *, loggers: Sequence[RunLogger] = (), monitor: Monitor | None = None,
+                 progress: RequestProgress | None = None, on_ended: RecordHook | None = None) -> None:
+        self.client = client
+        self.loggers = list(loggers)
+        self.monitor = monitor
+        self.progress = progress
+        self.on_ended = on_ended
+        self.requests: list[RequestRecord] = []   # every ended request, in the order they ended
+        self.steps: list[dict[str, Any]] = []     # the run's step records (annotated when monitored)
+        self.output_tokens = 0
+        self.t0 = client.clock()
+
+    def start(self) -> None:
+        """Start the run's clock now (a server starts it when it starts serving, not when it was built)."""
+        self.t0 = self.client.clock()
+
+    def step(self, timeout: float | None = None) -> StepOutput | None:
+        """Run the client's next step and keep its books; None when ``timeout`` seconds passed with no step
+        ready (only a client whose replicas step on their own ever waits: ``EngineClient.wait_for_step``).
+        Called while ``client.has_unfinished()``."""
+        if not self.client.wait_for_step(timeout):
+            return None
+        output = self.client.step()
+        step = step_record(output.record, self.t0, len(self.steps))
+        annotated = self.monitor.annotate(step) if self.monitor is not None else dict(step)
+        self.steps.append(annotated)
+        for logger in self.loggers:
+            logger.log_step(annotated)
+        for request in output.finished:
+            self.output_tokens += request.num_output_tokens
+            self.ended(request, request_record(request, self.t0))
+        if self.progress is not None:
+            self.progress.update(len(self.requests), self.output_tokens)
+        return output
+
+    def ended(self, request: Request, record: RequestRecord) -> None:
+        """Keep and log the record of a request that ended (``step`` calls it for each one a step reports)."""
+        if self.on_ended is not None:
+            self.on_ended(request, record)
+        self.requests.append(record)
+        for logger in self.loggers:
+            logger.log_request(record)
+
+    def abort_all(self, reason: str) -> list[str]:
+        """Abort every unfinished request and step until the client has reported them all (with no model run),
+        each recorded with ``reason``; returns their ids. For an interrupted run, and a server that stops."""
+        ids = self.client.abort_all(reason)
+        while self.client.has_unfinished():
+            self.step()
+        return ids
+
+    def fail_unfinished(self, requests: Iterable[Request], reason: str) -> list[tuple[Request, RequestRecord]]:
+        """After a fault (the client may be broken): abort what it still holds, best effort, and record each of
+        ``requests`` not yet recorded as aborted with ``reason``, so the run's files account for every request.
+        Returns what it recorded."""
+        with contextlib.suppress(Exception):
+            self.client.abort_all(reason)
+        with contextlib.suppress(Exception):
+            if self.client.has_unfinished():
+                self.client.step()   # reports the aborted requests and leaves the client empty, if it still can
+        recorded = {r["request_id"] for r in self.requests}
+        failed = []
+        for request in requests:
+            if request.request_id in recorded:
+                continue
+            record = request_record(request, self.t0)
+            if record["error"] is None and not request.is_finished:
+                record["finish_reason"], record["error"] = "abort", reason
+            with contextlib.suppress(Exception):   # one broken logger must not keep the others from the record
+                self.ended(request, record)
+            failed.append((request, record))
+        return failed
