@@ -10,12 +10,15 @@ server has its own registry (several servers can live in one process, as in the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
 
 from nanovllm.harness.metrics import e2el_s, ttft_s
+
+if TYPE_CHECKING:
+    from nanovllm.harness.records import RequestRecord
 
 # Bucket bounds in seconds, as vLLM chooses them for the same histograms (CPU serving sits at the slow end).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -98,7 +101,7 @@ class ServerMetrics:
         self.recomputed.inc(step["recomputed_tokens"])
         self.evictions.inc(step["num_evictions"])
 
-    def observe_request(self, record: dict[str, Any]) -> None:
+    def observe_request(self, record: RequestRecord) -> None:
         """After each ended request (engine thread): its latencies and how it ended."""
         reason = record["finish_reason"] or "failed"
         self._success.labels(**self._model, finished_reason=reason).inc()
