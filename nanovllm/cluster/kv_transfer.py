@@ -131,7 +131,7 @@ class SharedMemoryTransfer(KVTransfer):
         raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         try:
             with open(path, "wb") as file:
-                file.write(memoryview(raw))
+                file.write(raw.data)
         except OSError as exc:
             path.unlink(missing_ok=True)
             raise KVTransferError(f"kv transfer (shared_memory): writing {path} failed: {exc}") from exc
@@ -148,7 +148,7 @@ class SharedMemoryTransfer(KVTransfer):
                 if size != raw.nbytes:
                     raise KVTransferError(f"kv transfer (shared_memory): {path} holds {size} bytes, not the "
                                           f"{raw.nbytes} of the {tuple(shape)} {handle['dtype']} K/V sent")
-                file.readinto(memoryview(raw))
+                file.readinto(raw.data)
         except FileNotFoundError:
             raise KVTransferError(f"kv transfer (shared_memory): {path} is gone (its sender died or it was "
                                   "discarded)") from None

@@ -90,7 +90,8 @@ class LocalReplica:
                 self._track(request)
         for request in output.handed_off:   # prefilled here, decoded elsewhere: its TTFT is this replica's
             self._forget(request)
-            self._recent.append((request.first_token_time - request.arrival_time, None))  # type: ignore[operator]
+            assert request.first_token_time is not None  # its prefill sampled the first token here
+            self._recent.append((request.first_token_time - request.arrival_time, None))
             self._update_recent()
         for request in output.finished:
             self._forget(request)
@@ -124,6 +125,7 @@ class LocalReplica:
         return self._view.bind(request)
 
     def _in_step_view(self) -> ReplicaView:
+        assert self._reported is not None  # view() asks for it only while a step's view is reported
         view = copy.copy(self._reported)
         view.num_waiting += len(self._since) + self.num_incoming
         view.num_queued_tokens += sum(_tokens_to_compute(r) for r in self._since) + self.num_incoming
@@ -169,7 +171,8 @@ class LocalReplica:
 
 def _tokens_to_compute(request: Request) -> int:
     """Tokens ``request`` still needs computed here (a handed-off one awaiting its K/V: only those past them)."""
-    done = request.handoff.num_tokens if request.awaits_kv else request.num_computed_tokens  # type: ignore[union-attr]
+    handoff = request.handoff
+    done = handoff.num_tokens if handoff is not None and request.awaits_kv else request.num_computed_tokens
     return request.num_tokens - done
 
 

@@ -19,6 +19,7 @@ tested on CPU with a test double standing in for ``torch.cuda.CUDAGraph``.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -127,7 +128,7 @@ class DecodeGraphs:
             # One eager run first: lazy initialisation (cuBLAS handles, JIT-compiled kernels) cannot be captured.
             self._forward(size)
             graph = settings.graph_factory(pool)
-            graph.capture(lambda size=size: self._forward(size))
+            graph.capture(functools.partial(self._forward, size))
             pool = pool if pool is not None else graph.pool()
             self.graphs[size] = graph
         if device.type == "cuda":
@@ -145,6 +146,7 @@ class DecodeGraphs:
         the next replay)."""
         n = meta.num_seqs
         size = padded_size(n, self.sizes)
+        assert size is not None, "run() takes only a batch that can_run() accepted"
         self.input_ids[:n] = input_ids
         self.input_ids[n:size] = 0
         self.positions[:n] = positions

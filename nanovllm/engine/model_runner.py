@@ -3,6 +3,8 @@ model over the paged cache, computes logits only for the rows that sample, and s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
@@ -15,6 +17,9 @@ from nanovllm.outputs import Logprob
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler, top_logprobs
 
+if TYPE_CHECKING:
+    from nanovllm.models.llama import LlamaForCausalLM
+
 
 @register_runner("real")
 class ModelRunner(Runner):
@@ -22,6 +27,8 @@ class ModelRunner(Runner):
     attention backend bound to it, and the engine's sampling generator. ``execute(scheduled)`` builds the
     step's flat tensors and ``AttentionMetadata`` once, plans the backend, runs the forward pass with the
     backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token."""
+
+    model: LlamaForCausalLM  # what load_model builds (from a GGUF file too); set in __init__
 
     def __init__(self, context: RunnerContext) -> None:
         """Load the model of ``context.model_dir`` in the engine's dtype on its device (the fast weight
@@ -65,30 +72,37 @@ class ModelRunner(Runner):
         """The K/V of ``block_ids``: a [layers, 2, len(block_ids), block_size, kv_heads, head_dim] copy (an 8-bit
         cache's rows are head_dim + 4 wide and carry their scales: ``nanovllm.attention.kv_quant``)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_cache.index_select(2, index)  # type: ignore[union-attr]
+        return self._cache().index_select(2, index)
 
     def write_kv(self, block_ids: list[int], data: torch.Tensor, first_block: int) -> None:
         """Blocks ``first_block:`` of ``data`` into ``block_ids`` of the cache."""
         if not block_ids:
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        cache_dtype = self.kv_cache.dtype  # type: ignore[union-attr]  # an 8-bit cache's packed rows stay bytes
+        cache = self._cache()
+        cache_dtype = cache.dtype  # an 8-bit cache's packed rows stay bytes
         src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, cache_dtype)
-        self.kv_cache.index_copy_(2, index, src)  # type: ignore[union-attr]
+        cache.index_copy_(2, index, src)
 
     def check_kv(self, data: object, num_blocks: int) -> str | None:
-        cache = self.kv_cache
         if not isinstance(data, torch.Tensor):
             return f"kv transfer: expected a tensor of K/V, got {type(data).__name__}"
-        expected = (cache.shape[0], 2, num_blocks, *cache.shape[3:])  # type: ignore[union-attr]
-        cache_dtype = cache.dtype  # type: ignore[union-attr]
+        cache = self._cache()
+        expected = (cache.shape[0], 2, num_blocks, *cache.shape[3:])
+        cache_dtype = cache.dtype
         if tuple(data.shape) != expected or data.dtype != cache_dtype:
             return (f"kv transfer: K/V of shape {tuple(data.shape)} and dtype {data.dtype} do not fit this "
                     f"replica's cache (expected {expected}, {cache_dtype}): another model, dtype, "
                     "kv_cache_dtype or block size")
         return None
 
-    def _prepare(self, scheduled: list[tuple[Request, int]]):
+    def _cache(self) -> torch.Tensor:
+        assert self.kv_cache is not None, "the KV cache is allocated by init_kv_cache"
+        return self.kv_cache
+
+    def _prepare(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
         """Flat tensors for the step, and which scheduled requests sample (their chunk reaches the newest
         token) with the flat row of their last token."""
         input_ids: list[int] = []
@@ -110,13 +124,15 @@ class ModelRunner(Runner):
             if end == request.num_tokens:
                 samplers.append(i)
                 sample_rows.append(len(input_ids) - 1)
-        to = dict(device=self.device, dtype=torch.long)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, device=self.device, dtype=torch.long)
+
         meta = AttentionMetadata(
             query_lens=query_lens, seq_lens=seq_lens, block_tables=[r.block_table for r, _ in scheduled],
-            slot_mapping=torch.tensor(slots, **to), block_size=bs,
+            slot_mapping=longs(slots), block_size=bs,
         )
-        return (torch.tensor(input_ids, **to), torch.tensor(positions, **to), meta, samplers,
-                torch.tensor(sample_rows, **to))
+        return longs(input_ids), longs(positions), meta, samplers, longs(sample_rows)
 
     @torch.inference_mode()
     def execute(
@@ -128,6 +144,7 @@ class ModelRunner(Runner):
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
+            assert self.backend is not None, "execute runs after init_kv_cache, which binds the backend"
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.backend)
         next_tokens: list[int | None] = [None] * len(scheduled)

@@ -154,4 +154,8 @@ def runner_class(spec: Any) -> type[Runner]:
     if isinstance(spec, Runner):
         return type(spec)
     RUNNERS.check(spec)
-    return RUNNERS.get(runner_name(spec))
+    name = runner_name(spec)
+    if name is None:  # neither a name, a mapping nor an instance: check() passes it on, build() would refuse it
+        raise TypeError(f"runner must be a registered name, a {{'name': ...}} mapping or a Runner instance, "
+                        f"got {spec!r}")
+    return RUNNERS.get(name)

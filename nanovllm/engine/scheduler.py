@@ -274,35 +274,36 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.head()
+            assert request is not None  # the queue is not empty
             allowed = self._ask("should_expand_batch", request, self._view(out, budget), now)
             if not allowed and self.running:  # a veto over an empty batch is ignored: the engine never stalls
                 break
-            loads_kv = request.awaits_kv   # its prompt's K/V came from a prefill replica: loaded, not computed
+            # Set when its prompt's K/V came from a prefill replica: loaded, not computed.
+            handoff = request.handoff if request.awaits_kv else None
             if not request.block_table:
                 cached = self.allocator.match_prefix(request)
                 request.num_computed_tokens = cached
-                if not loads_kv:   # a handed-off request keeps its prefill replica's count
+                if handoff is None:   # a handed-off request keeps its prefill replica's count
                     request.num_cached_tokens = cached
             num_new = request.num_uncomputed_tokens
-            if loads_kv:   # blocks for every token; compute only those past the loaded K/V (the first output)
-                num_new = request.num_tokens - request.handoff.num_tokens  # type: ignore[union-attr]
+            if handoff is not None:  # blocks for every token; compute only those past the loaded K/V (the first output)
+                num_new = request.num_tokens - handoff.num_tokens
             if num_new > budget and not self.enable_chunked_prefill:
                 self._undo_prefix_match(request)
                 break
             num_new = min(num_new, budget)
-            to_allocate = request.num_uncomputed_tokens if loads_kv else num_new
+            to_allocate = request.num_uncomputed_tokens if handoff is not None else num_new
             # An empty batch always admits its head request (validation guarantees it fits the whole cache).
             reserve = self.watermark_blocks if self.running else 0
             if not self.allocator.can_allocate(request, to_allocate, reserve=reserve):
                 self._undo_prefix_match(request)
                 break
             self.allocator.allocate(request, to_allocate)
-            if loads_kv:
-                handoff = request.handoff
+            if handoff is not None:
                 out.kv_loads.append((request, request.num_computed_tokens // self.allocator.block_size))
                 out.num_prefix_hit_tokens += request.num_computed_tokens
-                request.num_computed_tokens = handoff.num_tokens  # type: ignore[union-attr]
-                handoff.loaded, handoff.decode_start_time = True, now  # type: ignore[union-attr]
+                request.num_computed_tokens = handoff.num_tokens
+                handoff.loaded, handoff.decode_start_time = True, now
             else:
                 out.num_prefix_hit_tokens += request.num_cached_tokens
             self.waiting.pop()

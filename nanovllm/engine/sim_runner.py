@@ -14,7 +14,7 @@ replay and token-cost models (``StepTimeModel.predict``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -22,6 +22,9 @@ from nanovllm.config import EngineConfig, head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine, PluginSpec, batch_features
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
 from nanovllm.request import Request
+
+if TYPE_CHECKING:
+    from nanovllm.outputs import Logprob
 
 StepTimeFn = Callable[[Mapping[str, int], float], float]   # (batch features, step start) -> seconds
 
@@ -54,6 +57,7 @@ class SimulatedRunner(Runner):
     virtual (``VirtualClock``) and is the engine's."""
 
     loads_model = False
+    clock: VirtualClock  # a VirtualClock of its own, set in __init__
 
     def __init__(self, context: RunnerContext, step_time: StepTimeFn,
                  target_len: Callable[[Request], int] | None = None) -> None:
@@ -85,7 +89,9 @@ class SimulatedRunner(Runner):
     def write_kv(self, block_ids: list[int], data: Any, first_block: int) -> None:
         """Nothing to write (the allocator's block ids are the simulated cache)."""
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[list[int | None], list[None]]:
+    def execute(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
         """Advance the clock by the predicted step time; a stand-in token for every row that samples (and no
         logprobs: there is no distribution to report), as ``ModelRunner.execute`` returns them."""
         self.clock.advance(float(self.step_time(batch_features(scheduled), self.clock.time)))

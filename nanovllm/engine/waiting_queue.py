@@ -355,6 +355,7 @@ class KeyedQueue(WaitingQueue):
         self._key_timers.arm(entry, time, "priority_changes_at", self._policy_name, len(self))
 
     def _push(self, entry: _Entry) -> None:
+        assert entry.rank is not None  # every entry is keyed and ranked before it enters the heap
         try:
             heapq.heappush(self._heap, (entry.key, entry.rank, entry))
         except TypeError as exc:
@@ -391,7 +392,8 @@ class KeyedQueue(WaitingQueue):
     def _first_ordered(self, n: int) -> list[Request]:
         # Walk the heap as a tree from its root: a node's children are never smaller, so the smallest node of
         # the frontier is the next in order. O(n log n) for the first n, whatever the heap's size.
-        heap, found = self._heap, []
+        heap = self._heap
+        found: list[Request] = []
         frontier = [(heap[0], 0)] if heap else []
         try:
             while frontier and len(found) < n:
@@ -465,10 +467,10 @@ class WindowQueue(KeyedQueue):
             if entry.alive:
                 self._push(entry)
         super()._order(entries, now)
-        window = []
-        while len(window) < self._size and (entry := super()._ordered_head()) is not None:
+        window: list[_Entry] = []
+        while len(window) < self._size and (head := super()._ordered_head()) is not None:
             super()._pop_ordered()
-            window.append(entry)
+            window.append(head)
         try:   # a stable sort of a list in arrival order: equal keys go by arrival, then entry
             ranked = [(self._ask("priority", entry.request, now), entry) for entry in window]
             ranked.sort(key=lambda pair: pair[0])

@@ -7,10 +7,24 @@ through a ``TCPStore`` that rank 0 (the driver) hosts on localhost; gloo on CPU,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+
+
+class _Collectives(Protocol):
+    """The two collectives this module asks of a c10d backend (``ProcessGroupGloo`` or ``ProcessGroupNCCL``).
+
+    Both are pybind methods of ``torch._C._distributed_c10d.Backend`` at run time, but torch's stubs declare them
+    only on ``ProcessGroup``; hence the casts where the backends are built."""
+
+    def allreduce(self, tensors: Sequence[torch.Tensor]) -> dist.Work: ...
+
+    def allgather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
+                  input_tensors: Sequence[torch.Tensor]) -> dist.Work: ...
 
 
 class Communicator:
@@ -20,9 +34,11 @@ class Communicator:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
         if backend == "nccl":
-            self.group = dist.ProcessGroupNCCL(self.store, rank, world)
+            # torch stub gap: the stubs make ``options`` required; the pybind constructor defaults it.
+            nccl = dist.ProcessGroupNCCL(self.store, rank, world)  # type: ignore[call-arg]
+            self.group = cast(_Collectives, nccl)
         else:
-            self.group = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+            self.group = cast(_Collectives, dist.ProcessGroupGloo(self.store, rank, world, timeout))
         self.rank, self.world = rank, world
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from nanovllm.attention.base import AttentionBackend
+from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.runner import RunnerContext, register_runner
 from nanovllm.engine.tp.worker import WorkerArgs, connect, worker_main
-from nanovllm.models.parallel import check_tensor_parallel_size, head_shard, shard_model
+from nanovllm.models.parallel import ParallelLMHead, check_tensor_parallel_size, head_shard, shard_model
 from nanovllm.request import Request
 
 # How long a rank may wait in a collective (or the driver for the workers to load) before failing.
@@ -105,9 +105,16 @@ class TensorParallelRunner(ModelRunner):
         except BaseException:
             self.close()
             raise
-        self.model = shard_model(self.model, 0, world, self.comm)
-        # The inherited execute asks the model for logits: here they are the all-gathered vocabulary shards.
-        self.model.compute_logits = self.model.lm_head_parallel.forward
+        from nanovllm.models.llama import LlamaForCausalLM  # here, as in the worker: this module imports light
+
+        shard = shard_model(self.model, 0, world, self.comm)
+        assert isinstance(shard, LlamaForCausalLM)  # a shallow copy of the loaded model, of its class
+        head = shard.lm_head_parallel
+        assert isinstance(head, ParallelLMHead)
+        # The inherited execute asks the model for logits: here they are the all-gathered vocabulary shards
+        # (an instance attribute shadowing the method; setattr, as mypy refuses assignments to a method).
+        setattr(shard, "compute_logits", head.forward)
+        self.model = shard
         heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads, 0, world)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's, for its cache
 
@@ -121,7 +128,9 @@ class TensorParallelRunner(ModelRunner):
         self._send(("kv_cache", num_blocks, block_size, self.attention_spec))
         super().init_kv_cache(num_blocks, block_size, backend)
 
-    def _prepare(self, scheduled: list[tuple[Request, int]]):
+    def _prepare(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
         """The step's flat batch, built once here and sent to every worker before this rank runs it; the
         inherited ``execute`` then runs the shard (its collectives pair with the workers') and samples."""
         prepared = super()._prepare(scheduled)

@@ -19,6 +19,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def worker_main(args: WorkerArgs, conn) -> None:
 
 def _serve(args: WorkerArgs, conn) -> None:
     from nanovllm.attention.base import ATTENTION_BACKENDS
-    from nanovllm.config import torch_dtype
+    from nanovllm.config import head_dim_of, torch_dtype
     from nanovllm.engine.kv_cache import allocate_kv_cache
     from nanovllm.models.loader import load_model
     from nanovllm.models.parallel import head_shard, shard_model
@@ -83,13 +84,13 @@ def _serve(args: WorkerArgs, conn) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch_dtype(args.dtype)
-    full = load_model(args.hf_config, args.model_dir, dtype, device)
+    full = load_model(args.hf_config, Path(args.model_dir), dtype, device)
     conn.send("loaded")
     model = shard_model(full, args.rank, args.world, connect(args))
     del full
     config = args.hf_config
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, args.rank, args.world)
-    head_dim = model.layers[0].self_attn.head_dim
+    head_dim = head_dim_of(config)  # each layer's Attention.head_dim, as the driver sizes its cache
     backend = kv_cache = None
     with torch.inference_mode():
         while True:
