@@ -24,13 +24,15 @@ run: setup
 serve: setup
 	$(BIN)/python -m nanovllm.serve $(ARGS)
 
-# lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) before the suite runs.
+# lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) and mypy the engine interface,
+# its implementations and its drivers ([tool.mypy]) before the suite runs.
 # The suite runs on every core (pytest-xdist, one worker per core, work-stealing), each worker with one torch
 # thread: two workers' OpenMP threads on the same cores would spin against each other and slow every step
 # tenfold. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # The fast tier: no model load, no Python subprocess, no browser (tests/tiers.py), in about two minutes on 2 cores.

@@ -48,7 +48,7 @@ import types
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from nanovllm.allocator import prefix_block_keys
 from nanovllm.cluster.cluster import ClusterBase
@@ -605,7 +605,8 @@ class RayCluster(ClusterBase):
             failed = self._hand_off(replica, plain, now)
             if failed is not None:
                 finished.append(failed)
-        record = StepRecord(**result["record"])   # the actor's, on the driver's clock
+        # The actor's StepRecord came across as a plain dict; on the driver's clock from here.
+        record = cast(StepRecord, dict(result["record"]))
         record["start_time"] -= offset
         record["replica"] = replica.index
         return StepOutput(finished, record)
