@@ -295,9 +295,9 @@ def test_trace_path_required(tokenizer, tmp_path):
         generate_workload(TraceWorkloadConfig(), tokenizer)
     with pytest.raises(ValueError, match="no such file"):
         generate_workload(TraceWorkloadConfig(path=str(tmp_path / "missing.jsonl")), tokenizer)
-    (tmp_path / "t.csv").write_text("x")
+    (tmp_path / "t.txt").write_text("x")  # (.csv is a CSV trace: tests/harness/test_workload_csv_traces.py)
     with pytest.raises(ValueError, match=r"\.jsonl"):
-        generate_workload(TraceWorkloadConfig(path=str(tmp_path / "t.csv")), tokenizer)
+        generate_workload(TraceWorkloadConfig(path=str(tmp_path / "t.txt")), tokenizer)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -375,11 +375,11 @@ def test_cli_simulates_many_requests_and_writes_the_run_files(tmp_path) -> None:
 
 
 def test_cli_bad_step_time_model_is_one_error_line(tmp_path) -> None:
-    proc = _cli("runner=sim", "runner.step_time=roofline", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    proc = _cli("runner=sim", "runner.step_time=wallclock", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "error: runner.step_time: unknown step-time model 'roofline'. Registered step-time model names: "
-        "analytical, calibrated, replay, token_cost."]
+        "error: runner.step_time: unknown step-time model 'wallclock'. Registered step-time model names: "
+        "analytical, calibrated, profiled, replay, token_cost."]
 
 
 def _run_dir(path: Path, dtype: str, steps: list[dict]) -> Path:

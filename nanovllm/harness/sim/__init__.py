@@ -1,8 +1,8 @@
 """The simulator: the real scheduler, policy and allocator, with the model replaced by a step-time model and
 the wall clock by a virtual one (``python -m nanovllm.run runner=sim``).
 
-``step_time`` (the models: calibrated, analytical, replay, token_cost), ``hardware`` (descriptions for the
-analytical model), ``calibrate`` (fit a profile from real runs), ``this_machine`` (this machine's own profile),
+``step_time`` (the models: calibrated, analytical, profiled, replay, token_cost), ``operator_profile`` (Vidur's
+measured GPU operator timings, for ``profiled``), ``hardware`` (descriptions for the analytical model), ``calibrate`` (fit a profile from real runs), ``this_machine`` (this machine's own profile),
 ``simulate`` (build a simulated engine and serve). The ``runner`` config node is checked in
 ``nanovllm.harness.runners``.
 """

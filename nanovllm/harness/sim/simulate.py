@@ -71,7 +71,8 @@ class Simulation(ServedEngine):
         model = STEP_TIME_MODELS.build({"profile": profile, "run": replay_run, "cost": cost, "hardware": hardware,
                                         "dtype": config.dtype, "model": config.model,
                                         "kv_cache_dtype": config.kv_cache_dtype,
-                                        "quantization": config.quantization, **options})
+                                        "quantization": config.quantization,
+                                        "tensor_parallel_size": config.tensor_parallel_size, **options})
         warnings = ([model.machine_warning(), model.kv_cache_warning(), model.quantization_warning()]
                     if isinstance(model, CalibratedStepTime) else [])
         for warning in filter(None, warnings):

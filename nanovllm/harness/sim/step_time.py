@@ -14,6 +14,10 @@ same numbers the engine writes to ``steps.jsonl``, so a model fitted on real run
   serving loop's own time between steps (``step_gap``), which every predicted step then includes.
 * ``analytical``: a roofline estimate from the monitor's cost model (FLOPs and bytes of the step) and a
   hardware description: ``overhead + max(flops / achievable FLOP/s, bytes / achievable bytes/s)``. An estimate.
+* ``profiled``: GPU operator timings measured by Vidur (its ``mlp.csv`` and, where there is one,
+  ``attention.csv``, from the directory ``runner.profile``), interpolated by token count and summed over the
+  layers; attention from the analytical roofline where the directory has no ``attention.csv``, the LM head and
+  the per-step overhead from it always. Measurements where the profile has them, estimates elsewhere.
 * ``replay``: the step timeline of a recorded run, in order -- each step ends when the recorded run's next
   step started, so the gaps between steps (the serving loop's own work) are replayed too and arrivals land
   in the same steps. For exact-schedule checks.
@@ -225,6 +229,79 @@ class AnalyticalStepTime(StepTimeModel):
 
     def describe(self) -> str:
         return f"analytical:{self.hardware.name}"
+
+
+@register_step_time("profiled")
+class ProfiledStepTime(StepTimeModel):
+    """Measured GPU operator timings (Vidur's profiles, ``nanovllm.harness.sim.operator_profile``) summed over
+    the step: ``overhead + layers x (the per-layer operators of mlp.csv at the step's tokens + attention) + the
+    embedding + the LM head``. Attention comes from ``attention.csv`` when the directory has one (prefill by
+    (query, key) pairs, decode by KV tokens read, per layer), else from the analytical roofline on ``hardware``;
+    the LM head (not in Vidur's profiles) and the per-step overhead always do. A profile is one tensor-parallel
+    degree's per-rank timings: the rows of ``engine.tensor_parallel_size`` are used and the analytical parts are
+    split over the ranks too (the all-reduces between them are not priced)."""
+
+    def __init__(self, profile: str | Path | None, cost: ModelCost, hardware: Hardware | None, dtype: str,
+                 tensor_parallel_size: int = 1, **context: Any) -> None:
+        """``profile``: the directory holding Vidur's ``mlp.csv`` (and optionally ``attention.csv``) of this
+        model on the GPU ``hardware`` describes, e.g. Vidur's ``data/profiling/compute/h100/meta-llama/
+        Llama-2-7b-hf``. Called once when the simulated engine is built."""
+        from nanovllm.harness.sim.operator_profile import read_attention_profile, read_mlp_profile
+
+        if not profile:
+            raise ValueError("runner.profile: the profiled step-time model needs the directory of a Vidur profile "
+                             "(mlp.csv, optionally attention.csv), e.g. vidur/data/profiling/compute/h100/"
+                             "meta-llama/Llama-2-7b-hf")
+        if hardware is None:
+            raise ValueError("hardware is not set; the profiled step-time model needs the GPU its profile was measured "
+                             "on (it prices the LM head and, without attention.csv, attention), e.g. hardware=h100_sxm")
+        directory = Path(profile).expanduser()
+        if not directory.is_dir():
+            raise ValueError(f"runner.profile: {str(profile)!r} is not a directory (the profiled step-time model "
+                             "reads mlp.csv and attention.csv from one)")
+        self.directory = directory
+        self.tp = int(tensor_parallel_size)
+        self.cost = cost
+        self.hardware = hardware
+        self.linear = read_mlp_profile(directory / "mlp.csv", self.tp, cost)
+        attention = directory / "attention.csv"
+        self.attention = read_attention_profile(attention, self.tp, cost) if attention.is_file() else None
+        self.flops_per_s = hardware.peak_flops_for(dtype) * hardware.flops_efficiency
+        self.matmul_flops_per_s = hardware.matmul_peak_flops(dtype, cost.int8_matmuls) * hardware.flops_efficiency
+        self.bytes_per_s = hardware.memory_bandwidth * hardware.bandwidth_efficiency
+
+    def attention_seconds(self, features: Mapping[str, int]) -> float:
+        """Attention's kernel time in the step, all layers: from the profile, else the analytical roofline (its
+        FLOPs against the compute peak, the KV cache read and written against bandwidth), split over the ranks."""
+        from nanovllm.harness.sim.operator_profile import split_attention
+
+        if self.attention is not None:
+            prefill_pairs, decode_kv = split_attention(features)
+            per_layer_ms = self.attention.prefill(prefill_pairs) + self.attention.decode(decode_kv)
+            return self.cost.num_layers * per_layer_ms / 1000.0
+        tokens = features["num_prefill_tokens"] + features["num_decode_tokens"]
+        compute = self.cost.step_attention_flops(features) / self.flops_per_s
+        memory = (features["context_tokens"] + tokens) * self.cost.kv_bytes_per_token / self.bytes_per_s
+        return max(compute, memory) / self.tp
+
+    def lm_head_seconds(self, features: Mapping[str, int]) -> float:
+        """The LM head over the rows that sample (analytical: Vidur's profiles leave it out), split over ranks."""
+        if features["num_sampled"] == 0:
+            return 0.0
+        params = self.cost.lm_head_params
+        compute = 2 * params * features["num_sampled"] / self.matmul_flops_per_s
+        memory = params * self.cost.bytes_per_element / self.bytes_per_s
+        return max(compute, memory) / self.tp
+
+    def predict(self, features: Mapping[str, int], now: float) -> float:
+        tokens = features["num_prefill_tokens"] + features["num_decode_tokens"]
+        linear_ms = self.cost.num_layers * self.linear.layer_ms(tokens) + self.linear.step_ms(tokens)
+        return (self.hardware.step_overhead + linear_ms / 1000.0 + self.attention_seconds(features)
+                + self.lm_head_seconds(features))
+
+    def describe(self) -> str:
+        attention = "profiled" if self.attention is not None else "analytical"
+        return f"profiled:{self.directory.name}/tp{self.tp}/attention={attention}:{self.hardware.name}"
 
 
 @register_step_time("replay")

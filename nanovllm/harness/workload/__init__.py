@@ -8,7 +8,8 @@ Four sources, chosen by the config's ``name``:
 * ``chat`` -- real-looking chat prompts from the small dataset shipped in ``nanovllm/data/chat_prompts.json``,
   templated with the model's chat template; requests end at EOS.
 * ``trace`` -- replay a JSONL trace (with arrival times), a Mooncake trace (arrivals in ms, prompts synthesised
-  so that equal block hash ids are equal token blocks) or a ShareGPT JSON file (arrivals synthesised).
+  so that equal block hash ids are equal token blocks), a ShareGPT JSON file (arrivals synthesised) or a CSV
+  trace of arrivals and token counts (Azure's LLM inference traces, Vidur's processed traces, BurstGPT).
 * ``multi_turn`` -- conversations: each turn's prompt is the whole conversation so far, so it starts with the
   previous turn's prompt; turns carry their session's ``session_id`` (prefix caching, session-aware routing).
 
@@ -21,7 +22,8 @@ themselves when constructed; :func:`validate_workload_config` runs the same chec
 ``DictConfig`` with the same fields, and :func:`generate_workload` always calls it first.
 
 One job per module: ``config`` (the dataclasses), ``validation``, ``distributions`` (arrivals, lengths),
-``prompts``, ``traces`` (JSONL / ShareGPT parsing), ``mooncake`` (Mooncake traces), ``conversations``
+``prompts``, ``traces`` (JSONL / ShareGPT parsing), ``mooncake`` (Mooncake traces), ``csv_traces`` (Azure,
+Vidur, BurstGPT), ``conversations``
 (multi-turn sessions), ``generate`` (the sources).
 """
 
@@ -33,6 +35,7 @@ from nanovllm.harness.workload.config import (
     TraceWorkloadConfig,
     WorkloadRequest,
 )
+from nanovllm.harness.workload.csv_traces import CSV_FORMATS, read_csv_trace
 from nanovllm.harness.workload.distributions import (
     LENGTH_KINDS,
     sample_arrival_times,
@@ -52,6 +55,6 @@ from nanovllm.harness.workload.validation import (
 __all__ = [
     "ChatWorkloadConfig", "LengthDist", "MultiTurnWorkloadConfig", "SyntheticWorkloadConfig", "TraceWorkloadConfig",
     "WorkloadRequest", "sample_arrival_times", "sample_lengths", "generate_workload", "load_chat_prompts",
-    "read_jsonl_trace", "read_mooncake_trace", "read_sharegpt", "LENGTH_KINDS", "PROMPT_KINDS", "TRACE_FORMATS",
+    "read_jsonl_trace", "read_mooncake_trace", "read_sharegpt", "read_csv_trace", "CSV_FORMATS", "LENGTH_KINDS", "PROMPT_KINDS", "TRACE_FORMATS",
     "WORKLOAD_NAMES", "validate_workload_config",
 ]

@@ -133,11 +133,16 @@ class MultiTurnWorkloadConfig:
 @dataclass
 class TraceWorkloadConfig:
     """Replay a ``.jsonl`` trace (own arrival times), a Mooncake trace (``.jsonl``, arrivals in ms, prompts
-    synthesised from block hash ids) or a ShareGPT ``.json`` file (arrivals from ``request_rate``).
+    synthesised from block hash ids), a ShareGPT ``.json`` file (arrivals from ``request_rate``) or a CSV trace
+    of arrivals and token counts: Azure's LLM inference traces, Vidur's processed traces, BurstGPT
+    (``nanovllm.harness.workload.csv_traces``; arrivals relative to the first request, random prompts).
 
     ``format``: ``auto`` (``.json`` is ShareGPT; a ``.jsonl`` whose first line has Mooncake's ``timestamp``,
-    ``input_length`` or ``hash_ids`` is Mooncake, else nano-vllm's JSONL), or ``jsonl`` / ``mooncake`` /
-    ``sharegpt`` whatever the file is called. ``time_scale`` multiplies arrival times (0.5 replays twice as fast;
+    ``input_length`` or ``hash_ids`` is Mooncake, else nano-vllm's JSONL; a ``.csv`` by its header's columns), or
+    ``jsonl`` / ``mooncake`` / ``sharegpt`` / ``azure`` / ``vidur`` / ``burstgpt`` whatever the file is called.
+    ``zero_tokens``: CSV rows with 0 prompt or output tokens (BurstGPT's failed requests) are left out
+    (``skip``), replayed with one token (``one``) or an error. ``models`` / ``log_types``: BurstGPT only, keep the
+    rows of these ``Model`` / ``Log Type`` values (null: all). ``time_scale`` multiplies arrival times (0.5 replays twice as fast;
     0 sends everything at t=0). ``max_requests`` keeps the first N requests of the file. ``block_size``: tokens
     per Mooncake hash id (512 in Mooncake's traces). ``seed`` drives ShareGPT arrivals, the random tokens of
     ``prompt_len`` lines and the tokens of each Mooncake block.
@@ -145,7 +150,7 @@ class TraceWorkloadConfig:
 
     name: str = "trace"
     path: str = ""
-    format: str = "auto"                # auto | jsonl | mooncake | sharegpt
+    format: str = "auto"                # auto | jsonl | mooncake | sharegpt | azure | vidur | burstgpt
     time_scale: float = 1.0
     max_requests: int | None = None
     default_output_len: int = 128       # for JSONL lines without output_len (Mooncake: output_length)
@@ -153,6 +158,9 @@ class TraceWorkloadConfig:
     request_rate: float = float("inf")  # ShareGPT only: it has no timestamps
     burstiness: float = 1.0
     ignore_eos: bool = True             # replay the trace's output lengths exactly
+    zero_tokens: str = "skip"           # CSV traces: rows with 0 prompt or output tokens: skip | one | error
+    models: list[str] | None = None     # BurstGPT only: keep these Model values (ChatGPT, GPT-4); null: all
+    log_types: list[str] | None = None  # BurstGPT only: keep these Log Type values (Conversation log, API log)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ import numpy as np
 from nanovllm.chat_template import chat_token_ids
 from nanovllm.harness.workload.config import WorkloadRequest
 from nanovllm.harness.workload.conversations import multi_turn_requests
+from nanovllm.harness.workload.csv_traces import CSV_FORMATS, detect_csv_format, read_csv_trace
 from nanovllm.harness.workload.distributions import (
     _rng,
     _sample_clients,
@@ -59,17 +61,21 @@ def _chat_workload(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
 
 _TRACE_READERS: dict[str, Callable[[Any, Any], list[WorkloadRequest]]] = {
     "jsonl": read_jsonl_trace, "mooncake": read_mooncake_trace, "sharegpt": read_sharegpt,
+    **{name: functools.partial(read_csv_trace, trace_format=name) for name in CSV_FORMATS},
 }
 
 
 def _trace_format(cfg: Any) -> str:
     """The trace's format: the configured one, else by the file's name (``.json``: ShareGPT) and, for a
-    ``.jsonl``, by its first line's fields (Mooncake's or nano-vllm's)."""
+    ``.jsonl``, by its first line's fields (Mooncake's or nano-vllm's), for a ``.csv`` by its header's columns
+    (Azure's, Vidur's or BurstGPT's)."""
     if cfg.format != "auto":
         return cfg.format
     path = Path(cfg.path).expanduser()
     if path.suffix == ".json":
         return "sharegpt"
+    if path.suffix == ".csv":
+        return detect_csv_format(path)
     first = next(jsonl_objects(path), None)
     return "mooncake" if first is not None and looks_like_mooncake(first[1]) else "jsonl"
 

@@ -12,7 +12,8 @@ from nanovllm.harness.workload.distributions import LENGTH_KINDS, _zipf_scale
 
 PROMPT_KINDS = ("random", "text")
 WORKLOAD_NAMES = ("synthetic", "chat", "trace", "multi_turn")
-TRACE_FORMATS = ("auto", "jsonl", "mooncake", "sharegpt")
+TRACE_FORMATS = ("auto", "jsonl", "mooncake", "sharegpt", "azure", "vidur", "burstgpt")
+ZERO_TOKEN_POLICIES = ("skip", "one", "error")  # CSV traces: rows with 0 prompt or output tokens
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -162,19 +163,32 @@ def _validate_trace(cfg: Any, check_files: bool) -> None:
     _check_int(cfg, "block_size", 1)
     _check_arrivals(cfg)
     _check_seed(cfg)
+    _check_csv_options(cfg)
     if check_files:
         _check_trace_path(cfg.path, cfg.format)
 
 
+def _check_csv_options(cfg: Any) -> None:
+    """The CSV traces' options (a config without them, built before they existed, reads as their defaults)."""
+    zero = getattr(cfg, "zero_tokens", "skip")
+    if zero not in ZERO_TOKEN_POLICIES:
+        raise _bad("zero_tokens", zero, f"must be one of {', '.join(ZERO_TOKEN_POLICIES)}")
+    for key in ("models", "log_types"):
+        values = getattr(cfg, key, None)
+        if values is not None and (isinstance(values, str) or not values
+                                   or not all(isinstance(v, str) and v for v in values)):
+            raise _bad(key, values, "must be null or a non-empty list of names, e.g. [ChatGPT] (BurstGPT only)")
+
+
 def _check_trace_path(path: str, trace_format: str) -> None:
     if not path:
-        raise _bad("path", path, "a trace workload needs the path of a .jsonl trace (nano-vllm's or Mooncake's) "
-                                 "or a ShareGPT .json file")
+        raise _bad("path", path, "a trace workload needs the path of a .jsonl trace (nano-vllm's or Mooncake's), "
+                                 "a ShareGPT .json file or a .csv trace (Azure's, Vidur's or BurstGPT's)")
     p = Path(path).expanduser()
     # Only format=auto goes by the name; a named format reads whatever the file is called.
-    if trace_format == "auto" and p.suffix not in (".jsonl", ".json"):
-        raise _bad("path", path, "must end in .jsonl (trace with arrival times, or Mooncake's) or .json "
-                                 "(ShareGPT), or set workload.format")
+    if trace_format == "auto" and p.suffix not in (".jsonl", ".json", ".csv"):
+        raise _bad("path", path, "must end in .jsonl (trace with arrival times, or Mooncake's), .json "
+                                 "(ShareGPT) or .csv (Azure, Vidur or BurstGPT), or set workload.format")
     if not p.is_file():
         raise _bad("path", path, "no such file")
 
