@@ -108,7 +108,7 @@ class ModelCost:
             return dataclasses.replace(dense, bytes_per_weight=stored / weights, int8_matmuls=True)
         if quantization == "gguf":
             from nanovllm.models.loader import gguf_source
-            from nanovllm.models.quantized import gguf_stored_bytes
+            from nanovllm.models.gguf_reader import gguf_stored_bytes
 
             matmul_bytes, matmul_weights, all_bytes = gguf_stored_bytes(gguf_source(model))
             return dataclasses.replace(dense, bytes_per_weight=matmul_bytes / matmul_weights, int8_matmuls=True,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
@@ -86,10 +86,11 @@ class StepTimeModel(abc.ABC):
         return str(getattr(self, "registered_name", type(self).__name__))
 
 
-STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=StepTimeModel)
+STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=StepTimeModel,
+                                                     builtin_packages=("nanovllm.harness.sim.step_time",))
 
 
-def register_step_time(name: str):
+def register_step_time(name: str) -> Callable[[type[StepTimeModel]], type[StepTimeModel]]:
     """Class decorator registering a ``StepTimeModel`` subclass under ``name``."""
     return STEP_TIME_MODELS.register(name)
 
