@@ -28,6 +28,8 @@ _EXPORTS = {
     "a_hair_before": "nanovllm.policy",
     "POLICIES": "nanovllm.policy",
     "EvictionTracker": "nanovllm.eviction",
+    "EvictionPolicy": "nanovllm.eviction",
+    "register_eviction": "nanovllm.eviction",
     "EVICTION_POLICIES": "nanovllm.eviction",
     "BlockAllocator": "nanovllm.allocator",
     "register_allocator": "nanovllm.allocator",
@@ -47,6 +49,21 @@ _EXPORTS = {
     "register_router": "nanovllm.router",
     "live_replicas": "nanovllm.router",
     "ROUTERS": "nanovllm.router",
+    "KVTransfer": "nanovllm.cluster.kv_transfer",
+    "register_kv_transfer": "nanovllm.cluster.kv_transfer",
+    "KV_TRANSFERS": "nanovllm.cluster.kv_transfer",
+    "CausalLM": "nanovllm.models.base",
+    "register_model": "nanovllm.models.base",
+    "MODELS": "nanovllm.models.base",
+    # The harness's seam: imported only when asked for, and left out of the TYPE_CHECKING block below, which
+    # import-linter reads as an import (every core module that imports nanovllm would then reach the harness).
+    "StepTimeModel": "nanovllm.harness.sim.step_time",
+    "register_step_time": "nanovllm.harness.sim.step_time",
+    "STEP_TIME_MODELS": "nanovllm.harness.sim.step_time",
+    # The serving layer's seam (run loggers), imported only when asked for: it loads numpy and the records.
+    "RunLogger": "nanovllm.serving.loggers",
+    "register_logger": "nanovllm.serving.loggers",
+    "LOGGERS": "nanovllm.serving.loggers",
     "Registry": "nanovllm.registry",
     "load_plugins": "nanovllm.plugins",
     "PluginImportError": "nanovllm.plugins",
@@ -74,11 +91,13 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.allocator import ALLOCATORS, BlockAllocator, register_allocator
     from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
+    from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer, register_kv_transfer
     from nanovllm.config import EngineConfig
     from nanovllm.engine.engine import LLMEngine
     from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, register_runner
-    from nanovllm.eviction import EVICTION_POLICIES, EvictionTracker
+    from nanovllm.eviction import EVICTION_POLICIES, EvictionPolicy, EvictionTracker, register_eviction
     from nanovllm.llm import LLM
+    from nanovllm.models.base import MODELS, CausalLM, register_model
     from nanovllm.outputs import RequestMetrics, RequestOutput
     from nanovllm.plugins import PluginImportError, load_plugins
     from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, a_hair_before, register_policy

@@ -6,6 +6,7 @@ reads it; nothing else touches the allocator's internals.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 from nanovllm.registry import Registry
 from nanovllm.request import Request
@@ -108,6 +109,6 @@ ALLOCATORS: Registry[BlockAllocator] = Registry(
 )
 
 
-def register_allocator(name: str):
+def register_allocator(name: str) -> Callable[[type[BlockAllocator]], type[BlockAllocator]]:
     """Class decorator registering a ``BlockAllocator`` subclass under ``name`` (``allocator.name=<name>``)."""
     return ALLOCATORS.register(name)

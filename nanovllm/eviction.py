@@ -9,22 +9,71 @@ leaves). Allocators tell it what happens; ``victim()`` names the block to drop:
 * ``fifo``: cached longest ago, however often or recently it was used since.
 
 Choose it per allocator: ``allocator=prefix allocator.eviction=lfu`` or ``LLM(allocator={"name": "prefix",
-"eviction": "lfu"})``.
+"eviction": "lfu"})``. The order is a seam like the others: an ``EvictionPolicy`` subclass registered with
+``@register_eviction("name")`` (a plugin file) gives the key the victim is the smallest of.
 """
 
 from __future__ import annotations
 
+import abc
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
+from nanovllm.registry import Registry
 
 
 @dataclass
-class _BlockUse:
+class BlockUse:
+    """What the tracker knows of one cached block, in ticks of its own clock (one per event)."""
+
     cached_at: int
     last_used: int
     uses: int = 1
+
+
+class EvictionPolicy(abc.ABC):
+    """The order a caching allocator evicts in: ``key`` of each evictable block, the smallest goes first. Asked by
+    ``EvictionTracker.victim``, i.e. whenever the allocator needs a fresh block and none was never used."""
+
+    registered_name: str = "custom"
+
+    @abc.abstractmethod
+    def key(self, use: BlockUse) -> tuple[int, ...]:
+        """Sort key of a block with this use record (smaller: evicted sooner)."""
+
+
+EVICTION_POLICIES: Registry[EvictionPolicy] = Registry("eviction policy", base=EvictionPolicy,
+                                                       builtin_packages=("nanovllm.eviction",))
+
+
+def register_eviction(name: str) -> Callable[[type[EvictionPolicy]], type[EvictionPolicy]]:
+    """Class decorator registering an ``EvictionPolicy`` subclass under ``name`` (``allocator.eviction=<name>``)."""
+    return EVICTION_POLICIES.register(name)
+
+
+@register_eviction("lru")
+class LeastRecentlyUsed(EvictionPolicy):
+    """Released or matched longest ago."""
+
+    def key(self, use: BlockUse) -> tuple[int, ...]:
+        return (use.last_used,)
+
+
+@register_eviction("lfu")
+class LeastFrequentlyUsed(EvictionPolicy):
+    """Fewest uses, ties by recency."""
+
+    def key(self, use: BlockUse) -> tuple[int, ...]:
+        return (use.uses, use.last_used)
+
+
+@register_eviction("fifo")
+class FirstInFirstOut(EvictionPolicy):
+    """Cached longest ago."""
+
+    def key(self, use: BlockUse) -> tuple[int, ...]:
+        return (use.cached_at,)
 
 
 class EvictionTracker:
@@ -32,16 +81,18 @@ class EvictionTracker:
 
     def __init__(self, policy: str = "lru") -> None:
         if policy not in EVICTION_POLICIES:
-            raise ValueError(f"allocator.eviction must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}")
+            raise ValueError(f"allocator.eviction must be one of {', '.join(EVICTION_POLICIES.names())}, "
+                             f"got {policy!r}")
         self.policy = policy
+        self._order = EVICTION_POLICIES.build(policy)
         self._clock = itertools.count()
-        self._use: dict[int, _BlockUse] = {}
+        self._use: dict[int, BlockUse] = {}
         self._candidates: set[int] = set()
 
     def cached(self, block: int) -> None:
         """``block`` now holds reusable content (its creator is its first use)."""
         tick = next(self._clock)
-        self._use[block] = _BlockUse(cached_at=tick, last_used=tick)
+        self._use[block] = BlockUse(cached_at=tick, last_used=tick)
 
     def hit(self, block: int) -> None:
         """A request matched ``block`` as part of its prefix."""
@@ -72,15 +123,7 @@ class EvictionTracker:
         """The evictable block to drop first under this policy (``KeyError`` when none is evictable)."""
         if not self._candidates:
             raise KeyError("no evictable cached block")
-        return min(self._candidates, key=self._key)
+        return min(self._candidates, key=lambda block: self._order.key(self._use[block]))
 
     def num_evictable(self) -> int:
         return len(self._candidates)
-
-    def _key(self, block: int) -> tuple[int, ...]:
-        use = self._use[block]
-        if self.policy == "lru":
-            return (use.last_used,)
-        if self.policy == "lfu":
-            return (use.uses, use.last_used)
-        return (use.cached_at,)

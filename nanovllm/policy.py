@@ -211,6 +211,6 @@ def resorted_every_step(policy_class: type[Policy]) -> type[Policy]:
 POLICIES: Registry[Policy] = Registry("policy", base=Policy, builtin_packages=("policies",))
 
 
-def register_policy(name: str):
+def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
     """Class decorator registering a ``Policy`` subclass under ``name`` (``scheduler.name=<name>``)."""
     return POLICIES.register(name)

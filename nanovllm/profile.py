@@ -37,7 +37,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from nanovllm import machine
+from nanovllm.config import torch_dtype
 from nanovllm.kernels import ISA_CFLAGS
+from nanovllm.sampling import SamplingParams
 
 # Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
 LINEAR_OPS = frozenset({"aten::linear", "mkldnn::_linear_pointwise",
@@ -113,7 +116,7 @@ def breakdown(events, steps: int) -> dict[str, float]:
 
 def kernel_of(linear: nn.Module, rows: int) -> str:
     """Which kernel, at which ISA, runs ``linear`` on ``rows`` rows: the choice each layer makes per call."""
-    from nanovllm import machine
+    # The model code imports transformers: only once a model is profiled (--help and argument errors stay instant).
     from nanovllm.models.fast_path import PackedLinear
     from nanovllm.models.quantized import QuantLinear
 
@@ -240,8 +243,6 @@ def _profiled(engine, steps: int, trace: Path) -> dict[str, float]:
 def profile_decode(make_llm: Callable[..., Any], num_seqs: int, context: int, steps: int,
                    trace_dir: Path) -> StepProfile:
     """Decode steps with ``num_seqs`` running sequences of about ``context`` tokens."""
-    from nanovllm import SamplingParams
-
     llm = make_llm(max_num_seqs=num_seqs)
     engine = llm.engine
     generator = torch.Generator().manual_seed(num_seqs)
@@ -261,8 +262,6 @@ def profile_decode(make_llm: Callable[..., Any], num_seqs: int, context: int, st
 
 def profile_prefill(make_llm: Callable[..., Any], tokens: int, steps: int, trace_dir: Path) -> StepProfile:
     """A step that prefills one ``tokens``-token prompt (a fresh request each time)."""
-    from nanovllm import SamplingParams
-
     llm = make_llm(max_num_seqs=4, max_num_batched_tokens=max(tokens, 2048))
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -323,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+        # The engine (transformers) after the arguments are checked: a bad one is an instant error.
         from nanovllm import LLM
-        from nanovllm.config import torch_dtype
         from nanovllm.serving.monitor import measure_peak_flops
 
         fuse = {"auto": None, "true": True, "false": False}[args.fuse_projections]

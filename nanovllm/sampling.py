@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm import kernels
 from nanovllm.outputs import Logprob
 
 
@@ -145,8 +146,6 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _cpu_kernels():
     """The compiled CPU kernels, or None where they cannot be built (the torch ops above then do the work; the
     failed build is not retried on every step)."""
-    from nanovllm import kernels
-
     try:
         return kernels.load()
     except RuntimeError:

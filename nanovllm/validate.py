@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanovllm.chat_template import chat_token_ids
+from nanovllm.config import torch_dtype
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -207,10 +208,10 @@ def validate_output(
     in the same dtype (one prompt at a time, unpadded); returns the per-prompt comparison and the standard it
     is held to (``standard=None``: exact for the reference path, close for every fast path). ``prompts`` may
     be token-id lists; ``references`` reuses ``reference_greedy_top`` results already computed for them."""
+    # torch, transformers and the engine only when a check runs (this module stays light for --help).
     from transformers import AutoModelForCausalLM
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm.config import torch_dtype
 
     if standard not in (None, EXACT, CLOSE):
         raise ValueError(f"standard must be {EXACT!r}, {CLOSE!r} or None (decide from the path), got {standard!r}")
@@ -276,7 +277,7 @@ class QuantizedReport:
 def sequence_perplexity(llm, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ``token_ids`` under ``llm``'s model, teacher-forced in one prefill
     through its own attention backend and KV cache (blocks from 0: call it on an engine that holds no request)."""
-    import torch
+    import torch  # deferred with the engine, as in validate()
 
     from nanovllm.attention.base import AttentionMetadata
 
@@ -307,7 +308,7 @@ def validate_quantized(quantization: str, model: str | None = None, prompts: str
     ``nanovllm/data/held_out.txt``) within ``QUANTIZED_PPL_MARGIN`` of the dense path's in the same ``dtype``,
     and its greedy tokens on the prompts compared with the dense path's (agreement reported, with vLLM's top-5
     closeness at the first divergence)."""
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM, SamplingParams  # deferred with torch, as in validate()
 
     if quantization not in QUANTIZED_PPL_MARGIN:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZED_PPL_MARGIN)}, got {quantization!r}")

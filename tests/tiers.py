@@ -30,6 +30,8 @@ SLOW = {
     "test_contracts.py": "every plugin serves prompts on the real model, against transformers",
     "test_logprobs.py": "logprobs of the real model",
     "test_models.py": "tiny random models of each architecture, loaded by the engine",
+    "test_model_seam.py::test_a_plugin_file_registers_an_architecture_that_the_engine_then_runs":
+        "tiny random models, loaded by the engine",
     "test_decoder_stack.py": "the real model's fast paths and tiny models, stack against Python loop",
     "test_serving.py": "the serving loop on a real engine (a module fixture)",
     "test_soak.py": "thousands of requests through a real engine",

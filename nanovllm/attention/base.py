@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -107,7 +107,7 @@ ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
 )
 
 
-def register_attention(name: str):
+def register_attention(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
     """Class decorator registering an ``AttentionBackend`` subclass under ``name`` (``attention.name=<name>``)."""
     return ATTENTION_BACKENDS.register(name)
 

@@ -3,7 +3,6 @@ model over the paged cache, computes logits only for the rows that sample, and s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,13 +11,11 @@ from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from nanovllm.engine.kv_cache import allocate_kv_cache
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
+from nanovllm.models.base import CausalLM
 from nanovllm.models.loader import gguf_source, load_model
 from nanovllm.outputs import Logprob
 from nanovllm.request import Request
 from nanovllm.sampling import Sampler, top_logprobs
-
-if TYPE_CHECKING:
-    from nanovllm.models.llama import LlamaForCausalLM
 
 
 @register_runner("real")
@@ -28,7 +25,7 @@ class ModelRunner(Runner):
     step's flat tensors and ``AttentionMetadata`` once, plans the backend, runs the forward pass with the
     backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token."""
 
-    model: LlamaForCausalLM  # what load_model builds (from a GGUF file too); set in __init__
+    model: CausalLM  # what load_model builds (from a GGUF file too); set in __init__
 
     def __init__(self, context: RunnerContext) -> None:
         """Load the model of ``context.model_dir`` in the engine's dtype on its device (the fast weight

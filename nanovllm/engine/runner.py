@@ -119,7 +119,7 @@ RUNNERS: Registry[Runner] = Registry(
 )
 
 
-def register_runner(name: str):
+def register_runner(name: str) -> Callable[[type[Runner]], type[Runner]]:
     """Class decorator registering a ``Runner`` subclass under ``name`` (``runner.name=<name>``)."""
     return RUNNERS.register(name)
 

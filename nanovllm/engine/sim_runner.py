@@ -21,6 +21,7 @@ import torch
 from nanovllm.config import EngineConfig, head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine, PluginSpec, batch_features
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
+from nanovllm.models.loader import resolve_model
 from nanovllm.request import Request
 
 if TYPE_CHECKING:
@@ -123,8 +124,6 @@ def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: 
     default model's tokenizer. ``tokenizer``, ``hf_config``: use these instead of loading them (replicas of a
     simulated cluster share them)."""
     from transformers import AutoTokenizer
-
-    from nanovllm.models.loader import resolve_model
 
     if tokenizer is None:
         model_dir = resolve_model(config.model)

@@ -13,6 +13,7 @@ from nanovllm.attention.base import (ATTENTION_BACKENDS, check_attention_availab
                                      resolve_attention)
 from nanovllm.config import EngineConfig, head_dim_of, torch_dtype
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
+from nanovllm.models.parallel import head_shard
 from nanovllm.policy import POLICIES
 
 
@@ -39,9 +40,7 @@ def check_before_load(config: EngineConfig, hf_config: Any, max_model_len: int, 
 def _block_bytes(config: EngineConfig, hf_config: Any) -> int:
     """One KV block's bytes as the runner will size it (rank 0's KV heads under tensor parallelism)."""
     num_kv_heads = hf_config.num_key_value_heads
-    if config.tensor_parallel_size > 1:
-        from nanovllm.models.parallel import head_shard  # checks that the heads split over the ranks
-
+    if config.tensor_parallel_size > 1:  # head_shard checks that the heads split over the ranks
         num_kv_heads = head_shard(hf_config.num_attention_heads, num_kv_heads, 0,
                                   config.tensor_parallel_size).num_kv_heads
     return bytes_per_block(hf_config.num_hidden_layers, num_kv_heads, head_dim_of(hf_config), config.block_size,

@@ -27,13 +27,15 @@ from nanovllm.cluster import Cluster
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.disaggregated import DisaggregatedCluster, pool_router_specs, pool_routers
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
-from nanovllm.config import EngineConfig
+from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.engine import PluginSpec
 from nanovllm.serving.formatting import format_value
 from nanovllm.serving.records import RequestRecord
-from nanovllm.harness.serving import ServedEngine
+from nanovllm.serving.monitor import ModelCost
+from nanovllm.harness.serving import ServedEngine, WallClock
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.simulate import Simulation
+from nanovllm.harness.sim.step_time import STEP_TIME_MODELS
 from nanovllm.router import ROUTERS
 
 
@@ -71,10 +73,7 @@ class ServedCluster(ServedEngine):
              **plugins: PluginSpec) -> "ServedCluster":
         """``cluster.replicas`` real replicas, each an engine in a Ray actor (``RayCluster``), behind ``router``,
         on the wall clock; the cost model is the HF config's (the driver loads no weights)."""
-        from nanovllm.cluster.ray_replicas import RayCluster
-        from nanovllm.config import torch_dtype
-        from nanovllm.serving.monitor import ModelCost
-        from nanovllm.harness.serving import WallClock
+        from nanovllm.cluster.ray_replicas import RayCluster  # Ray: imported only for real replicas
 
         if cluster.disaggregated:
             prefill_router, decode_router = pool_routers(router)
@@ -157,8 +156,6 @@ def simulated_transfer(spec: PluginSpec, hardware: Mapping[str, Any] | None) -> 
 def _machine_step_time(config: EngineConfig) -> Any:
     """This machine's calibrated step-time estimate for the model, or None when no profile fits it."""
     import logging
-
-    from nanovllm.harness.sim.step_time import STEP_TIME_MODELS
 
     try:
         model = STEP_TIME_MODELS.build({"name": "calibrated", "profile": None, "dtype": config.dtype,

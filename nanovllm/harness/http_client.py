@@ -32,10 +32,13 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from nanovllm.serving.loggers import RunLogger
-from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.harness.interrupt import STOP
+from nanovllm.serving.loggers import LOGGERS, RunLogger, configured_loggers
+from nanovllm.serving.metrics import SLO, breakdown, format_summary, summarize
+from nanovllm.harness.option_types import plugin_spec
 from nanovllm.serving.records import RequestRecord
-from nanovllm.harness.workload import WorkloadRequest
+from nanovllm.harness.sim.this_machine import this_machine
+from nanovllm.harness.workload import WorkloadRequest, generate_workload, validate_workload_config
 from nanovllm.progress import RequestProgress
 
 ENDPOINTS = ("completions", "chat")
@@ -314,12 +317,7 @@ def run_over_http(cfg: Any, hc: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from nanovllm.harness.interrupt import STOP
-    from nanovllm.serving.loggers import LOGGERS, configured_loggers
-    from nanovllm.serving.metrics import format_summary
-    from nanovllm.harness.option_types import plugin_spec
-    from nanovllm.harness.sim.this_machine import this_machine
-    from nanovllm.harness.workload import generate_workload, validate_workload_config
+    # The model package imports torch: only when a run over HTTP starts (it loads the tokenizer only).
     from nanovllm.models.loader import resolve_model
 
     config = HttpRunnerConfig(**OmegaConf.to_container(cfg.runner, resolve=True))

@@ -27,6 +27,8 @@ import traceback
 from types import FrameType
 from typing import Iterator
 
+from nanovllm.harness.errors import exit_with_error, full_tracebacks  # light: no Hydra, no torch
+
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -141,8 +143,6 @@ def one_line_interrupts() -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt as exc:
-        from nanovllm.harness.errors import exit_with_error, full_tracebacks  # light: no Hydra, no torch
-
         if full_tracebacks():
             raise
         exit_with_error(interrupt_message(exc), STOP.exit_status)

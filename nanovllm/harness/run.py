@@ -167,7 +167,7 @@ def check_config(cfg: DictConfig) -> _Checked:
     SamplingParams(temperature=cfg.temperature)  # validates it
     runner = OmegaConf.to_container(cfg.runner, resolve=True)
     hardware = OmegaConf.to_container(cfg.hardware, resolve=True) if cfg.get("hardware") is not None else None
-    from nanovllm.harness.runners import check_runner
+    from nanovllm.harness.runners import check_runner  # the engine (transformers): after the cheap checks
 
     check_runner(runner, hardware)
     cluster = _check_cluster(cfg, engine, runner)
@@ -235,10 +235,10 @@ def _check_cluster(cfg: DictConfig, engine: EngineConfig, runner: dict[str, Any]
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Serve the configured workload once; return the summary. Writes into Hydra's run directory."""
-    from nanovllm.harness.runners import HTTP, check_runner
+    from nanovllm.harness.runners import HTTP, check_runner  # the engine (transformers): once a run starts
 
     if cfg.runner.get("name") == HTTP:  # an OpenAI-compatible server serves it: nanovllm/harness/http_client.py
-        from nanovllm.harness.http_client import run_over_http
+        from nanovllm.harness.http_client import run_over_http  # httpx, for runner=http only
 
         check_runner(OmegaConf.to_container(cfg.runner, resolve=True), None)
         return run_over_http(cfg, HydraConfig.get())
@@ -305,7 +305,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if len(result.by_client) > 1:
         print(format_breakdown(result.by_client, "client_id"))
     if "per_replica" in result.summary:
-        from nanovllm.harness.cluster import format_per_replica
+        from nanovllm.harness.cluster import format_per_replica  # the cluster modules, for cluster runs only
 
         print(format_per_replica(result.summary))
     print(f"run files: {run_dir}")

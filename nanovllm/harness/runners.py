@@ -18,6 +18,7 @@ from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import PluginSpec
 from nanovllm.engine.runner import RUNNERS
+from nanovllm.harness.cluster import ServedCluster
 from nanovllm.harness.serving import ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.simulate import SIM_RUNNER_KEYS, Simulation
@@ -88,8 +89,6 @@ def served_engine(runner: Mapping[str, Any], hardware: Mapping[str, Any] | None,
     behind ``router`` (``nanovllm.harness.cluster.ServedCluster``); with runner ``real``, that many engines in Ray
     actors (``plugin_paths``: the files they import first, as this process did)."""
     if cluster is not None and cluster.replicas > 1:
-        from nanovllm.harness.cluster import ServedCluster
-
         if runner["name"] == SIM:
             return ServedCluster.simulated(cluster, router, runner, hardware, config, **plugins)
         return ServedCluster.real(cluster, router, config, plugin_paths=plugin_paths, **plugins)

@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.config import attention_biases, head_dim_of
 from nanovllm.kernels import load as load_kernels
+from nanovllm.models.base import CausalLM, register_model
 from nanovllm.models.fast_path import PackedLinear, can_prepack, fuse_linears, prepack
 from nanovllm.models.quantized import QuantLinear
 
@@ -186,19 +187,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(kernels.add_rms_norm_(residual, attended, second.weight, second.eps))
 
 
-class LlamaForCausalLM(nn.Module):
+@register_model("LlamaForCausalLM")
+class LlamaForCausalLM(CausalLM):
     """Llama-architecture causal LM; ``config.model_type`` selects the Qwen2 (qkv bias) and Qwen3 (q/k norm)
-    variations."""
+    variations, registered under their own architecture names below."""
 
     SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
+        super().__init__(config, max_positions)
         if config.model_type not in self.SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {config.model_type!r} is not supported; supported: {', '.join(self.SUPPORTED_MODEL_TYPES)}"
             )
-        self.config = config
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < max_positions:
+            # Every layer here attends to the whole sequence: past the window it would differ from the checkpoint.
+            raise ValueError(f"sliding_window={window} (below the model's {max_positions} positions) is not "
+                             "supported: this model attends to every earlier token")
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -357,3 +363,20 @@ def _build_decoder_stack(model: LlamaForCausalLM):
     for part in parts:
         stack.add_layer(*part)
     return stack
+
+
+# The Llama family's other architecture names: the same layers, the differences read from the config
+# (``attention_biases``: Qwen2's q/k/v biases; ``qk_norm``: Qwen3's q/k norms; Mistral without a sliding window).
+@register_model("Qwen2ForCausalLM")
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on q/k/v."""
+
+
+@register_model("Qwen3ForCausalLM")
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with RMSNorm on each head's q and k."""
+
+
+@register_model("MistralForCausalLM")
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layers; a checkpoint with a sliding window shorter than its positions is refused."""

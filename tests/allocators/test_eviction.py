@@ -87,7 +87,7 @@ def test_evictions_are_counted(allocator):
 
 def test_an_unknown_eviction_name_is_an_error_naming_the_field_and_the_choices():
     for allocator in CACHING:
-        with pytest.raises(ValueError, match=r"allocator.eviction must be one of lru, lfu, fifo, got 'mru'"):
+        with pytest.raises(ValueError, match=r"allocator.eviction must be one of fifo, lfu, lru, got 'mru'"):
             ALLOCATORS.build({"name": allocator, "eviction": "mru"}, 8, BLOCK)
     with pytest.raises(ValueError, match="allocator.eviction"):
         EvictionTracker("random")

@@ -9,8 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
+
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+# The packages the contracts are about, as pyproject.toml names them: the copy of the tree holds each one.
+ROOT_PACKAGES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess:
@@ -20,7 +26,7 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
 
 
 def _copy_tree(tmp_path: Path) -> Path:
-    for name in ("nanovllm", "policies", "allocators"):
+    for name in ROOT_PACKAGES:
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
@@ -38,6 +44,18 @@ def _lint_with(tmp_path, module: str, line: str) -> subprocess.CompletedProcess:
     path = tree / module
     path.write_text(path.read_text() + f"\n{line}  # noqa\n")
     return _lint(tree)
+
+
+def test_the_copy_holds_every_root_package_of_the_contracts(tmp_path):
+    assert {"nanovllm", "policies", "allocators", "routers"} <= set(ROOT_PACKAGES)
+    tree = _copy_tree(tmp_path)
+    assert all((tree / name / "__init__.py").is_file() for name in ROOT_PACKAGES)
+
+
+def test_a_router_reaching_into_the_cluster_breaks_the_contract(tmp_path):
+    result = _lint_with(tmp_path, "routers/round_robin.py", "from nanovllm.cluster.cluster import Cluster")
+    assert result.returncode != 0
+    assert "use only nanovllm's public interfaces BROKEN" in result.stdout
 
 
 def test_an_engine_module_importing_the_harness_breaks_the_contract(tmp_path):

@@ -293,7 +293,7 @@ def nothing_loads(monkeypatch):
 NOT_LOADABLE = [
     (dict(scheduler="fcsf"), r"unknown policy 'fcsf'.*Did you mean 'fcfs'"),
     (dict(allocator={"name": "paged", "num_blocks": 4}), r"allocator='paged' does not take options \['num_blocks'\]"),
-    (dict(allocator={"name": "radix", "eviction": "mru"}), r"eviction must be one of lru, lfu, fifo"),
+    (dict(allocator={"name": "radix", "eviction": "mru"}), r"eviction must be one of fifo, lfu, lru"),
     (dict(scheduler={"name": "sjf", "predictor": "psychic"}), r"predictor must be one of oracle"),
     (dict(attention="nope"), r"unknown attention backend 'nope'"),
     (dict(attention={"name": "cpu", "bogus": 1}), r"attention backend='cpu' does not take options \['bogus'\]"),

@@ -1,5 +1,5 @@
 """Our Llama-family implementation against transformers on small random-weight models of each supported
-architecture (Llama with Llama-3 rope scaling, Qwen2 with qkv bias, Qwen3 with q/k norm), loaded from a local HF
+architecture (Llama with Llama-3 rope scaling, Qwen2 with qkv bias, Qwen3 with q/k norm, Mistral), loaded from a local HF
 directory of safetensors: greedy float32 tokens must be identical."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ ARCHITECTURES = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    # Mistral without a sliding window (v0.2 on): Llama's layers under MistralForCausalLM.
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
 }
 
 

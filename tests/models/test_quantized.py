@@ -11,7 +11,8 @@ import torch
 from helpers import random_quant_linear
 from nanovllm.config import EngineConfig
 from nanovllm import machine
-from nanovllm.models.quantized import FORMAT_IDS, GGUFWeights, QuantLinear, dequantize, int8_kernel
+from nanovllm.models.gguf_model import GGUFWeights
+from nanovllm.models.quantized import FORMAT_IDS, QuantLinear, dequantize, int8_kernel
 
 
 def _quantize_activations(x: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,8 @@ def worker_main(args: WorkerArgs, conn) -> None:
 
 
 def _serve(args: WorkerArgs, conn) -> None:
+    # The model code (transformers, seconds) after worker_main ignores SIGINT: a Ctrl-C while a worker starts
+    # stops the driver, which ends its workers, instead of printing a traceback from each.
     from nanovllm.attention.base import ATTENTION_BACKENDS
     from nanovllm.config import head_dim_of, torch_dtype
     from nanovllm.engine.kv_cache import allocate_kv_cache

@@ -121,16 +121,16 @@ def _start_loggers(session: LiveSession, engine: Any, num_requests: int) -> None
     config = session.config
     if config.mode == "off":
         return
-    from nanovllm.harness.live.snapshot import ClusterInfoLogger, SnapshotLogger
-
+    # The engine side of a live view (torch, and rich for tui) only when one is on: live=off imports nothing.
     from nanovllm.cluster import Cluster
+    from nanovllm.harness.live.snapshot import ClusterInfoLogger, SnapshotLogger
 
     if isinstance(engine, Cluster):  # each replica's batch and KV usage come from steps.jsonl
         session.loggers.append(NeverFails(ClusterInfoLogger(engine, num_requests)))
         return
     session.loggers.append(NeverFails(SnapshotLogger(engine, num_requests, config.snapshot_every)))
     if config.mode == "tui":
-        from nanovllm.harness.live.tui import TuiLogger
+        from nanovllm.harness.live.tui import TuiLogger  # rich, for live=tui only
 
         session.loggers.append(NeverFails(TuiLogger(engine, num_requests, config.update_ms)))
 

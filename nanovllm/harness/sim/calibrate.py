@@ -67,6 +67,7 @@ from nanovllm.harness.sim.step_time import (
     with_kernel_features,
     working_steps,
 )
+from nanovllm.models.fast_path import PackedLinear, linear_kernel
 
 MIN_STEPS = 30
 # Row counts tried for a switch found from the steps (a decode batch of up to this many sequences).
@@ -161,8 +162,6 @@ def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
     AVX-512 BF16 the engine has no GEMV, but oneDNN changes kernels at a few rows too, and the shipped bf16
     profiles were fit there with the fixed switch: they stay reproducible from their archives."""
     import torch
-
-    from nanovllm.models.fast_path import PackedLinear, linear_kernel
 
     if not setups or not all(setup.get("device", "cpu") == "cpu" for setup in setups):
         return None

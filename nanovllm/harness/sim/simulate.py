@@ -27,6 +27,7 @@ from nanovllm.serving.records import read_run
 from nanovllm.harness.serving import RunResult, ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, CalibratedStepTime, StepTimeModel
+from nanovllm.models.loader import resolve_model
 from nanovllm.request import Request
 
 # The runner keys of conf/runner/sim.yaml, and those only the token_cost step-time model reads.
@@ -60,8 +61,6 @@ class Simulation(ServedEngine):
         weights leave (an error naming ``hardware.memory_bytes`` when they do not fit). A ``calibrated`` profile
         measured on another machine says so in one warning, logged (``machine_warning``)."""
         from transformers import AutoConfig
-
-        from nanovllm.models.loader import resolve_model
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
         cost = ModelCost.from_hf_config(hf_config, torch_dtype(config.dtype), config.kv_cache_dtype,

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
 from nanovllm.serving.monitor import ModelCost
 from nanovllm.serving.records import read_run
 from nanovllm.harness.sim.hardware import Hardware
+from nanovllm.harness.sim.this_machine import cached_profile, calibrate_command, mismatch
 from nanovllm.registry import Registry
 
 # What the calibrated model regresses on (besides a per-step intercept).
@@ -90,10 +91,11 @@ class StepTimeModel(abc.ABC):
         return str(getattr(self, "registered_name", type(self).__name__))
 
 
-STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=StepTimeModel)
+STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=StepTimeModel,
+                                                     builtin_packages=("nanovllm.harness.sim.step_time",))
 
 
-def register_step_time(name: str):
+def register_step_time(name: str) -> Callable[[type[StepTimeModel]], type[StepTimeModel]]:
     """Class decorator registering a ``StepTimeModel`` subclass under ``name``."""
     return STEP_TIME_MODELS.register(name)
 
@@ -113,8 +115,6 @@ class CalibratedStepTime(StepTimeModel):
         A profile that records another dtype than ``dtype`` is an error; one fitted on runs with another
         ``kv_cache_dtype`` (no record: ``auto``) or ``quantization`` (no record: dense weights) is used, and
         ``kv_cache_warning`` / ``quantization_warning`` say so."""
-        from nanovllm.harness.sim.this_machine import cached_profile
-
         # This machine's own profile (calibrate --this-machine), when there is one for the default model: of
         # this run's weights and KV cache where calibrated, else the dense one (which then warns).
         self.cached = None
@@ -170,8 +170,6 @@ class CalibratedStepTime(StepTimeModel):
         """The command that calibrates this machine for this run's settings (dtype, threads, weights, KV cache)."""
         import torch
 
-        from nanovllm.harness.sim.this_machine import calibrate_command
-
         quantization = None if self.quantization == "none" else self.quantization
         return calibrate_command(self.dtype, torch.get_num_threads(), quantization, self.kv_cache_dtype)
 
@@ -200,8 +198,6 @@ class CalibratedStepTime(StepTimeModel):
         """One line when the profile was measured on another machine than this one (another CPU
         model, ISA level or torch thread count), naming both and the command that calibrates this one; None
         when it matches or records no machine (``this_machine.mismatch``)."""
-        from nanovllm.harness.sim.this_machine import mismatch
-
         shipped = not self.explicit and not self.cached
         return mismatch(self.profile, f"{self.path.name} (shipped)" if shipped else str(self.path), self.dtype)
 

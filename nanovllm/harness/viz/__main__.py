@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _live(args: argparse.Namespace) -> None:
+    # Bokeh's server only for --live: the static report does not need it.
     from nanovllm.harness.live.feed import NotARunError
     from nanovllm.harness.live.web import PortInUseError, serve_dashboard
 
