@@ -6,12 +6,16 @@ import contextlib
 from typing import Any, Sequence, cast
 
 from nanovllm.chat_template import chat_token_ids
+from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.disaggregated import pool_routers
+from nanovllm.cluster.ray_replicas import RayCluster   # (Ray itself is imported only when a RayCluster starts)
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
 from nanovllm.engine.protocol import EngineClient
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.plugins import load_plugins
 from nanovllm.progress import RequestProgress
+from nanovllm.router import ROUTERS, Router
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
 from nanovllm.serving.loop import StepLoop
@@ -53,13 +57,8 @@ class LLM:
         config = EngineConfig.from_options(model=model, **engine_options)
         replicas = _cluster_config(cluster)
         if replicas is not None and replicas.replicas > 1:
-            from nanovllm.cluster.ray_replicas import RayCluster
-            from nanovllm.router import ROUTERS, Router
-
             decode_router: Router | None = None
             if replicas.disaggregated:
-                from nanovllm.cluster.disaggregated import pool_routers
-
                 prefill_router, decode_router = pool_routers(router)
             else:
                 prefill_router = ROUTERS.build(router)
@@ -175,7 +174,6 @@ class LLM:
 def _cluster_config(cluster: Any) -> Any:
     if cluster is None:
         return None
-    from nanovllm.cluster.config import ClusterConfig
 
     if isinstance(cluster, ClusterConfig):
         return cluster

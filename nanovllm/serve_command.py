@@ -27,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from nanovllm.config import torch_dtype
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.errors import check_group_choices, exit_with_error, one_line_errors, user_errors
 from nanovllm.harness.interrupt import STOP
@@ -53,7 +54,6 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
     STOP.starting("importing the engine")
     import uvicorn  # noqa: F401  (imported here, so a missing install fails before the model loads)
 
-    from nanovllm.config import torch_dtype
     from nanovllm.harness.live.launch import start_live
     from nanovllm.harness.runners import served_engine
     from nanovllm.serving.monitor import Monitor

@@ -18,6 +18,8 @@ import pytest
 
 from helpers import REPO
 
+from nanovllm.config import torch_dtype
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # as RayCluster sets it: Ray on 127.0.0.1 only
 ray = pytest.importorskip("ray")
 
@@ -113,7 +115,7 @@ def test_a_served_run_records_where_each_request_and_step_ran(cluster_llm, tmp_p
     from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
 
     cluster = cluster_llm.engine
-    served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, cluster.runner.dtype), [])
+    served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, torch_dtype(cluster.config.dtype)), [])
     workload = generate_workload(SyntheticWorkloadConfig(
         num_requests=6, request_rate=20.0, seed=1, input_len=LengthDist(kind="uniform", mean=24, range_ratio=0.5),
         output_len=LengthDist(kind="uniform", mean=4, range_ratio=0.5)), cluster.tokenizer)
@@ -162,7 +164,7 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
                 cluster.kill_replica(1)
                 killed.append(step)
 
-    served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, cluster.runner.dtype), [])
+    served = ServedCluster(cluster, WallClock(), ModelCost.from_hf_config(cluster.hf_config, torch_dtype(cluster.config.dtype)), [])
 
     def burst(seed: int) -> list:
         workload = generate_workload(SyntheticWorkloadConfig(
