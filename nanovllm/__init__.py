@@ -47,6 +47,10 @@ _EXPORTS = {
     "register_router": "nanovllm.router",
     "live_replicas": "nanovllm.router",
     "ROUTERS": "nanovllm.router",
+    "Proposer": "nanovllm.proposer",
+    "ProposerContext": "nanovllm.proposer",
+    "register_proposer": "nanovllm.proposer",
+    "PROPOSERS": "nanovllm.proposer",
     "Registry": "nanovllm.registry",
     "load_plugins": "nanovllm.plugins",
     "PluginImportError": "nanovllm.plugins",
@@ -82,6 +86,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.outputs import RequestMetrics, RequestOutput
     from nanovllm.plugins import PluginImportError, load_plugins
     from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, a_hair_before, register_policy
+    from nanovllm.proposer import PROPOSERS, Proposer, ProposerContext, register_proposer
     from nanovllm.registry import Registry, UnknownPluginError
     from nanovllm.request import Request, RequestStatus
     from nanovllm.router import ROUTERS, ReplicaView, Router, RouterError, live_replicas, register_router
