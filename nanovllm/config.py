@@ -140,7 +140,7 @@ def _validate_speculative(spec: Any) -> None:
         raise ValueError(f"speculative.method must be a registered proposer name (a string), got {spec['method']!r}")
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"speculative.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        raise ValueError(f"speculative.num_speculative_tokens (num_tokens) must be an integer >= 1, got {k!r}")
 
 
 # What ``kv_cache_dtype`` may be (vLLM's option name and values): auto = the model dtype.

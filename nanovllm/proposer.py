@@ -47,6 +47,11 @@ class ProposerContext:
 class Proposer:
     """Base proposer: proposes nothing until a subclass says how.
 
+    The constructor takes the ``ProposerContext`` and the options, checks the options and stays cheap: a
+    throwaway instance (its context without the model: ``hf_config``, ``model_dir`` and ``runner`` None,
+    ``vocab_size`` 0) is built to check a config before the model loads, as policies are. A proposer that loads
+    a model of its own does so on its first ``propose``.
+
     When the engine calls it: ``propose`` once per engine step, before the scheduler plans the step, with the
     running requests that will decode (their newest token is the only one not yet in the cache) and how many
     tokens each may get; ``on_finish`` when a request ends (finished, failed or aborted), to drop per-request
@@ -80,6 +85,15 @@ PROPOSERS: Registry[Proposer] = Registry("proposer", base=Proposer, builtin_pack
 def register_proposer(name: str):
     """Class decorator registering a ``Proposer`` subclass under ``name`` (``speculative.method=<name>``)."""
     return PROPOSERS.register(name)
+
+
+def check_speculative(config: EngineConfig) -> None:
+    """Raise ``ValueError`` for ``config.speculative`` naming an unknown proposer or an option or option value
+    its constructor refuses, before any model loads (a throwaway instance is built, without the model)."""
+    if config.speculative is None:
+        return
+    spec = PROPOSERS.check(proposer_spec(config.speculative), "speculative")
+    PROPOSERS.build(spec, ProposerContext(config, hf_config=None, model_dir=None, vocab_size=0))
 
 
 def proposer_spec(speculative: dict[str, Any]) -> dict[str, Any]:

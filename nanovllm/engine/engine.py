@@ -22,13 +22,13 @@ from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, resolve_runner, runner_class
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
-from nanovllm.engine.speculative import Speculator, check_speculative
+from nanovllm.engine.speculative import Speculator
 from nanovllm.engine.startup_checks import check_before_load
 from nanovllm.engine.warmup import warm_up
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
-from nanovllm.proposer import ProposerContext, ProposerError
+from nanovllm.proposer import ProposerContext, ProposerError, check_speculative
 from nanovllm.request import KVHandoff, Request, RequestStatus
 from nanovllm.sampling import SamplingParams
 

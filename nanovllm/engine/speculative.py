@@ -22,13 +22,6 @@ from nanovllm.request import Request
 from nanovllm.sampling import INVALID_TOKEN, Sampler, SamplingParams, greedy_tokens, top_logprobs
 
 
-def check_speculative(config: EngineConfig) -> None:
-    """Raise ``ValueError`` for an unknown proposer or an option its constructor does not take (before the model
-    loads)."""
-    if config.speculative is not None:
-        PROPOSERS.check(proposer_spec(config.speculative), "speculative")
-
-
 class Speculator:
     """The engine's side of speculation: the proposer of ``EngineConfig.speculative`` and the number of tokens
     it may propose per request and step (``num_speculative_tokens``, capped so that no accepted run can pass

@@ -44,7 +44,7 @@ from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS
 from nanovllm.config import EngineConfig
 from nanovllm.engine.runner import RUNNERS
-from nanovllm.proposer import PROPOSERS, proposer_spec
+from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.errors import (
     check_group_choices,
@@ -166,9 +166,11 @@ def _speculative(cfg: DictConfig) -> dict[str, Any] | None:
     if not isinstance(node, DictConfig):
         raise ValueError(f"speculative must be a mapping (pick a file with speculative=<option>), got {node!r}")
     spec = OmegaConf.to_container(node, resolve=True)
-    if spec.get("method") is not None:
-        normalized = EngineConfig(speculative=spec).speculative
-        PROPOSERS.check(proposer_spec(normalized), "speculative")
+    method = spec.get("method")
+    if method is not None and (not isinstance(method, str) or method not in PROPOSERS):
+        raise ValueError(f"speculative.method must be null (off) or a registered proposer "
+                         f"({', '.join(PROPOSERS.names())}), got {method!r}")
+    check_speculative(EngineConfig(speculative=spec))
     return spec
 
 

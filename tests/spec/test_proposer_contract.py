@@ -86,8 +86,8 @@ def test_proposals_are_capped_so_no_accepted_run_passes_max_tokens_or_the_model_
 
 
 @pytest.mark.parametrize("spec, message", [
-    (dict(method="ngram"), "num_speculative_tokens must be an integer >= 1"),
-    (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
+    (dict(method="ngram"), r"num_speculative_tokens \(num_tokens\) must be an integer >= 1"),
+    (dict(method="ngram", num_speculative_tokens=0), r"num_speculative_tokens \(num_tokens\) must be an integer >= 1"),
     (dict(method="ngram", num_tokens=2, num_speculative_tokens=3), "same setting"),
     ("ngram", "must be None or a mapping"),
 ])
