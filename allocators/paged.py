@@ -24,6 +24,9 @@ class PagedAllocator(BlockAllocator):
             raise MemoryError(f"{request.request_id}: needs {needed} blocks, {len(self._free)} free")
         request.block_table.extend(self._free.popleft() for _ in range(needed))
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        self._free.extend(self._tail(request, num_tokens))
+
     def free(self, request: Request) -> None:
         self._free.extend(request.block_table)
         request.block_table.clear()

@@ -61,6 +61,12 @@ class PrefixCachingAllocator(BlockAllocator):
         request.block_table.clear()
         self._published.pop(request.request_id, None)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        # Blocks past the request's tokens were taken fresh for proposals: never shared, never published.
+        for block in reversed(self._tail(request, num_tokens)):
+            self._ref_count[block] = 0
+            self._never_used.append(block)
+
     def _cached_blocks(self, request: Request) -> tuple[list[int], int | None]:
         """The cached blocks holding a prefix of ``request`` (never its last token: the step must compute at
         least one token to produce logits), and the hash of the last one."""

@@ -91,6 +91,10 @@ class RadixTreeAllocator(BlockAllocator):
                     self.eviction.release(block)
         request.block_table.clear()
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        # Blocks past the request's tokens were taken fresh for proposals: never in the tree.
+        self._free.extend(reversed(self._tail(request, num_tokens)))
+
     def _held_path(self, node: _Node) -> dict[int, _Node]:
         """The tree nodes a request holds: the path from the root to its cursor."""
         path: dict[int, _Node] = {}

@@ -64,6 +64,10 @@ _EXPORTS = {
     "RunLogger": "nanovllm.serving.loggers",
     "register_logger": "nanovllm.serving.loggers",
     "LOGGERS": "nanovllm.serving.loggers",
+    "Proposer": "nanovllm.proposer",
+    "ProposerContext": "nanovllm.proposer",
+    "register_proposer": "nanovllm.proposer",
+    "PROPOSERS": "nanovllm.proposer",
     "Registry": "nanovllm.registry",
     "load_plugins": "nanovllm.plugins",
     "PluginImportError": "nanovllm.plugins",
@@ -101,6 +105,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.outputs import RequestMetrics, RequestOutput
     from nanovllm.plugins import PluginImportError, load_plugins
     from nanovllm.policy import POLICIES, Policy, SchedulerView, StepBudget, a_hair_before, register_policy
+    from nanovllm.proposer import PROPOSERS, Proposer, ProposerContext, register_proposer
     from nanovllm.registry import Registry, UnknownPluginError
     from nanovllm.request import Request, RequestStatus
     from nanovllm.router import ROUTERS, ReplicaView, Router, RouterError, live_replicas, register_router

@@ -55,6 +55,19 @@ class BlockAllocator(ABC):
     def free(self, request: Request) -> None:
         """Release all of ``request``'s blocks and clear its block table."""
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding: ``request`` needs blocks for its first ``num_tokens`` tokens only; the blocks
+        after those were taken for proposals the target rejected and hold nothing it keeps. Called after a
+        verification step; an allocator that returns them here lets other requests use them at once. Default:
+        keep them (the request's next tokens fill them)."""
+
+    def _tail(self, request: Request, num_tokens: int) -> list[int]:
+        """Cut ``request.block_table`` to the blocks holding its first ``num_tokens`` tokens; return the rest."""
+        keep = self.blocks_for(num_tokens)
+        tail = request.block_table[keep:]
+        del request.block_table[keep:]
+        return tail
+
     def match_prefix(self, request: Request) -> int:
         """Attach cached blocks holding a prefix of ``request``'s tokens; return how many tokens they cover
         (a multiple of ``block_size``, always fewer than the request's tokens). Default: no prefix cache."""

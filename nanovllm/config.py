@@ -3,7 +3,9 @@ entry point (whose structured configs mirror these names)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "gguf")  # nanovllm/models/quantized.py
@@ -38,6 +40,9 @@ class EngineConfig:
     quantization: str | None = None             # weights: None (dense, in dtype), "int8" (W8A8: per-channel
                                                 # weights, per-token activations) or "gguf" (the .gguf file's own
                                                 # Q8_0/Q4_0/Q4_1 blocks); CPU, one rank; implies the fast path
+    speculative: dict[str, Any] | None = None   # speculative decoding, vLLM's spelling: {"method": a registered
+                                                # proposer (ngram), "num_speculative_tokens": K, **its options};
+                                                # None (or method None): off. ``num_tokens`` is read as K too
 
     @property
     def fast_path(self) -> bool:
@@ -47,6 +52,7 @@ class EngineConfig:
         return self.fuse_projections if self.fuse_projections is not None else self.dtype != "float32"
 
     def __post_init__(self) -> None:
+        self.speculative = _normalized_speculative(self.speculative)
         self.validate()
 
     def validate(self) -> None:
@@ -81,6 +87,8 @@ class EngineConfig:
             self._validate_quantization()
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.speculative is not None:
+            _validate_speculative(self.speculative)
 
     def _validate_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -103,6 +111,33 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
         return cls(**options)
+
+
+def _normalized_speculative(spec: Any) -> Any:
+    """``speculative`` as a plain dict with ``num_speculative_tokens`` (the Hydra group's ``num_tokens`` is
+    the same number), or None when off (None, or ``method`` None: the group's ``none`` option)."""
+    if not isinstance(spec, Mapping):
+        return spec   # validate names what is wrong with it
+    spec = dict(spec)
+    if spec.get("method") is None:
+        return None
+    if "num_tokens" in spec:
+        if "num_speculative_tokens" in spec and spec["num_speculative_tokens"] != spec["num_tokens"]:
+            raise ValueError("speculative: num_tokens and num_speculative_tokens are the same setting; give one, "
+                             f"got {spec['num_tokens']!r} and {spec['num_speculative_tokens']!r}")
+        spec["num_speculative_tokens"] = spec.pop("num_tokens")
+    return spec
+
+
+def _validate_speculative(spec: Any) -> None:
+    if not isinstance(spec, dict):
+        raise ValueError("speculative must be None or a mapping like dict(method='ngram', num_speculative_tokens=3), "
+                         f"got {spec!r}")
+    if not isinstance(spec["method"], str):
+        raise ValueError(f"speculative.method must be a registered proposer name (a string), got {spec['method']!r}")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative.num_speculative_tokens (num_tokens) must be an integer >= 1, got {k!r}")
 
 
 # What ``kv_cache_dtype`` may be (vLLM's option name and values): auto = the model dtype.

@@ -167,7 +167,8 @@ class LLM:
             metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time,
                                    r.num_preemptions, r.num_cached_tokens,
                                    r.handoff.num_bytes if r.handoff is not None else None,
-                                   r.handoff.transfer_time if r.handoff is not None else None),
+                                   r.handoff.transfer_time if r.handoff is not None else None,
+                                   r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens),
         )
 
 

@@ -33,6 +33,11 @@ class StepRecord(TypedDict):
     num_evictions: int                  # cached blocks evicted during this step
     kv_slots_unused: int                # internal fragmentation: allocated slots of running requests not
                                         # holding a computed token, after the step
+    # Speculative decoding (vLLM's names; 0 without it): requests whose proposals were verified this step, the
+    # proposed tokens verified, and those the target accepted.
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
     replica: NotRequired[int]           # on a cluster: the replica that ran the step
 
 
@@ -50,6 +55,11 @@ class RequestMetrics:
     # prefill replica to the decode replica and the seconds moving them took (read, transfer, write).
     kv_transfer_bytes: int | None = None
     kv_transfer_time: float | None = None
+    # Speculative decoding (vLLM's names; 0 without it): steps that verified proposals of this request, the
+    # proposed tokens verified, and those accepted (acceptance rate: accepted / draft tokens).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,13 @@ class Request:
     # request off with its K/V (``KVHandoff``); set by the cluster on the way in.
     hand_off_after_prefill: bool = field(default=False, init=False)
     handoff: KVHandoff | None = field(default=None, init=False, repr=False)
+    # Speculative decoding (``nanovllm.proposer``): the tokens proposed to follow ``token_ids`` this step (set by
+    # the engine before scheduling; the scheduler may drop some for lack of budget or blocks), and what
+    # verification did with this request's proposals so far (vLLM's spec_decode counters).
+    spec_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    num_drafts: int = field(default=0, init=False)            # steps that verified proposals of this request
+    num_draft_tokens: int = field(default=0, init=False)      # tokens proposed and verified
+    num_accepted_tokens: int = field(default=0, init=False)   # of those, the ones the target agreed with
 
     @property
     def awaits_kv(self) -> bool:

@@ -26,6 +26,7 @@ from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, register_step_time
 from nanovllm.models.base import MODELS, register_model
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES, register_policy
+from nanovllm.proposer import PROPOSERS, register_proposer
 from nanovllm.registry import Registry
 from nanovllm.router import ROUTERS, register_router
 
@@ -62,6 +63,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("step-time model", "STEP_TIME_MODELS", STEP_TIME_MODELS, register_step_time,
          "runner=sim runner.step_time=NAME"),
     Seam("run logger", "LOGGERS", LOGGERS, register_logger, "logger=NAME"),
+    Seam("speculative proposer", "PROPOSERS", PROPOSERS, register_proposer,
+         "speculative=NAME, LLM(speculative=dict(method=NAME, num_speculative_tokens=K))"),
 )
 
 

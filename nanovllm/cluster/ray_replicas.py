@@ -633,7 +633,8 @@ class RayCluster(ClusterBase):
             num_decode_seqs=0, num_running=0, num_waiting=0, num_preempted=0, kv_blocks_used=0,
             kv_blocks_cached=0, kv_blocks_free=state["num_total_blocks"], kv_blocks_total=state["num_total_blocks"],
             context_tokens=0, attn_pairs=0, num_sampled=0, prefix_hit_tokens=0, recomputed_tokens=0,
-            num_evictions=0, kv_slots_unused=0)
+            num_evictions=0, kv_slots_unused=0, spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+            spec_decode_num_accepted_tokens=0)
         record["replica"] = replica.index
         self._reports.append(StepOutput(failed, record))
 

@@ -22,11 +22,13 @@ from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.protocol import EngineClient, StepError, StepOutput
 from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, resolve_runner, runner_class
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
+from nanovllm.engine.speculative import Speculator
 from nanovllm.engine.startup_checks import check_before_load
 from nanovllm.engine.warmup import warm_up
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
+from nanovllm.proposer import ProposerContext, ProposerError, check_speculative
 from nanovllm.request import KVHandoff, Request, RequestStatus
 from nanovllm.sampling import SamplingParams
 
@@ -80,6 +82,10 @@ class LLMEngine(EngineClient):
             )
         check_before_load(config, self.hf_config, self.max_model_len, scheduler, allocator, attention, device,
                           loads_model)
+        check_speculative(config)
+        if config.speculative is not None and not runner_class(runner).supports_speculation:
+            raise ValueError(f"speculative decoding needs a runner that verifies proposals; runner "
+                             f"{runner_class(runner).registered_name!r} does not (use runner real)")
         attention = resolve_attention(attention, device)
         self.runner: Runner = runner if isinstance(runner, Runner) else RUNNERS.build(
             runner, RunnerContext(config, self.hf_config, self.model_dir, attention))
@@ -113,6 +119,9 @@ class LLMEngine(EngineClient):
         self.policy: Policy = POLICIES.build(scheduler)
         self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
+        # Speculative decoding (EngineConfig.speculative): the proposer, asked before each step.
+        self.speculator: Speculator | None = None if config.speculative is None else Speculator(
+            config, ProposerContext(config, self.hf_config, self.model_dir, self.hf_config.vocab_size, runner))
         eos = self.hf_config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.vocab_size = self.hf_config.vocab_size
@@ -271,7 +280,7 @@ class LLMEngine(EngineClient):
         Raises ``PolicyError`` when the policy fails, ``StepError`` naming the culprit for anything else."""
         try:
             return self._step()
-        except (PolicyError, StepError):
+        except (PolicyError, ProposerError, StepError):
             raise
         except Exception as exc:
             raise StepError(f"engine step {self._num_steps} failed{self._culprit(exc)}: "
@@ -294,6 +303,8 @@ class LLMEngine(EngineClient):
 
     def _step(self) -> StepOutput:
         start = self.clock()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule(start)
         for request, first_block in out.kv_loads:   # K/V prefilled elsewhere, into the blocks just allocated
             handoff = request.handoff
@@ -308,6 +319,8 @@ class LLMEngine(EngineClient):
         next_tokens, next_logprobs = self.runner.execute(out.scheduled) if out.scheduled else ([], [])
         finished = self.scheduler.update_from_output(out, next_tokens, self.clock(), self.max_model_len,
                                                      next_logprobs)
+        if self.speculator is not None:
+            self.speculator.on_finish(finished)
         handed_off = self.scheduler.take_handed_off()
         for request in handed_off:
             self._read_kv_for_handoff(request)
@@ -337,7 +350,7 @@ class LLMEngine(EngineClient):
             start_time=start,
             duration=self.clock() - start,
             num_prefill_tokens=layout.prefill_tokens,
-            num_decode_tokens=layout.decode_seqs,
+            num_decode_tokens=layout.decode_tokens,
             num_prefill_seqs=layout.prefill_seqs,
             num_decode_seqs=layout.decode_seqs,
             num_running=len(self.scheduler.running),
@@ -355,6 +368,9 @@ class LLMEngine(EngineClient):
             num_evictions=evictions,
             kv_slots_unused=sum(len(r.block_table) * block_size - r.num_computed_tokens
                                 for r in self.scheduler.running),
+            spec_decode_num_drafts=out.num_drafts,
+            spec_decode_num_draft_tokens=out.num_draft_tokens,
+            spec_decode_num_accepted_tokens=out.num_accepted_tokens,
         )
 
 
@@ -365,6 +381,7 @@ class _BatchLayout:
     prefill_tokens: int = 0
     prefill_seqs: int = 0
     decode_seqs: int = 0
+    decode_tokens: int = 0   # one per decode, plus the proposals verified with it (speculative decoding)
     context_tokens: int = 0
     attn_pairs: int = 0
 
@@ -373,9 +390,11 @@ class _BatchLayout:
         layout = cls()
         for request, n in scheduled:
             cached = request.num_computed_tokens
-            # A decode computes the newest output token; anything else (prompt chunks, recompute) is prefill.
-            if n == 1 and request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0:
+            # A decode computes the newest output token (and any proposals after it); anything else (prompt
+            # chunks, recompute) is prefill.
+            if request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0:
                 layout.decode_seqs += 1
+                layout.decode_tokens += n
             else:
                 layout.prefill_seqs += 1
                 layout.prefill_tokens += n
@@ -389,9 +408,9 @@ def batch_features(scheduled: list[tuple[Request, int]]) -> dict[str, int]:
     """The step-record features of a scheduled batch, taken before it runs: what a step-time model predicts
     from (the same keys as ``StepRecord``, so a model fitted on ``steps.jsonl`` reads them unchanged)."""
     layout = _BatchLayout.of(scheduled)
-    num_sampled = sum(request.num_computed_tokens + n == request.num_tokens for request, n in scheduled)
+    num_sampled = sum(request.num_computed_tokens + n >= request.num_tokens for request, n in scheduled)
     return {
-        "num_prefill_tokens": layout.prefill_tokens, "num_decode_tokens": layout.decode_seqs,
+        "num_prefill_tokens": layout.prefill_tokens, "num_decode_tokens": layout.decode_tokens,
         "num_prefill_seqs": layout.prefill_seqs, "num_decode_seqs": layout.decode_seqs,
         "context_tokens": layout.context_tokens, "attn_pairs": layout.attn_pairs, "num_sampled": num_sampled,
     }

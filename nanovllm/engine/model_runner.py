@@ -12,6 +12,7 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
 from nanovllm.engine.kv_cache import allocate_kv_cache
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
 from nanovllm.models.base import CausalLM
+from nanovllm.engine.speculative import emitted_logprobs, num_proposed, verify_proposals
 from nanovllm.models.loader import gguf_source, load_model
 from nanovllm.outputs import Logprob
 from nanovllm.request import Request
@@ -23,7 +24,10 @@ class ModelRunner(Runner):
     """Runs the model for the scheduler's batches: owns the loaded model, the paged KV cache tensor and the
     attention backend bound to it, and the engine's sampling generator. ``execute(scheduled)`` builds the
     step's flat tensors and ``AttentionMetadata`` once, plans the backend, runs the forward pass with the
-    backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token."""
+    backend passed in explicitly, and samples only the rows whose chunk reaches a request's newest token (and
+    verifies the proposals scheduled after it, with speculative decoding)."""
+
+    supports_speculation = True
 
     model: CausalLM  # what load_model builds (from a GGUF file too); set in __init__
 
@@ -99,28 +103,33 @@ class ModelRunner(Runner):
 
     def _prepare(
         self, scheduled: list[tuple[Request, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor, list[list[int]]]:
         """Flat tensors for the step, and which scheduled requests sample (their chunk reaches the newest
-        token) with the flat row of their last token."""
+        token) with the flat rows whose logits they need: the row of their newest token, then one row per
+        proposed token scheduled after it (speculative decoding: the proposals are fed as the chunk's tail)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         samplers: list[int] = []
+        proposals: list[list[int]] = []
         sample_rows: list[int] = []
         bs = self.block_size
         for i, (request, num_new) in enumerate(scheduled):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             table = request.block_table
-            input_ids.extend(request.token_ids[start:end])
+            drafted = num_proposed(request, num_new)
+            tokens = request.token_ids + request.spec_token_ids[:drafted] if drafted else request.token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-            if end == request.num_tokens:
+            if end >= request.num_tokens:
                 samplers.append(i)
-                sample_rows.append(len(input_ids) - 1)
+                proposals.append(request.spec_token_ids[:drafted])
+                sample_rows.extend(range(len(input_ids) - 1 - drafted, len(input_ids)))
 
         def longs(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, device=self.device, dtype=torch.long)
@@ -129,29 +138,48 @@ class ModelRunner(Runner):
             query_lens=query_lens, seq_lens=seq_lens, block_tables=[r.block_table for r, _ in scheduled],
             slot_mapping=longs(slots), block_size=bs,
         )
-        return longs(input_ids), longs(positions), meta, samplers, longs(sample_rows)
+        return longs(input_ids), longs(positions), meta, samplers, longs(sample_rows), proposals
 
     @torch.inference_mode()
     def execute(
         self, scheduled: list[tuple[Request, int]]
     ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
         """Run one step. Returns, per scheduled request, its next token (None for a partial prefill chunk) and
-        that token's top logprobs (None unless its request asked for ``logprobs``)."""
-        input_ids, positions, meta, samplers, sample_rows = self._prepare(scheduled)
+        that token's top logprobs (None unless its request asked for ``logprobs``); for a request whose
+        proposals were verified (speculative decoding), the list of tokens it emits and a list of their
+        logprobs."""
+        input_ids, positions, meta, samplers, sample_rows, proposals = self._prepare(scheduled)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             assert self.backend is not None, "execute runs after init_kv_cache, which binds the backend"
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.backend)
-        next_tokens: list[int | None] = [None] * len(scheduled)
-        next_logprobs: list[dict[int, Logprob] | None] = [None] * len(scheduled)
+        next_tokens: list = [None] * len(scheduled)
+        next_logprobs: list = [None] * len(scheduled)
         if samplers:
-            requests = [scheduled[i][0] for i in samplers]
-            params = [r.sampling_params for r in requests]
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-            tokens = self.sampler(logits, params, [r.generator or self.generator for r in requests])
-            logprobs = top_logprobs(logits, tokens, [p.logprobs for p in params])
-            for i, token, lp in zip(samplers, tokens, logprobs):
-                next_tokens[i], next_logprobs[i] = token, lp
+            # Each sampler's rows in ``logits``: its newest token's, then one per proposal.
+            first_row = [0]
+            for drafts in proposals:
+                first_row.append(first_row[-1] + 1 + len(drafts))
+            plain = [j for j, drafts in enumerate(proposals) if not drafts]
+            if plain:
+                requests = [scheduled[samplers[j]][0] for j in plain]
+                params = [r.sampling_params for r in requests]
+                rows = logits if len(plain) == len(samplers) else logits.index_select(
+                    0, torch.tensor([first_row[j] for j in plain], device=logits.device))
+                tokens = self.sampler(rows, params, [r.generator or self.generator for r in requests])
+                logprobs = top_logprobs(rows, tokens, [p.logprobs for p in params])
+                for j, token, lp in zip(plain, tokens, logprobs):
+                    next_tokens[samplers[j]], next_logprobs[samplers[j]] = token, lp
+            for j, drafts in enumerate(proposals):
+                if not drafts:
+                    continue
+                # A verified request gets a list: the accepted proposals and the target's own next token.
+                request = scheduled[samplers[j]][0]
+                rows = logits[first_row[j]:first_row[j + 1]]
+                tokens = verify_proposals(rows, drafts, request.sampling_params, request.generator or self.generator)
+                next_tokens[samplers[j]] = tokens
+                next_logprobs[samplers[j]] = emitted_logprobs(rows, tokens, request.sampling_params.logprobs)
         return next_tokens, next_logprobs

@@ -29,6 +29,12 @@ A new runner (an HTTP client of an OpenAI-compatible server, say) subclasses ``R
    a simulator's virtual clock advances only in ``execute``.
 5. ``close()``: when the engine's owner is done with it (idempotent); releases processes or connections.
 
+``supports_speculation`` (a class attribute, False by default) says whether ``execute`` verifies proposals
+(speculative decoding, ``nanovllm.proposer``): a scheduled row may then hold proposed tokens after the request's
+newest one (``request.spec_token_ids``, as many as ``num_new_tokens`` reaches past ``request.num_tokens``), and
+its result is the list of tokens it emits (``nanovllm.engine.speculative.verify_proposals``) with a list of
+their logprobs. The engine refuses ``speculative`` with a runner that does not.
+
 ``loads_model`` (a class attribute) says whether the runner runs the model on ``engine.device`` in this
 process. When it does not (``sim``), the engine skips what only a local model needs: the device's availability,
 the attention backend's, the KV-cache memory check, CUDA graphs and the warm-up.
@@ -69,6 +75,7 @@ class Runner(abc.ABC):
 
     registered_name: str = "custom"
     loads_model: ClassVar[bool] = True
+    supports_speculation: ClassVar[bool] = False
     clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     device: torch.device

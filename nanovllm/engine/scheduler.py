@@ -31,6 +31,11 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0      # prompt tokens served from the prefix cache at this step's admissions
     num_recomputed_tokens: int = 0      # tokens computed again after a preemption (set by update_from_output)
+    # Speculative decoding (set by update_from_output): requests whose proposals were verified, the proposals
+    # verified and those accepted (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Admitted requests whose prompt K/V came from a prefill replica, with the first block to load (the ones
     # before it were prefix-cache hits here): the engine loads them before the step runs.
     kv_loads: list[tuple[Request, int]] = field(default_factory=list)
@@ -116,7 +121,12 @@ class Scheduler:
         for logprobs). Advance every request, append its token, finish those that hit a stop condition (freeing
         their blocks) and tell the policy. Returns the requests that ended, rejected ones included."""
         finished, self._rejected = self._rejected, []
+        proposed: list[int] = []   # per scheduled request, how many of its tokens were proposals to verify
         for request, num_new in out.scheduled:
+            # Proposals are computed but not yet kept: only those verification accepts count (below).
+            num_proposed = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            num_new -= num_proposed
+            proposed.append(num_proposed)
             # Tokens below the high-water mark were computed before a preemption threw them away.
             recomputed = max(0, min(request.num_computed_tokens + num_new, request.max_computed_tokens)
                              - request.num_computed_tokens)
@@ -127,8 +137,12 @@ class Scheduler:
             self.allocator.on_tokens_computed(request)
         self._ask("on_step", out.scheduled, now)
         logprobs = next_logprobs if next_logprobs is not None else [None] * len(next_tokens)
-        for (request, _), token, token_logprobs in zip(out.scheduled, next_tokens, logprobs):
+        for (request, _), num_proposed, token, token_logprobs in zip(out.scheduled, proposed, next_tokens, logprobs):
             if token is None:
+                continue
+            if isinstance(token, list):   # verified proposals: the accepted ones, then the target's own token
+                self._append_verified(out, request, num_proposed, token, token_logprobs, now, max_model_len,
+                                      finished)
                 continue
             if token == INVALID_TOKEN:  # the sampler refused garbage logits: this request fails, others go on
                 self._finish(request, None, now, RequestStatus.FAILED, NON_FINITE_REASON)
@@ -142,6 +156,39 @@ class Scheduler:
             elif request.hand_off_after_prefill and request.num_output_tokens == 1:
                 self._hand_off(request, now)
         return finished
+
+    def _append_verified(self, out: SchedulerOutput, request: Request, num_proposed: int, tokens: list[int],
+                         logprobs: list[dict | None] | None, now: float, max_model_len: int,
+                         finished: list[Request]) -> None:
+        """Speculative decoding: append what verifying ``num_proposed`` proposals emitted (the accepted proposals,
+        then one token of the target's own), stopping at the first stop condition, so a stop token, ``max_tokens``
+        or the model's length inside an accepted run ends the request there. Each token after the first is an
+        accepted proposal whose K/V this step wrote: it becomes computed as the next one is appended, so the
+        newest token stays the only uncomputed one. The slots of rejected proposals hold stale K/V that the
+        request's next tokens overwrite; blocks that held nothing else go back to the allocator."""
+        accepted = len(tokens) - 1 - (tokens[-1] == INVALID_TOKEN)
+        out.num_drafts += 1
+        out.num_draft_tokens += num_proposed
+        out.num_accepted_tokens += accepted
+        request.num_drafts += 1
+        request.num_draft_tokens += num_proposed
+        request.num_accepted_tokens += accepted
+        for j, token in enumerate(tokens):
+            if token == INVALID_TOKEN:
+                self._finish(request, None, now, RequestStatus.FAILED, NON_FINITE_REASON)
+                finished.append(request)
+                return
+            if j > 0:
+                request.num_computed_tokens += 1
+            request.append_token(token, now, logprobs[j] if logprobs is not None else None)
+            reason = request.check_stop(max_model_len)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+                return
+        request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+        self.allocator.on_tokens_computed(request)
+        self.allocator.free_tail(request, request.num_tokens)
 
     def _hand_off(self, request: Request, now: float) -> None:
         """Prefill/decode disaggregation: ``request`` (on a prefill replica) has its first token; it leaves this
@@ -249,6 +296,8 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
+            if request.spec_token_ids:
+                num_new += self._fit_proposals(request, budget - num_new, len(self.running) - index - 1)
             if not self._make_room(request, num_new, self.running[index:], out, now):
                 continue  # ``request`` itself was preempted; the list shrank under ``index``
             self.allocator.append(request, num_new)
@@ -256,6 +305,18 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _fit_proposals(self, request: Request, budget: int, num_after: int) -> int:
+        """Speculative decoding: how many of a decoding ``request``'s proposals ride along this step (the others
+        are dropped). They take token budget and KV slots like any token, but never at the expense of another
+        request: the budget left after one token for each of the ``num_after`` running requests still to
+        schedule, and only blocks that are free now, less one for each of those (never a preemption)."""
+        drafts = request.spec_token_ids
+        k = max(0, min(len(drafts), budget - num_after)) if request.num_uncomputed_tokens == 1 else 0
+        while k and not self.allocator.can_allocate(request, 1 + k, reserve=num_after):
+            k -= 1
+        del drafts[k:]
+        return k
 
     def _make_room(self, request: Request, num_new: int, candidates: list[Request], out: SchedulerOutput,
                    now: float) -> bool:
@@ -337,6 +398,7 @@ class Scheduler:
         """Recompute-style preemption: free every block, forget computed tokens, go back to waiting."""
         self.allocator.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.running.remove(request)

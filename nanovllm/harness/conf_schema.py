@@ -34,12 +34,13 @@ from nanovllm.harness.workload import (
 
 
 def _engine_schema() -> type:
-    """``EngineConfig``'s fields without ``model`` (the ``model`` group owns it), same names, types and
-    defaults, so the two can never drift apart. ``seed`` follows the run's top-level ``seed``."""
+    """``EngineConfig``'s fields without ``model`` and ``speculative`` (the ``model`` and ``speculative`` groups
+    own them), same names, types and defaults, so the two can never drift apart. ``seed`` follows the run's
+    top-level ``seed``."""
     hints = typing.get_type_hints(EngineConfig)
     specs = []
     for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
+        if f.name in ("model", "speculative"):
             continue
         default = "${seed}" if f.name == "seed" else f.default
         specs.append((f.name, hints[f.name], field(default=default)))
@@ -81,6 +82,7 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # what run.py returns to sweepers
     live: LiveConfig = field(default_factory=LiveConfig)  # watch the run: off | web | tui (conf/live/)
     server: ServerConfig = field(default_factory=ServerConfig)  # python -m nanovllm.serve (conf/server/)
+    speculative: Any = MISSING  # {method: <registered proposer> or null (off), num_tokens: K, **its options}
 
 
 def register_configs() -> None:

@@ -44,6 +44,7 @@ from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.runner import RUNNERS
+from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.errors import (
     check_group_choices,
@@ -156,6 +157,23 @@ def _check_mappings(cfg: DictConfig) -> None:
                              f"got {node!r}")
 
 
+def _speculative(cfg: DictConfig) -> dict[str, Any] | None:
+    """The ``speculative`` group as ``EngineConfig.speculative`` (method null: off); its proposer and options are
+    checked here, before the model loads."""
+    node = cfg.get("speculative")
+    if node is None:
+        return None
+    if not isinstance(node, DictConfig):
+        raise ValueError(f"speculative must be a mapping (pick a file with speculative=<option>), got {node!r}")
+    spec = OmegaConf.to_container(node, resolve=True)
+    method = spec.get("method")
+    if method is not None and (not isinstance(method, str) or method not in PROPOSERS):
+        raise ValueError(f"speculative.method must be null (off) or a registered proposer "
+                         f"({', '.join(PROPOSERS.names())}), got {method!r}")
+    check_speculative(EngineConfig(speculative=spec))
+    return spec
+
+
 def check_config(cfg: DictConfig) -> _Checked:
     _check_missing(cfg)
     _check_mappings(cfg)
@@ -163,7 +181,7 @@ def check_config(cfg: DictConfig) -> _Checked:
     validate_workload_config(cfg.workload)
     _check_model_path(cfg.model.path)
     with _engine_field_errors():
-        engine = EngineConfig.from_options(model=cfg.model.path, **cfg.engine)
+        engine = EngineConfig.from_options(model=cfg.model.path, speculative=_speculative(cfg), **cfg.engine)
     SamplingParams(temperature=cfg.temperature)  # validates it
     runner = OmegaConf.to_container(cfg.runner, resolve=True)
     hardware = OmegaConf.to_container(cfg.hardware, resolve=True) if cfg.get("hardware") is not None else None
@@ -172,6 +190,9 @@ def check_config(cfg: DictConfig) -> _Checked:
     check_runner(runner, hardware)
     cluster = _check_cluster(cfg, engine, runner)
     attention = plugin_spec(ATTENTION_BACKENDS, resolve_attention(dict(cfg.attention), engine.device), "attention")
+    if engine.speculative is not None and not RUNNERS.get(runner["name"]).supports_speculation:
+        raise ValueError(f"speculative={engine.speculative['method']} needs a runner that verifies proposals; "
+                         f"runner={runner['name']} does not (use runner=real)")
     if RUNNERS.get(runner["name"]).loads_model:  # a simulated run runs no model and no attention: any device
         _check_device(engine.device)
         check_attention_available(attention, engine.device)

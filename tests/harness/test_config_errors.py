@@ -162,6 +162,10 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["router=consistent_hash", "router.virtual_nodes=0"], ["router.virtual_nodes", ">= 1"]),
     (["kv_transfer.name=nope"], ["unknown kv_transfer 'nope'", "shared_memory"]),
     (["kv_transfer=nvlink", "kv_transfer.latency=-1"], ["kv_transfer.latency", ">= 0"]),
+    # speculative: the group, the proposer's name and options, and the number of tokens
+    (["speculative=ngram", "speculative.num_tokens=0"], ["speculative.num_speculative_tokens", ">= 1"]),
+    (["speculative=ngram", "speculative.method=ngrm"], ["speculative.method", "ngram"]),
+    (["speculative=ngram", "+speculative.typo=1"], ["speculative='ngram' does not take options", "typo"]),
     (["cluster.replicas=abc"], ["cluster.replicas", "Integer"]),
     (["cluster.replicas=0"], ["cluster.replicas", ">= 1"]),
     (["runner=sim", "cluster.replicas=2", "+cluster.replica_overrides={7: {max_num_seqs: 2}}"],
@@ -221,6 +225,7 @@ BASES: list[list[str]] = [
     ["scheduler=priority", "model=default"],
     ["scheduler=random"],
     ["scheduler=prefill_first"],
+    ["speculative=ngram"],
 ]
 
 # Override values of the wrong type or impossible, in Hydra's override grammar.

@@ -130,11 +130,12 @@ class TensorParallelRunner(ModelRunner):
 
     def _prepare(
         self, scheduled: list[tuple[Request, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor, list[list[int]]]:
         """The step's flat batch, built once here and sent to every worker before this rank runs it; the
-        inherited ``execute`` then runs the shard (its collectives pair with the workers') and samples."""
+        inherited ``execute`` then runs the shard (its collectives pair with the workers') and samples (and
+        verifies proposals, which only this rank reads)."""
         prepared = super()._prepare(scheduled)
-        input_ids, positions, meta, _, sample_rows = prepared
+        input_ids, positions, meta, _, sample_rows, _ = prepared
         self._send(("step", input_ids.cpu(), positions.cpu(), _on_cpu(meta), sample_rows.cpu()))
         return prepared
 

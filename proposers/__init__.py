@@ -1,0 +1,1 @@
+"""Built-in proposers for speculative decoding, one per module; each registers itself by name on import."""

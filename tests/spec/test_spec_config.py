@@ -1,0 +1,32 @@
+"""The ``speculative`` Hydra group reaches ``EngineConfig.speculative``, checked before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from nanovllm.harness.conf_schema import register_configs
+from nanovllm.harness.run import check_config, config_dir
+
+
+def _checked(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return check_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_speculation_is_off_by_default_and_the_ngram_option_sets_method_k_and_lookup():
+    assert _checked().engine.speculative is None
+    spec = _checked("speculative=ngram", "speculative.num_tokens=5", "speculative.prompt_lookup_max=3").engine.speculative
+    assert spec == dict(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("speculative=ngram", "+speculative.bogus=1"), "does not take options"),
+    (("speculative=ngram", "speculative.method=nope"), "speculative.method must be null .off. or a registered proposer .ngram"),
+    (("speculative=ngram", "speculative.num_tokens=0"), r"num_speculative_tokens \(num_tokens\) must be an integer >= 1"),
+    (("speculative=ngram", "runner=sim"), "needs a runner that verifies proposals"),
+])
+def test_a_bad_speculative_setting_fails_before_the_model_loads(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _checked(*overrides)
