@@ -9,6 +9,7 @@ import ast
 import re
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from nanovllm.registry import Registry
 from nanovllm.seams import SEAMS, main
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILTIN_ROOTS = ("nanovllm", "policies", "allocators", "routers")
+# Where shipped plugins live: the root packages of the layering contracts (pyproject.toml), so it cannot drift.
+BUILTIN_ROOTS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"])
 
 
 def _registries_in_the_source() -> set[str]:
