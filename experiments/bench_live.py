@@ -25,9 +25,9 @@ import torch
 from nanovllm import LLM, machine
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.live.launch import start_live
-from nanovllm.serving.loggers import JsonlLogger, RunLogger
 from nanovllm.harness.serving import serve
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+from nanovllm.serving.loggers import JsonlLogger, RunLogger
 
 
 def open_browser(url: str):

@@ -50,8 +50,8 @@ from nanovllm.cluster.config import ClusterConfig  # noqa: E402
 from nanovllm.config import EngineConfig  # noqa: E402
 from nanovllm.harness.cluster import ServedCluster  # noqa: E402
 from nanovllm.harness.sim.calibrate import calibrate  # noqa: E402
-from nanovllm.serving.loggers import JsonlLogger  # noqa: E402
 from nanovllm.harness.workload import generate_workload  # noqa: E402
+from nanovllm.serving.loggers import JsonlLogger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "experiments" / "results" / "cluster_real_vs_sim.md"

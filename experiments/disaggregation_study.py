@@ -40,10 +40,10 @@ from nanovllm import machine  # noqa: E402
 from nanovllm.cluster.config import ClusterConfig  # noqa: E402
 from nanovllm.config import EngineConfig  # noqa: E402
 from nanovllm.harness.cluster import ServedCluster  # noqa: E402
-from nanovllm.serving.loggers import JsonlLogger  # noqa: E402
-from nanovllm.serving.metrics import SLO  # noqa: E402
 from nanovllm.harness.sim.calibrate import calibrate  # noqa: E402
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload  # noqa: E402
+from nanovllm.serving.loggers import JsonlLogger  # noqa: E402
+from nanovllm.serving.metrics import SLO  # noqa: E402
 
 OUT = ROOT / "experiments" / "results" / "disaggregation.md"
 GPU_MODEL = ROOT / "nanovllm" / "data" / "models" / "llama-3-8b"

@@ -15,8 +15,8 @@ from nanovllm.engine.protocol import EngineClient
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.plugins import load_plugins
 from nanovllm.progress import RequestProgress
-from nanovllm.router import ROUTERS, Router
 from nanovllm.request import Request
+from nanovllm.router import ROUTERS, Router
 from nanovllm.sampling import SamplingParams
 from nanovllm.serving.loop import StepLoop
 from nanovllm.serving.records import RequestRecord

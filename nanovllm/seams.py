@@ -21,7 +21,6 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, register_attention
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, register_kv_transfer
 from nanovllm.engine.runner import RUNNERS, register_runner
 from nanovllm.eviction import EVICTION_POLICIES, register_eviction
-from nanovllm.serving.loggers import LOGGERS, register_logger
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, register_step_time
 from nanovllm.models.base import MODELS, register_model
 from nanovllm.plugins import load_plugins
@@ -29,6 +28,7 @@ from nanovllm.policy import POLICIES, register_policy
 from nanovllm.proposer import PROPOSERS, register_proposer
 from nanovllm.registry import Registry
 from nanovllm.router import ROUTERS, register_router
+from nanovllm.serving.loggers import LOGGERS, register_logger
 
 
 @dataclass(frozen=True)

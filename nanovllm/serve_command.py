@@ -54,6 +54,8 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
     STOP.starting("importing the engine")
     import uvicorn  # noqa: F401  (imported here, so a missing install fails before the model loads)
 
+    # The engine side (torch, transformers, the model), imported only now: a bad config or a busy port is
+    # reported before seconds of imports, and Ctrl-C is already handled (STOP) while they run.
     from nanovllm.harness.live.launch import start_live
     from nanovllm.harness.runners import served_engine
     from nanovllm.serving.monitor import Monitor
@@ -109,6 +111,7 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
     if summary is not None:
         print(format_summary(summary, title="Serving Result (server side)"))
         if "per_replica" in summary:
+            # Only a cluster run's summary has per-replica figures (the harness's cluster module loads Ray's side).
             from nanovllm.harness.cluster import format_per_replica
 
             print(format_per_replica(summary))
@@ -127,7 +130,7 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
 def served_model_name(server: ServerConfig, model_path: str | None) -> str:
     """The name clients send as ``model``: ``server.served_model_name``, else ``model.path`` as given (as vLLM
     names a model by its ``--model``), else the default model's name (its GGUF file without the quantization)."""
-    from nanovllm.models.loader import DEFAULT_GGUF_FILE
+    from nanovllm.models.loader import DEFAULT_GGUF_FILE   # (the loader imports torch: not for a config error)
 
     return server.served_model_name or model_path or DEFAULT_GGUF_FILE.split(".")[0]
 

@@ -36,7 +36,7 @@ from nanovllm.cluster.replica import LocalReplica
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import StepOutput
 from nanovllm.request import Request
-from nanovllm.router import Router, StepTimeEstimate
+from nanovllm.router import ROUTERS, Router, StepTimeEstimate
 
 
 class DisaggregatedCluster(Cluster):
@@ -166,8 +166,6 @@ class DisaggregatedCluster(Cluster):
 def pool_routers(spec: Any) -> tuple[Router, Router]:
     """One router instance per pool from a ``router`` spec (``pool_router_specs``); a ``Router`` instance given
     as the whole spec serves the prefill pool, and the decode pool gets a fresh one of its class."""
-    from nanovllm.router import ROUTERS
-
     if isinstance(spec, Router):
         return spec, type(spec)()
     prefill, decode = pool_router_specs(spec)

@@ -29,14 +29,14 @@ from nanovllm.cluster.disaggregated import DisaggregatedCluster, pool_router_spe
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.engine import PluginSpec
-from nanovllm.serving.formatting import format_value
-from nanovllm.serving.records import RequestRecord
-from nanovllm.serving.monitor import ModelCost
 from nanovllm.harness.serving import ServedEngine, WallClock
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.simulate import Simulation
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS
 from nanovllm.router import ROUTERS
+from nanovllm.serving.formatting import format_value
+from nanovllm.serving.monitor import ModelCost
+from nanovllm.serving.records import RequestRecord
 
 
 @dataclass

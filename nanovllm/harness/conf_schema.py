@@ -21,10 +21,10 @@ from omegaconf import MISSING
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.live.config import LiveConfig
-from nanovllm.serving.metrics import SLO
-from nanovllm.serving.monitor import MonitorConfig
 from nanovllm.harness.objective import ObjectiveConfig
 from nanovllm.server.config import ServerConfig  # the server's options: a plain dataclass, nothing heavy
+from nanovllm.serving.metrics import SLO
+from nanovllm.serving.monitor import MonitorConfig
 from nanovllm.harness.workload import (
     ChatWorkloadConfig,
     MultiTurnWorkloadConfig,

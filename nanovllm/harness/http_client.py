@@ -33,13 +33,13 @@ from typing import Any, Mapping, Sequence
 import httpx
 
 from nanovllm.harness.interrupt import STOP
-from nanovllm.serving.loggers import LOGGERS, RunLogger, configured_loggers
-from nanovllm.serving.metrics import SLO, breakdown, format_summary, summarize
 from nanovllm.harness.option_types import plugin_spec
-from nanovllm.serving.records import RequestRecord
 from nanovllm.harness.sim.this_machine import this_machine
 from nanovllm.harness.workload import WorkloadRequest, generate_workload, validate_workload_config
 from nanovllm.progress import RequestProgress
+from nanovllm.serving.loggers import LOGGERS, RunLogger, configured_loggers
+from nanovllm.serving.metrics import SLO, breakdown, format_summary, summarize
+from nanovllm.serving.records import RequestRecord
 
 ENDPOINTS = ("completions", "chat")
 # httpx logs every request at INFO: at hundreds of requests that would flood the run's log.

@@ -44,8 +44,8 @@ from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.runner import RUNNERS
-from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.harness.conf_schema import register_configs
+from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.harness.errors import (
     check_group_choices,
     exit_with_error,
@@ -54,8 +54,8 @@ from nanovllm.harness.errors import (
     print_error,
     user_errors,
 )
-from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.interrupt import STOP, StartupInterrupt, interrupt_message, one_line_interrupts
+from nanovllm.harness.live.config import LiveConfig
 from nanovllm.serving.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.serving.metrics import SLO, format_summary
 from nanovllm.serving.monitor import MonitorConfig

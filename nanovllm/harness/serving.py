@@ -30,16 +30,16 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
 from nanovllm.engine.protocol import EngineClient
-from nanovllm.serving.formatting import format_value
-from nanovllm.serving.loggers import RunLogger
-from nanovllm.serving.metrics import SLO, breakdown, summarize
-from nanovllm.serving.monitor import ModelCost, Monitor, MonitorConfig
-from nanovllm.serving.loop import StepLoop
-from nanovllm.serving.records import RequestRecord
 from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.progress import RequestProgress
 from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import SamplingParams
+from nanovllm.serving.formatting import format_value
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.loop import StepLoop
+from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.serving.monitor import ModelCost, Monitor, MonitorConfig
+from nanovllm.serving.records import RequestRecord
 
 
 @dataclass
@@ -110,6 +110,7 @@ class ServedEngine:
     def annotations(self) -> dict[str, Any]:
         """What ``metrics.json`` gains: the machine the run ran on (CPU model, architecture, ISA level, torch
         threads), which a step-time profile fitted on the run records (``nanovllm.harness.sim.calibrate``)."""
+        # Imported here: nanovllm.harness.sim's package imports the simulator, which serves through this module.
         from nanovllm.harness.sim.this_machine import this_machine
 
         return {"machine": this_machine()}

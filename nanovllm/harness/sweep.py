@@ -17,8 +17,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from nanovllm.serving.formatting import format_value
 from nanovllm.harness.interrupt import STOP
+from nanovllm.serving.formatting import format_value
 from nanovllm.serving.records import read_metrics
 
 # The columns of summary.md, in this order, when the jobs have them (summary.csv keeps every metric).

@@ -24,9 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.chat_template import chat_token_ids
 from nanovllm.engine.protocol import EngineClient
-from nanovllm.serving.loggers import RunLogger
-from nanovllm.serving.metrics import SLO
-from nanovllm.serving.monitor import Monitor
 from nanovllm.request import Request as EngineRequest
 from nanovllm.sampling import SamplingParams
 from nanovllm.server import errors
@@ -34,6 +31,9 @@ from nanovllm.server.config import ServerConfig
 from nanovllm.server.engine_loop import Delta, DuplicateRequestId, EngineLoop, QueueFull, ShuttingDown
 from nanovllm.server.errors import OpenAIError, engine_value_error
 from nanovllm.server.prometheus import CONTENT_TYPE_LATEST, ServerMetrics
+from nanovllm.serving.loggers import RunLogger
+from nanovllm.serving.metrics import SLO
+from nanovllm.serving.monitor import Monitor
 from nanovllm.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,

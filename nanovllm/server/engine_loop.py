@@ -27,13 +27,13 @@ from nanovllm.engine.protocol import EngineClient, StepError
 from nanovllm.outputs import Logprob
 from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import SamplingParams
+from nanovllm.server.detokenizer import IncrementalDetokenizer
+from nanovllm.server.prometheus import ServerMetrics
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.loop import StepLoop
 from nanovllm.serving.metrics import SLO, breakdown, summarize
 from nanovllm.serving.monitor import Monitor
 from nanovllm.serving.records import RequestRecord
-from nanovllm.server.detokenizer import IncrementalDetokenizer
-from nanovllm.server.prometheus import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

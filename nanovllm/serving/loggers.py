@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
-from nanovllm.serving.records import RunWriter, dumps
 from nanovllm.registry import Registry
+from nanovllm.serving.records import RunWriter, dumps
 
 
 WandbMode = Literal["online", "offline", "disabled", "shared"]   # wandb.init(mode=...)

@@ -14,9 +14,9 @@ from helpers import REPO
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.cluster import ServedCluster, format_per_replica
-from nanovllm.serving.loggers import JsonlLogger
 from nanovllm.harness.sim import Simulation
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+from nanovllm.serving.loggers import JsonlLogger
 
 TOKEN_COST = {"name": "sim", "step_time": "token_cost"}
 ENGINE = dict(num_kv_blocks=48, max_num_seqs=4, dtype="bfloat16")

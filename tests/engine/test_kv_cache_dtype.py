@@ -14,9 +14,9 @@ from nanovllm.attention.base import check_kv_cache_dtype
 from nanovllm.attention.torch_backend import TorchAttention
 from nanovllm.config import EngineConfig
 from nanovllm.engine.kv_cache import allocate_kv_cache, bytes_per_block
-from nanovllm.serving.monitor import ModelCost
 from nanovllm.harness.sim import Simulation
 from nanovllm.harness.workload import WorkloadRequest
+from nanovllm.serving.monitor import ModelCost
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64; 16-token blocks.
 GEOMETRY = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)

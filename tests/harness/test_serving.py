@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from nanovllm.harness.serving import RunResult, format_breakdown, serve
+from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.metrics import SLO
 from nanovllm.serving.monitor import ModelCost, Monitor
-from nanovllm.harness.serving import RunResult, format_breakdown, serve
-from nanovllm.harness.workload import WorkloadRequest
 
 MAX_MODEL_LEN = 64
 

@@ -28,14 +28,14 @@ from helpers import wait_for
 from nanovllm import Policy, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine
-from nanovllm.serving.loggers import JsonlLogger
-from nanovllm.serving.metrics import summarize
-from nanovllm.serving.records import RequestRecord, read_jsonl
 from nanovllm.server.app import ServerState
 from nanovllm.server.config import ServerConfig
 from nanovllm.server.detokenizer import IncrementalDetokenizer
 from nanovllm.server.http import RunningServer, start_in_thread
 from nanovllm.server.prometheus import ServerMetrics
+from nanovllm.serving.loggers import JsonlLogger
+from nanovllm.serving.metrics import summarize
+from nanovllm.serving.records import RequestRecord, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-test"

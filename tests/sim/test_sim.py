@@ -21,13 +21,13 @@ import yaml
 
 from nanovllm import machine
 from nanovllm.config import EngineConfig
+from nanovllm.harness.runners import check_runner
+from nanovllm.harness.serving import serve
+from nanovllm.harness.sim import Hardware, Simulation, step_time, this_machine
+from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
 from nanovllm.serving.loggers import JsonlLogger
 from nanovllm.serving.monitor import MonitorConfig
 from nanovllm.serving.records import RunWriter, read_run
-from nanovllm.harness.serving import serve
-from nanovllm.harness.runners import check_runner
-from nanovllm.harness.sim import Hardware, Simulation, step_time, this_machine
-from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
     CalibratedStepTime,

@@ -21,9 +21,9 @@ import time
 from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.kv_cache import bytes_per_block
+from nanovllm.request import Request
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.records import RunWriter
-from nanovllm.request import Request
 
 
 def request_snapshot(request: Request, t0: float) -> dict[str, Any]:

@@ -58,9 +58,9 @@ import numpy as np
 import yaml
 from scipy.optimize import nnls
 
-from nanovllm.serving.records import read_config, read_run
 from nanovllm.harness.sim import runs_archive as archives
 from nanovllm.harness.sim import this_machine
+from nanovllm.serving.records import read_config, read_run
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
     KERNEL_FEATURES,

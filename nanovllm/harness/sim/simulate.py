@@ -22,13 +22,13 @@ from typing import Any, Mapping, Sequence
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.engine import PluginSpec
 from nanovllm.engine.sim_runner import simulated_engine
-from nanovllm.serving.monitor import ModelCost, MonitorConfig
-from nanovllm.serving.records import read_run
 from nanovllm.harness.serving import RunResult, ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, CalibratedStepTime, StepTimeModel
 from nanovllm.models.loader import resolve_model
 from nanovllm.request import Request
+from nanovllm.serving.monitor import ModelCost, MonitorConfig
+from nanovllm.serving.records import read_run
 
 # The runner keys of conf/runner/sim.yaml, and those only the token_cost step-time model reads.
 TOKEN_COST_KEYS = ("step_overhead", "time_per_token")

@@ -35,11 +35,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from nanovllm.serving.monitor import ModelCost
-from nanovllm.serving.records import read_run
 from nanovllm.harness.sim.hardware import Hardware
+from nanovllm.harness.sim.operator_profile import read_attention_profile, read_mlp_profile, split_attention
 from nanovllm.harness.sim.this_machine import cached_profile, calibrate_command, mismatch
 from nanovllm.registry import Registry
+from nanovllm.serving.monitor import ModelCost
+from nanovllm.serving.records import read_run
 
 # What the calibrated model regresses on (besides a per-step intercept).
 CALIBRATION_FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_sampled", "context_tokens", "attn_pairs")
@@ -242,8 +243,6 @@ class ProfiledStepTime(StepTimeModel):
         """``profile``: the directory holding Vidur's ``mlp.csv`` (and optionally ``attention.csv``) of this
         model on the GPU ``hardware`` describes, e.g. Vidur's ``data/profiling/compute/h100/meta-llama/
         Llama-2-7b-hf``. Called once when the simulated engine is built."""
-        from nanovllm.harness.sim.operator_profile import read_attention_profile, read_mlp_profile
-
         if not profile:
             raise ValueError("runner.profile: the profiled step-time model needs the directory of a Vidur profile "
                              "(mlp.csv, optionally attention.csv), e.g. vidur/data/profiling/compute/h100/"
@@ -269,8 +268,6 @@ class ProfiledStepTime(StepTimeModel):
     def attention_seconds(self, features: Mapping[str, int]) -> float:
         """Attention's kernel time in the step, all layers: from the profile, else the analytical roofline (its
         FLOPs against the compute peak, the KV cache read and written against bandwidth), split over the ranks."""
-        from nanovllm.harness.sim.operator_profile import split_attention
-
         if self.attention is not None:
             prefill_pairs, decode_kv = split_attention(features)
             per_layer_ms = self.attention.prefill(prefill_pairs) + self.attention.decode(decode_kv)
