@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_ray_cluster import ENGINE, PROMPTS, ray_processes
+from test_ray_cluster import ENGINE, PROMPTS, ray_processes, tiny_model  # noqa: F401 -- a fixture
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
@@ -129,3 +129,93 @@ def test_when_no_replica_is_left_the_requests_fail_with_that_reason_and_a_restar
     late = cluster.make_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
     drive(cluster, [late])
     assert late.replica == 0 and late.error is None and late.num_output_tokens == 4
+
+
+def replica_actor_processes(root: int) -> list:
+    """The Ray worker processes of ``root``'s ReplicaActors (Ray titles them ``ray::ReplicaActor...``)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            text = " ".join(proc.cmdline()) + " " + proc.name()
+        except psutil.Error:
+            continue
+        if "ray::ReplicaActor" in text:
+            found.append(proc)
+    return found
+
+
+def test_streams_over_http_survive_a_replica_killed_mid_stream(tmp_path, tiny_model):
+    """``python -m nanovllm.serve cluster.replicas=2 cluster.max_restarts=1``, four concurrent greedy streams from
+    the openai SDK, one replica's actor process SIGKILLed once every stream has text: each stream's text is the
+    undisturbed one (no duplicate, no gap), the run's records say which requests were retried, and no Ray
+    process is left after SIGINT."""
+    import concurrent.futures
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import openai
+
+    from helpers import cli_env, free_port, wait_until_healthy
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.serving.records import read_run
+
+    max_tokens = 300
+    engine = LLM(model=str(tiny_model), dtype="float32", **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [out.text for out in engine.generate(PROMPTS, params, use_tqdm=False)]
+    engine.close()
+    before = {p.pid for p in ray_processes()}
+    port, run_dir = free_port(), tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanovllm.serve", "cluster.replicas=2", "cluster.max_restarts=1",
+         "router=round_robin", f"model.path={tiny_model}", "engine.num_kv_blocks=128", "engine.max_model_len=512",
+         "engine.warmup=false", "engine.dtype=float32", "monitor.calibrate=false", f"server.port={port}",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    chunks: list[list[str]] = [[] for _ in PROMPTS]
+    everyone_started = threading.Event()
+    try:
+        wait_until_healthy(proc, url, timeout=300)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300, max_retries=0)
+        model = client.models.list().data[0].id
+
+        def stream(i: int) -> str:
+            for chunk in client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=max_tokens,
+                                                   temperature=0.0, stream=True, extra_body={"ignore_eos": True}):
+                chunks[i].append(chunk.choices[0].text)
+                if all(len(c) >= 2 for c in chunks):
+                    everyone_started.set()
+            return "".join(chunks[i])
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(stream, i) for i in range(len(PROMPTS))]
+            assert everyone_started.wait(120), "the streams did not start"
+            actors = replica_actor_processes(proc.pid)
+            assert len(actors) == 2
+            actors[0].send_signal(signal.SIGKILL)
+            texts = [future.result() for future in futures]
+        assert texts == expected
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    run = read_run(run_dir)
+    assert len(run.requests) == len(PROMPTS) and all(r["error"] is None for r in run.requests)
+    retried = [r for r in run.requests if r["num_retries"]]
+    assert retried and all(r["num_retries"] == 1 for r in retried)
+    assert len({r["retried_from"][0] for r in retried}) == 1   # all from the one replica killed
+    assert all(r["num_output_tokens"] == max_tokens and len(r["token_times"]) == max_tokens for r in run.requests)
+    assert run.metrics["faults"]["retried_requests"] == len(retried)
+    assert run.metrics["faults"]["replica_restarts"] == 1   # relaunched (cluster.max_restarts=1)
+    assert not [p for p in ray_processes() if p.pid not in before]
