@@ -90,6 +90,11 @@ class Request:
     num_drafts: int = field(default=0, init=False)            # steps that verified proposals of this request
     num_draft_tokens: int = field(default=0, init=False)      # tokens proposed and verified
     num_accepted_tokens: int = field(default=0, init=False)   # of those, the ones the target agreed with
+    # Cluster faults (``RayCluster``): the replicas this request was on when they died, in order (it resumed on
+    # another each time, its prompt and generated tokens recomputed there), and how many tokens those replicas
+    # had computed that were computed again.
+    retried_from: list[int] = field(default_factory=list, init=False)
+    retry_recomputed_tokens: int = field(default=0, init=False)
 
     @property
     def awaits_kv(self) -> bool:
@@ -98,6 +103,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_retries(self) -> int:
+        """How many times a dead replica's request resumed on another one (``retried_from``)."""
+        return len(self.retried_from)
 
     @property
     def num_prompt_tokens(self) -> int:

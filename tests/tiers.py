@@ -83,6 +83,7 @@ SLOW = {
     "test_server_process.py": "python -m nanovllm.serve subprocesses",
     "test_ray_cluster.py": "starts Ray and real replicas (Ray actors that load the model), and python -m nanovllm.run",
     "test_ray_disaggregated.py": "starts Ray and a prefill and a decode replica (Ray actors that load the model)",
+    "test_ray_faults.py": "starts Ray and real replicas, kills and relaunches their actors (each loads the model)",
     "test_tensor_parallel.py::test_a_script_without_the_main_guard_gets_one_error_naming_it":
         "a script that starts tensor-parallel workers, in a subprocess",
     # a browser

@@ -21,7 +21,13 @@ class ClusterConfig:
     (``nanovllm.cluster.disaggregated``): the first ``prefill_replicas`` replicas prefill each request and
     sample its first token, the other ``decode_replicas`` decode it, its K/V moved between them by
     ``kv_transfer`` (a registered ``KVTransfer``: a name or ``{name, **options}``); ``replicas`` is then their
-    sum (leave it 1, or give the sum)."""
+    sum (leave it 1, or give the sum).
+
+    Faults (real replicas, ``RayCluster``): a replica that dies has each request it held resumed on a live
+    replica of its pool (its prompt and generated tokens recomputed there), at most ``max_retries`` times per
+    request (0: a dead replica's requests fail, as they did before retries); ``max_restarts``: how many times a
+    dead replica's actor is relaunched (same index and settings; it rejoins the router once it answers), per
+    replica (0: never)."""
 
     replicas: int = 1
     replica_overrides: Any = field(default_factory=dict)
@@ -29,13 +35,15 @@ class ClusterConfig:
     prefill_replicas: int = 0
     decode_replicas: int = 0
     kv_transfer: Any = "shared_memory"
+    max_retries: int = 3
+    max_restarts: int = 0
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill_replicas > 0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_replicas", "decode_replicas"):
+        for name in ("prefill_replicas", "decode_replicas", "max_retries", "max_restarts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"cluster.{name} must be an integer >= 0, got {value!r}")

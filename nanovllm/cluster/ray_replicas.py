@@ -25,9 +25,18 @@ Time. Arrival times cross as perf_counter seconds of the driver. Processes on on
 under half a round trip), which the driver adds to what it sends and takes off what comes back.
 
 Deaths. A call that fails because its actor is gone (``ray.kill``, a crash, a lost node) marks the replica
-dead (its view ``alive=False``, so routers skip it), and fails each request it held with ``error`` "replica N
-died: ..." in one model-free step record of that replica; the others go on. An exception raised by the engine
-inside a live actor is re-raised in the driver as it was (a plugin bug ends the run, as on one engine).
+dead (its view ``alive=False``, so routers skip it; its router hears ``on_finish`` for each request it held).
+Each of those requests is routed again among the live replicas of its pool (a decode replica's to a decode
+replica) and resumes there from the driver's copy: its prompt plus every token the driver has seen (which is
+what a streaming client has seen), recomputed there as that engine's prompt, no K/V moved; it keeps its id,
+tokens, token times and sampling params, and ``max_tokens`` counts what it generated already, so the client
+gets each token once. A seeded request's sampler starts again from its seed (its state died with the actor).
+Its ``retried_from`` lists the replicas it was on, ``retry_recomputed_tokens`` what they had computed. It fails
+with "replica N died: ..." only when it was retried ``cluster.max_retries`` times or no replica of its pool is
+alive (one model-free step record of the dead replica reports what ended); an abort on its way to the dead
+replica ends its request aborted. With ``cluster.max_restarts`` the replica's actor is relaunched (same index
+and settings) and rejoins the router once its ``info`` answers. An exception raised by the engine inside a
+live actor is re-raised in the driver as it was (a plugin bug ends the run, as on one engine).
 
 Lifetime. With no address, a local Ray instance (127.0.0.1, no dashboard) is started and stopped with the
 cluster; ``address="auto"`` or ``ray://...`` joins a running one (then only this cluster's actors are
@@ -124,6 +133,11 @@ class ReplicaActor:
                 error = self._receive(request, spec)
                 if error is None:
                     continue
+            if error is None and spec.get("resume") is not None:
+                # Its replica died: it goes on here from its prompt and the tokens it generated there, all of
+                # them recomputed as this engine's prompt (as after a preemption), and the driver has them.
+                _restore(request, spec["resume"])
+                self._sent[request.request_id] = request.num_output_tokens
             if error is not None:
                 request = engine.rejected_request(spec["prompt_token_ids"], spec["sampling_params"], **fields)
             request.replica = self.replica.index
@@ -170,13 +184,7 @@ class ReplicaActor:
             data = self.transfer.receive(moved["handle"])
         except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
             return f"kv transfer ({self.transfer.registered_name}) failed to receive: {exc}"
-        request.token_ids = list(request.prompt_token_ids) + list(spec["output_token_ids"])
-        for key in ("first_scheduled_time", "first_token_time", "num_cached_tokens", "num_preemptions",
-                    "num_recomputed_tokens", "max_computed_tokens", "logprobs"):
-            setattr(request, key, spec[key])
-        request.token_times = list(spec["token_times"])
-        if spec.get("generator_state") is not None and request.generator is not None:
-            request.generator.set_state(spec["generator_state"])
+        _restore(request, spec)
         request.handoff = KVHandoff(prefill_replica=moved["prefill_replica"], num_tokens=moved["num_tokens"],
                                     num_bytes=moved["num_bytes"], data=data,
                                     prefill_end_time=moved["prefill_end_time"],
@@ -186,16 +194,19 @@ class ReplicaActor:
         self._sent[request.request_id] = request.num_output_tokens   # the driver has the first token already
         return None
 
-    def _progress(self) -> list[tuple[str, list[int], list | None, int]]:
-        """(id, new output tokens, their logprobs, cached prompt tokens) of each unfinished request that has
-        tokens the driver has not seen: at most ``max_num_seqs`` running ones, plus preempted ones (none new)."""
+    def _progress(self) -> list[tuple[str, list[int], list | None, int, list[float], float | None]]:
+        """(id, new output tokens, their logprobs, cached prompt tokens, the new tokens' times, first scheduled
+        time) of each unfinished request that has tokens the driver has not seen: at most ``max_num_seqs``
+        running ones, plus preempted ones (none new). The times let a request whose replica dies resume with
+        them elsewhere."""
         progress = []
         for request in self.engine.scheduler.running:
             sent = self._sent.get(request.request_id, 0)
             if request.num_output_tokens > sent:
                 new = request.output_token_ids[sent:]
                 logprobs = request.logprobs[sent:] if request.logprobs else None
-                progress.append((request.request_id, new, logprobs, request.num_cached_tokens))
+                progress.append((request.request_id, new, logprobs, request.num_cached_tokens,
+                                 request.token_times[sent:], request.first_scheduled_time))
                 self._sent[request.request_id] = request.num_output_tokens
         return progress
 
@@ -212,6 +223,21 @@ class ReplicaActor:
                 "num_queued_tokens": replica.num_queued_tokens, "num_decoding": replica.num_decoding,
                 "recent_ttft": replica.recent_ttft, "recent_itl": replica.recent_itl,
                 "keys_added": added, "keys_removed": removed}
+
+
+_RESTORED = ("first_scheduled_time", "first_token_time", "num_cached_tokens", "num_preemptions",
+             "num_recomputed_tokens", "max_computed_tokens", "logprobs")
+
+
+def _restore(request: Request, spec: Mapping[str, Any]) -> None:
+    """A fresh actor-side ``request`` as far as it had gone elsewhere (a prefill replica, or a replica that died):
+    its generated tokens, their times, its counters and (when sent) its sampler's state."""
+    request.token_ids = list(request.prompt_token_ids) + list(spec["output_token_ids"])
+    for key in _RESTORED:
+        setattr(request, key, spec[key])
+    request.token_times = list(spec["token_times"])
+    if spec.get("generator_state") is not None and request.generator is not None:
+        request.generator.set_state(spec["generator_state"])
 
 
 def _ended(request: Request) -> dict[str, Any]:
@@ -273,6 +299,11 @@ class RemoteReplica:
         self.in_flight: Any = None                      # its ObjectRef
         self.abort: str | None = None
         self.aborts: list[tuple[str, str]] = []         # (request id, reason) for the next call
+        # The aborts the call in flight carries: if the actor dies with it, those requests end aborted.
+        self.aborting: tuple[str | None, list[tuple[str, str]]] = (None, [])
+        self.resumes: set[str] = set()                  # ids in ``unsent`` that resume (their replica died)
+        self.num_restarts = 0                           # actors relaunched for this replica
+        self.starting: Any = None                       # a relaunched actor's ``info`` ObjectRef, until it answers
         self._view: ReplicaView | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -298,21 +329,33 @@ class RemoteReplica:
 
     def send(self) -> None:
         """The next call: the requests routed since the last one, and the abort if one was asked."""
-        new = [_plain(request, error, self.offset) for request, error in self.unsent]
+        new = [_plain(request, error, self.offset, request.request_id in self.resumes)
+               for request, error in self.unsent]
         self.sending = [request for request, error in self.unsent if error is None]
-        self.unsent = []
+        self.unsent, self.resumes = [], set()
         self.in_flight = self.actor.run.remote(new, self.abort, self.aborts)
+        self.aborting = (self.abort, self.aborts)
         self.abort, self.aborts = None, []
 
 
-def _plain(request: Request, error: str | None, offset: float) -> dict[str, Any]:
+def _plain(request: Request, error: str | None, offset: float, resume: bool = False) -> dict[str, Any]:
+    """``request`` as the actor's ``run`` takes it: with ``resume``, as far as the driver has followed it on a
+    replica that died (recomputed, no K/V); else with the K/V handed off to it, if any."""
     plain = {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids),
              "sampling_params": request.sampling_params, "arrival_time": request.arrival_time + offset,
              "priority": request.priority, "client_id": request.client_id, "slo_ttft": request.slo_ttft,
              "slo_e2el": request.slo_e2el, "session_id": request.session_id, "error": error,
-             "hand_off": request.hand_off_after_prefill, "handoff": None}
+             "hand_off": request.hand_off_after_prefill, "handoff": None, "resume": None}
     handoff = request.handoff
-    if handoff is not None and not handoff.loaded:   # to a decode replica: the request so far and its K/V
+    if resume:   # the driver's copy, as far as the client has seen it; max_computed 0: a retry's recompute
+        plain["resume"] = {"output_token_ids": request.output_token_ids,
+                           "token_times": [t + offset for t in request.token_times],
+                           "first_scheduled_time": _shift(request.first_scheduled_time, offset),
+                           "first_token_time": _shift(request.first_token_time, offset),
+                           "num_cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
+                           "num_recomputed_tokens": request.num_recomputed_tokens, "max_computed_tokens": 0,
+                           "logprobs": request.logprobs}
+    elif handoff is not None and not handoff.loaded:   # to a decode replica: the request so far and its K/V
         plain["handoff"] = {"handle": handoff.data, "prefill_replica": handoff.prefill_replica,
                             "num_tokens": handoff.num_tokens, "num_bytes": handoff.num_bytes,
                             "transfer_time": handoff.transfer_time,
@@ -370,21 +413,26 @@ class RayCluster(ClusterBase):
         self.decode_imbalance: list[float] = []
         self._reports: deque[StepOutput] = deque()
         self._last_keys: tuple[Request | None, list[int]] = (None, [])
+        self.max_retries, self.max_restarts = cluster.max_retries, cluster.max_restarts
         self._started = _start_ray(cluster.address, cluster.replicas)
-        actors: list[Any] = []
+        actors: list[Any] = []   # every actor started, relaunched ones included (the finalizer stops them)
+        self._actors = actors
         self._finalizer = weakref.finalize(self, _stop, actors, self._started)
         try:
             threads = max(1, _cpus(self._started) // cluster.replicas)
-            actor_class = ray.remote(ReplicaActor)
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                                 os.environ.get("PYTHONPATH")])),
                    "OMP_NUM_THREADS": str(threads)}
+            # Ray does not restart an actor itself: a relaunch (``max_restarts``) is this cluster's, so the
+            # driver knows when the replica is back and its requests have gone elsewhere meanwhile.
+            self._actor_class = ray.remote(ReplicaActor).options(num_cpus=threads, max_restarts=0,
+                                                                  max_task_retries=0, runtime_env={"env_vars": env})
             paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in plugin_paths]
-            for index in range(cluster.replicas):
-                actors.append(actor_class.options(num_cpus=threads, max_restarts=0, max_task_retries=0,
-                                                  runtime_env={"env_vars": env}).remote(
-                    index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads,
-                    self._view_index(index), cluster.kv_transfer if self.num_prefill else None))
+            self._actor_args = [(index, cluster.engine_config(config, index), dict(plugins or {}), paths, threads,
+                                 self._view_index(index), cluster.kv_transfer if self.num_prefill else None)
+                                for index in range(cluster.replicas)]
+            for args in self._actor_args:
+                actors.append(self._actor_class.remote(*args))
             self.model_dir = resolve_model(config.model)
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self.hf_config = AutoConfig.from_pretrained(self.model_dir)
@@ -430,6 +478,8 @@ class RayCluster(ClusterBase):
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: Request, error: str | None = None) -> None:
+        """Route ``request`` (a relaunched replica that has started rejoins first) and queue it on its replica."""
+        self.poll_restarts()
         now = request.arrival_time
         request.hand_off_after_prefill = bool(self.num_prefill)
         index = self._route(request, now)
@@ -550,9 +600,13 @@ class RayCluster(ClusterBase):
             flights = {replica.in_flight: replica for replica in self.replicas if replica.in_flight is not None}
             if not flights:
                 raise RuntimeError("RayCluster: waited for a step with no replica holding a request")
-            ready, _ = ray.wait(list(flights), num_returns=1, timeout=timeout)
+            starting = {replica.starting: replica for replica in self.replicas if replica.starting is not None}
+            ready, _ = ray.wait(list(flights) + list(starting), num_returns=1, timeout=timeout)
             if not ready:
                 return False
+            if ready[0] in starting:   # a relaunched replica answered: it takes requests from now on
+                self._rejoin(starting[ready[0]])
+                continue
             replica = flights[ready[0]]
             replica.in_flight = None
             try:
@@ -581,17 +635,22 @@ class RayCluster(ClusterBase):
         state = dict(result["state"])
         replica.keys.difference_update(state.pop("keys_removed"))
         replica.keys.update(state.pop("keys_added"))
-        replica.state, replica.sending, replica._view = state, [], None
+        replica.state, replica.sending, replica._view, replica.aborting = state, [], None, (None, [])
         if result["record"] is None:
             return None
-        for request_id, tokens, logprobs, cached in result["progress"]:
+        offset = replica.offset
+        for request_id, tokens, logprobs, cached, times, scheduled in result["progress"]:
             request = replica.held.get(request_id)
             if request is not None:   # the driver's copy follows the actor's, token by token
                 request.token_ids.extend(tokens)
+                request.token_times.extend(t - offset for t in times)
                 if logprobs is not None:
                     request.logprobs = (request.logprobs or []) + list(logprobs)
                 request.num_cached_tokens = cached
-        offset = replica.offset
+                if request.first_token_time is None and request.token_times:
+                    request.first_token_time = request.token_times[0]
+                if request.first_scheduled_time is None and scheduled is not None:
+                    request.first_scheduled_time = scheduled - offset
         finished = []
         for plain in result["finished"]:
             request = replica.held.pop(plain["request_id"])
@@ -612,21 +671,47 @@ class RayCluster(ClusterBase):
         return StepOutput(finished, record)
 
     def _died(self, replica: RemoteReplica, exc: BaseException) -> None:
+        """``replica``'s actor is gone: routers skip it; each request it held resumes on a live replica of its
+        pool (``_retry``), or ends: aborted if an abort was on its way to it, failed with the reason when it has
+        been retried ``max_retries`` times or no replica is left; the actor is relaunched if restarts remain."""
         replica.alive, replica._view = False, None
         reason = f"replica {replica.index} died: {_first_line(exc)}"
         now = time.perf_counter()
-        failed = list(replica.held.values())
+        held = list(replica.held.values())
         replica.held.clear()
-        replica.unsent, replica.sending = [], []
-        for request in failed:
-            request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
+        replica.unsent, replica.sending, replica.resumes = [], [], set()
+        abort_all = replica.abort or replica.aborting[0]
+        aborted = dict(replica.aborting[1] + replica.aborts)
+        replica.abort, replica.aborts, replica.aborting = None, [], (None, [])
+        retry: list[Request] = []
+        failed: list[Request] = []
+        for request in held:
             handoff = request.handoff
             if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
                 self.transfer.discard(handoff.data)   # K/V sent to it and never received: free them
                 handoff.data = None
+            abort = aborted.get(request.request_id, abort_all)
+            if abort is not None:   # the client gave up on it already: no reason to resume it
+                request.status, request.error, request.finish_reason = RequestStatus.ABORTED, abort, "abort"
+                request.finish_time = now
+                failed.append(request)
+            elif request.num_retries >= self.max_retries:
+                request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
+                if self.max_retries:
+                    request.error += f" (retried {request.num_retries} times: cluster.max_retries)"
+                failed.append(request)
+            else:
+                retry.append(request)
         router = self._router_of(replica)
-        for request in failed:
+        for request in held:   # its replica's router hears every one end there, retried or not
             self._ask("on_finish", request, replica.view_index, now, router=router)
+        for request in retry:
+            if not self._retry(request, replica, now):
+                request.status, request.finish_time = RequestStatus.FAILED, now
+                request.error = f"{reason} (no live replica is left to retry it on)"
+                failed.append(request)
+        if replica.num_restarts < self.max_restarts:
+            self._relaunch(replica)
         state = replica.state
         record = StepRecord(
             step=0, start_time=now, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0,
@@ -638,9 +723,87 @@ class RayCluster(ClusterBase):
         record["replica"] = replica.index
         self._reports.append(StepOutput(failed, record))
 
+    def _retry(self, request: Request, dead: RemoteReplica, now: float) -> bool:
+        """Route ``request``, held by ``dead``, to a live replica of the same pool (a decode replica's to a decode
+        replica: it recomputes the prompt and the tokens generated so far, no K/V moved) and queue it to resume
+        there. False when no replica of the pool is alive."""
+        pool_name = self.pool_of(dead.index)
+        if pool_name == "decode":
+            pool, router, imbalance = self.replicas[self.num_prefill:], self.decode_router, self.decode_imbalance
+            request.hand_off_after_prefill = False   # it decodes where it goes
+        else:
+            pool = self.replicas[:self.num_prefill] if pool_name == "prefill" else self.replicas
+            router, imbalance = self.router, self.imbalance
+        if not any(replica.alive for replica in pool):
+            return False
+        request.retried_from.append(dead.index)
+        if request.num_output_tokens:   # the dead replica had computed all but the newest token
+            request.retry_recomputed_tokens += request.num_tokens - 1
+        self._last_keys = (None, [])   # its tokens grew since it was routed: hash them again
+        views = [replica.view(request, self._prefix_match) for replica in pool]
+        local = self._choose(request, views, now, router, imbalance)
+        target = pool[local]
+        request.replica = target.index
+        target.num_routed += 1
+        target.held[request.request_id] = request
+        target.unsent.append((request, None))
+        target.resumes.add(request.request_id)
+        target._view = None
+        self._ask("on_arrival", request, local, now, router=router)
+        if target.in_flight is None:
+            target.send()
+        return True
+
+    def _relaunch(self, replica: RemoteReplica) -> None:
+        """Start a new actor for dead ``replica`` (same index and settings); it rejoins once its ``info``
+        answers (``_rejoin``), meanwhile routers see it dead."""
+        replica.num_restarts += 1
+        replica.actor = self._actor_class.remote(*self._actor_args[replica.index])
+        self._actors.append(replica.actor)
+        replica.starting = replica.actor.info.remote()
+        logging.getLogger(__name__).warning("replica %d died; relaunching it (restart %d of %d)", replica.index,
+                                            replica.num_restarts, self.max_restarts)
+
+    def _rejoin(self, replica: RemoteReplica) -> None:
+        """``replica``'s relaunched actor answered (or failed to start: relaunched again while restarts remain)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        ref, replica.starting = replica.starting, None
+        try:
+            info = ray.get(ref)
+        except (RayActorError, RayTaskError) as exc:
+            logging.getLogger(__name__).warning("replica %d failed to restart: %s", replica.index, _first_line(exc))
+            if replica.num_restarts < self.max_restarts:
+                self._relaunch(replica)
+            return
+        replica.info = info
+        state = dict(info["state"])
+        replica.keys = set(state.pop("keys_added"))
+        state.pop("keys_removed")
+        replica.state, replica._view = state, None
+        node = ray.get_runtime_context().get_node_id()
+        replica.offset = 0.0 if info["node_id"] == node else _offset(replica.actor)
+        replica.alive = True
+
+    def poll_restarts(self, timeout: float = 0.0) -> list[int]:
+        """Rejoin the relaunched replicas whose actors have started, waiting at most ``timeout`` seconds for all
+        of them; returns the indices that rejoined. Called at every ``add_request`` and while a step is awaited,
+        so a replica rejoins the router as soon as it answers; a caller may call it to wait for one."""
+        import ray
+
+        starting = {replica.starting: replica for replica in self.replicas if replica.starting is not None}
+        if not starting:
+            return []
+        ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=timeout)
+        for ref in ready:
+            self._rejoin(starting[ref])
+        return [starting[ref].index for ref in ready if starting[ref].alive]
+
     # -- lifetime ----------------------------------------------------------------------------------------------
     def kill_replica(self, index: int) -> None:
-        """Kill replica ``index``'s actor (as a crash would): its requests fail at the next ``step``."""
+        """Kill replica ``index``'s actor (as a crash would): the driver finds out when its call in flight (or
+        its next one) fails, and its requests resume elsewhere (``_died``)."""
         import ray
 
         ray.kill(self.replicas[index].actor, no_restart=True)

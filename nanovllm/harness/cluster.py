@@ -6,7 +6,10 @@ per replica, and the summary's cluster figures (``summary_extras``):
 * ``load_imbalance_mean`` / ``load_imbalance_max``: max over mean outstanding requests across replicas, as
   each arriving request found the cluster (1.0 is perfect balance; N is everything on one of N replicas);
 * ``per_replica``: per replica, requests routed and completed, prefix-cache hit rate, preemptions, mean and
-  peak KV usage, busy fraction (its steps' time over the run's) and mean outstanding requests.
+  peak KV usage, busy fraction (its steps' time over the run's) and mean outstanding requests (real replicas:
+  and ``restarts``);
+* ``faults`` (real replicas): requests resumed after their replica died, retries, tokens recomputed for them,
+  requests failed by a death, restarts (``faults_summary``).
 
 Simulated (``runner=sim cluster.replicas=N``): every replica is a ``Simulation`` (the real scheduler, policy
 instance and allocator of its own) on its own virtual clock, and the cluster runs them as one discrete-event
@@ -129,6 +132,11 @@ class ServedCluster(ServedEngine):
             "load_imbalance_max": max(imbalance) if imbalance else None,
             "per_replica": table,
         }
+        if not self.simulations:   # real replicas: what their deaths cost
+            restarts = [getattr(replica, "num_restarts", 0) for replica in self.cluster.replicas]
+            for index, count in enumerate(restarts):
+                table[str(index)]["restarts"] = count
+            extras["faults"] = faults_summary(records, restarts)
         num_prefill = getattr(self.cluster, "num_prefill", 0)
         if num_prefill:
             extras["disaggregation"] = disaggregation_summary(records, table, num_prefill,
@@ -202,6 +210,17 @@ def disaggregation_summary(records: Sequence[RequestRecord], table: Mapping[str,
     }
 
 
+def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int]) -> dict[str, Any]:
+    """What ``metrics.json`` says of replica deaths (``RayCluster``): requests that resumed on another replica,
+    their retries and the tokens recomputed for them, requests that failed because their replica died, and
+    each replica's restarts."""
+    retried = [r for r in records if r.get("num_retries")]
+    return {"retried_requests": len(retried), "retries": sum(r["num_retries"] for r in retried),
+            "retry_recomputed_tokens": sum(r["retry_recomputed_tokens"] for r in retried),
+            "failed_replica_died": sum(bool(r["error"] and " died: " in r["error"]) for r in records),
+            "replica_restarts": sum(restarts)}
+
+
 def per_replica(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],
                 num_replicas: int) -> dict[str, dict[str, Any]]:
     """Per replica (keyed by its index as a string): its requests, cache hits, preemptions, KV usage and load.
@@ -265,4 +284,9 @@ def format_per_replica(summary: Mapping[str, Any]) -> str:
                       f"queue p50 {format_value(split['decode_queue_p50_ms'], '.1f')} ms; busy prefill "
                       f"{format_value(split['prefill_pool_busy'], '.2f')} / decode "
                       f"{format_value(split['decode_pool_busy'], '.2f')}")
+    faults = summary.get("faults")
+    if faults and (faults["retries"] or faults["failed_replica_died"] or faults["replica_restarts"]):
+        imbalance += (f"\nreplica deaths: {faults['retried_requests']} requests resumed elsewhere "
+                      f"({faults['retries']} retries, {faults['retry_recomputed_tokens']} tokens recomputed), "
+                      f"{faults['failed_replica_died']} failed, {faults['replica_restarts']} restarts")
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], imbalance])

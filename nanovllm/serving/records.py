@@ -55,6 +55,11 @@ class RequestRecord(TypedDict):
     kv_transfer_time: float | None
     kv_arrival_time: float | None
     decode_start_time: float | None
+    # Cluster faults: times it resumed on another replica after its replica died, the replicas it was on then
+    # (in order), and the tokens those had computed that were computed again (prompt + generated tokens).
+    num_retries: int
+    retried_from: list[int]
+    retry_recomputed_tokens: int
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -89,6 +94,9 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         kv_transfer_time=handoff.transfer_time if handoff is not None else None,
         kv_arrival_time=rel(handoff.arrival_time) if handoff is not None else None,
         decode_start_time=rel(handoff.decode_start_time) if handoff is not None else None,
+        num_retries=request.num_retries,
+        retried_from=list(request.retried_from),
+        retry_recomputed_tokens=request.retry_recomputed_tokens,
     )
 
 

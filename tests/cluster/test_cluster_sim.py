@@ -226,3 +226,11 @@ def test_bad_cluster_options_fail_before_anything_loads_naming_the_field(overrid
 
     with pytest.raises((ValueError, KeyError), match=message):
         check_config(compose_run(*overrides))
+
+
+@pytest.mark.parametrize("field", ["max_retries", "max_restarts"])
+def test_the_fault_settings_are_integers_at_least_zero(field):
+    assert getattr(ClusterConfig(**{field: 0}), field) == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"cluster.{field} must be an integer >= 0, got {bad!r}"):
+            ClusterConfig(**{field: bad})

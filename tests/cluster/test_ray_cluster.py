@@ -1,8 +1,9 @@
 """Real replicas on Ray: two engines in Ray actors behind a router, driven like one engine (one module-scoped
 cluster, float32, no warm-up, to keep the file cheap). The cluster generates what one engine does, its views
 follow the replicas' reported state (the prefix-cache mirror agrees with each replica's own allocator), a
-served run writes where each request and step ran, a replica killed mid-run fails its requests with the reason
-and the router then sends every request to the live one, and no Ray process is left once it is closed."""
+served run writes where each request and step ran, a replica killed mid-run (retries off) fails its requests
+with the reason and the router then sends every request to the live one, and no Ray process is left once it is
+closed."""
 
 from __future__ import annotations
 
@@ -137,8 +138,9 @@ def test_a_served_run_records_where_each_request_and_step_ran(cluster_llm, tmp_p
 
 
 def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoids_it(cluster_llm):
-    """Replica 1 is killed (ray.kill) once it has run a step of a served run: what it held fails with the reason
-    and the rest finish, none is lost; the requests of the next run all go to replica 0 and finish. The second
+    """With retries off (``cluster.max_retries=0``; ``test_ray_faults`` tests them), replica 1 is killed
+    (ray.kill) once it has run a step of a served run: what it held fails with the reason and the rest finish,
+    none is lost; the requests of the next run all go to replica 0 and finish. The second
     run starts after the first has ended, so its arrivals come after the kill on any machine load (a single run
     with timed arrivals once saw replica 1's first step after its last arrival). (Last test of the module
     cluster: it loses a replica.)"""
@@ -151,6 +153,7 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
     from nanovllm import SamplingParams
 
     cluster = cluster_llm.engine
+    cluster.max_retries = 0
     # Both replicas run a step first: a replica's first step loads (in a fresh clone, waits for another worker to
     # build) the attention kernel, which is not what this test is about.
     routed = [replica.num_routed for replica in cluster.replicas]
