@@ -171,7 +171,7 @@ class LLMEngine(EngineClient):
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
+        if not _token_ids_in_range(token_ids, self.vocab_size):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -372,6 +372,16 @@ class LLMEngine(EngineClient):
             spec_decode_num_draft_tokens=out.num_draft_tokens,
             spec_decode_num_accepted_tokens=out.num_accepted_tokens,
         )
+
+
+def _token_ids_in_range(token_ids: list[Any], vocab_size: int) -> bool:
+    """Whether every id is an int (not a bool) in ``[0, vocab_size)``. Prompts run to many thousands of
+    tokens and this runs once per request, so the common case (all plain ints) is checked by ``map``,
+    ``count``, ``min`` and ``max`` in C rather than one Python test per token; anything else (int subclasses,
+    mixed types) takes the per-token test, which gives the same answer."""
+    if list(map(type, token_ids)).count(int) == len(token_ids):
+        return 0 <= min(token_ids) and max(token_ids) < vocab_size
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in token_ids)
 
 
 @dataclass
