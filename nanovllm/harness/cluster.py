@@ -40,6 +40,7 @@ from nanovllm.router import ROUTERS
 from nanovllm.serving.formatting import format_value
 from nanovllm.serving.monitor import ModelCost
 from nanovllm.serving.records import RequestRecord
+from nanovllm.serving.step_records import StepTotals
 
 
 @dataclass
@@ -124,9 +125,10 @@ class ServedCluster(ServedEngine):
         if close is not None:
             close()
 
-    def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],
+                       totals: StepTotals | None = None) -> dict[str, Any]:
         imbalance = self.cluster.imbalance
-        table = per_replica(records, steps, len(self.cluster.replicas))
+        table = per_replica(records, steps, len(self.cluster.replicas), totals)
         extras = {
             "load_imbalance_mean": statistics.fmean(imbalance) if imbalance else None,
             "load_imbalance_max": max(imbalance) if imbalance else None,
@@ -222,9 +224,10 @@ def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int]) ->
 
 
 def per_replica(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],
-                num_replicas: int) -> dict[str, dict[str, Any]]:
+                num_replicas: int, totals: StepTotals | None = None) -> dict[str, dict[str, Any]]:
     """Per replica (keyed by its index as a string): its requests, cache hits, preemptions, KV usage and load.
-    With disaggregation a request counts on its prefill replica and on its decode replica."""
+    With disaggregation a request counts on its prefill replica and on its decode replica. ``totals``: the step
+    figures over every step, when ``steps`` holds only the records kept (``records.steps``)."""
     duration = max((r["finish_time"] or 0.0 for r in records), default=0.0) or 1.0
     by_replica: dict[int, list[RequestRecord]] = {i: [] for i in range(num_replicas)}
     steps_of: dict[int, list[dict[str, Any]]] = {i: [] for i in range(num_replicas)}
@@ -253,6 +256,8 @@ def per_replica(records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]
                                  if its_steps else 0.0),
             "num_steps": len(its_steps),
         }
+        if totals is not None:
+            table[str(index)].update(totals.replica_figures(index, duration))
     return table
 
 

@@ -25,6 +25,7 @@ from nanovllm.harness.objective import ObjectiveConfig
 from nanovllm.server.config import ServerConfig  # the server's options: a plain dataclass, nothing heavy
 from nanovllm.serving.metrics import SLO
 from nanovllm.serving.monitor import MonitorConfig
+from nanovllm.serving.step_records import RecordsConfig
 from nanovllm.harness.workload import (
     ChatWorkloadConfig,
     MultiTurnWorkloadConfig,
@@ -83,6 +84,7 @@ class RunConfig:
     live: LiveConfig = field(default_factory=LiveConfig)  # watch the run: off | web | tui (conf/live/)
     server: ServerConfig = field(default_factory=ServerConfig)  # python -m nanovllm.serve (conf/server/)
     speculative: Any = MISSING  # {method: <registered proposer> or null (off), num_tokens: K, **its options}
+    records: RecordsConfig = field(default_factory=RecordsConfig)  # steps: all | every:N | interval:SECONDS
 
 
 def register_configs() -> None:

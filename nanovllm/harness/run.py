@@ -59,6 +59,7 @@ from nanovllm.harness.live.config import LiveConfig
 from nanovllm.serving.loggers import LOGGERS, JsonlLogger, RunLogger
 from nanovllm.serving.metrics import SLO, format_summary
 from nanovllm.serving.monitor import MonitorConfig
+from nanovllm.serving.step_records import StepRecords
 from nanovllm.harness.objective import (
     ObjectiveConfig,
     check_sweeper_direction,
@@ -142,6 +143,7 @@ class _Checked:
     hardware: dict[str, Any] | None = None
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     router: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "round_robin"})
+    step_records: StepRecords = dataclasses.field(default_factory=StepRecords)
 
 
 # The free-form nodes of the schema (typed Any, so Hydra lets any value through): each must be a mapping.
@@ -209,6 +211,7 @@ def check_config(cfg: DictConfig) -> _Checked:
         live=LiveConfig(**cfg.live),
         cluster=cluster,
         router=_check_router(cfg.router, cluster),
+        step_records=StepRecords.parse(cfg.get("records", {}).get("steps")),
     )
 
 
@@ -312,7 +315,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         STOP.serving()  # from here a signal stops the run after the current step, its files written
         result = served.serve(workload, progress=cfg.progress and not multirun and checked.live.mode != "tui",
                               loggers=loggers, monitor=monitor, slo=checked.slo, temperature=cfg.temperature,
-                              stop=STOP.event)
+                              stop=STOP.event, step_records=checked.step_records)
     except BaseException:
         live.close()
         raise

@@ -40,6 +40,7 @@ from nanovllm.serving.loop import StepLoop
 from nanovllm.serving.metrics import SLO, breakdown, summarize
 from nanovllm.serving.monitor import ModelCost, Monitor, MonitorConfig
 from nanovllm.serving.records import RequestRecord
+from nanovllm.serving.step_records import StepRecords, StepTotals
 
 
 @dataclass
@@ -127,9 +128,11 @@ class ServedEngine:
     #: The request-record fields the run is broken down by (``RunResult.breakdowns``).
     breakdown_by: ClassVar[tuple[str, ...]] = ("priority", "client_id")
 
-    def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def summary_extras(self, records: Sequence[RequestRecord], steps: Sequence[dict[str, Any]],
+                       totals: StepTotals | None = None) -> dict[str, Any]:
         """What the summary gains from the finished run's records beyond ``summarize`` (a cluster adds its
-        per-replica figures); called once, after the last request ended, before the loggers get the summary."""
+        per-replica figures); called once, after the last request ended, before the loggers get the summary.
+        ``totals``: the step figures over every step when ``steps`` holds fewer (``records.steps``)."""
         return {}
 
     def close(self) -> None:
@@ -149,8 +152,9 @@ def serve(
     clock: ServingClock | None = None,
     annotations: Mapping[str, Any] | None = None,
     stop: threading.Event | None = None,
-    summary_extras: Callable[[Sequence[RequestRecord], Sequence[dict[str, Any]]], Mapping[str, Any]] | None = None,
+    summary_extras: Callable[..., Mapping[str, Any]] | None = None,
     breakdown_by: Sequence[str] = ("priority", "client_id"),
+    step_records: StepRecords = StepRecords(),
 ) -> RunResult:
     """Serve ``workload`` on ``engine`` in real time and return the run's records and summary.
 
@@ -164,35 +168,44 @@ def serve(
     ``engine`` may be a ``nanovllm.cluster.Cluster`` (replicas behind a router), driven the same way. The engine's warm-up (done when it was
     built, before ``serve``'s clock starts) is reported as ``warmup_time_s`` / ``warmup_steps``, never in a request.
 
+    ``step_records`` bounds the step records kept and logged (``records.steps``: every one by default); the
+    summary's step figures are over every step whichever are kept (``nanovllm.serving.step_records``).
+
     When ``stop`` is set (``python -m nanovllm.run`` sets it on SIGINT/SIGTERM) the loop ends after the current
     step: every unfinished request is aborted with reason ``interrupted`` and recorded, requests that had not
     arrived yet are only counted, and the summary says ``"interrupted": true`` over what there is.
     """
     clock = clock or WallClock()
-    run = _Run(engine, StepLoop(engine, loggers=loggers, monitor=monitor,
+    run = _Run(engine, StepLoop(engine, loggers=loggers, monitor=monitor, step_records=step_records,
                                 progress=RequestProgress(len(workload), disable=not progress)), temperature, clock)
     try:
         run.loop(workload, stop)
     except Exception as exc:
         with contextlib.suppress(Exception):  # every request written if possible, then the original error
             run.books.fail_unfinished(run.submitted, f"engine fault: {type(exc).__name__}")
+            run.books.flush_steps()
         raise
     finally:
         if run.books.progress is not None:
             run.books.progress.close()
+    run.books.flush_steps()
     run.check_all_ended(len(run.submitted) if run.interrupted else len(workload))
 
-    records, steps = run.books.requests, run.books.steps
+    records, steps, totals = run.books.requests, run.books.steps, run.books.totals
     summary = summarize(records, steps, slo=slo)
+    if totals is not None:   # fewer records kept than steps run: the step figures come from every step
+        summary.update(totals.summary())
     if run.interrupted:
         summary.update(interrupted=True, not_arrived=len(workload) - len(run.submitted))
     if monitor is not None:
-        overall = monitor.overall(steps)
+        overall = monitor.overall(steps) if totals is None else \
+            totals.utilisation(monitor.peak_flops, monitor.peak_bandwidth)
         summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
     summary.update(warmup_time_s=round(engine.warmup_time, 3), warmup_steps=engine.warmup_steps)
     summary.update(annotations or {})
     if summary_extras is not None:
-        summary.update(summary_extras(records, steps))
+        summary.update(summary_extras(records, steps, totals) if totals is not None else
+                       summary_extras(records, steps))
     breakdowns = {by: breakdown(records, by, slo=slo) for by in breakdown_by}
     for logger in loggers:
         logger.log_summary(summary, breakdowns)

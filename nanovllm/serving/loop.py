@@ -20,6 +20,7 @@ from nanovllm.request import Request
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.monitor import Monitor
 from nanovllm.serving.records import RequestRecord, request_record, step_record
+from nanovllm.serving.step_records import StepKeeper, StepRecords, StepTotals
 
 #: Called with each ended request and its record before the record is kept and logged; it may amend the record
 #: (the HTTP server ends a request at a stop string, which the engine reports as an abort).
@@ -32,18 +33,22 @@ class StepLoop:
     ``loggers`` get every step and ended request (their ``start`` / ``finish`` are the caller's, who knows the
     run directory); ``monitor`` annotates each step with its FLOPs, bytes, MFU and MBU; ``progress`` is moved
     after every step; ``on_ended`` may amend an ended request's record before it is kept (``RecordHook``).
-    The run's clock starts when the loop is made, or at ``start()``.
+    ``step_records`` says which step records are kept and logged (``StepRecords``: every one by default);
+    when fewer, ``totals`` holds the summary's step figures over all of them. The run's clock starts when the
+    loop is made, or at ``start()``.
     """
 
     def __init__(self, client: EngineClient, *, loggers: Sequence[RunLogger] = (), monitor: Monitor | None = None,
-                 progress: RequestProgress | None = None, on_ended: RecordHook | None = None) -> None:
+                 progress: RequestProgress | None = None, on_ended: RecordHook | None = None,
+                 step_records: StepRecords = StepRecords()) -> None:
         self.client = client
         self.loggers = list(loggers)
         self.monitor = monitor
         self.progress = progress
         self.on_ended = on_ended
         self.requests: list[RequestRecord] = []   # every ended request, in the order they ended
-        self.steps: list[dict[str, Any]] = []     # the run's step records (annotated when monitored)
+        self.steps: list[dict[str, Any]] = []     # the step records kept (annotated when monitored)
+        self.keeper = StepKeeper(step_records)
         self.output_tokens = 0
         self.t0 = client.clock()
 
@@ -58,17 +63,39 @@ class StepLoop:
         if not self.client.wait_for_step(timeout):
             return None
         output = self.client.step()
-        step = step_record(output.record, self.t0, len(self.steps))
-        annotated = self.monitor.annotate(step) if self.monitor is not None else dict(step)
-        self.steps.append(annotated)
-        for logger in self.loggers:
-            logger.log_step(annotated)
+        self.keep_step(output)
         for request in output.finished:
             self.output_tokens += request.num_output_tokens
             self.ended(request, request_record(request, self.t0))
         if self.progress is not None:
             self.progress.update(len(self.requests), self.output_tokens)
         return output
+
+    @property
+    def num_steps(self) -> int:
+        """Steps run so far (all of them, whichever records are kept)."""
+        return self.keeper.num_steps
+
+    @property
+    def totals(self) -> StepTotals | None:
+        """The summary's step figures over every step when fewer records are kept; None when all are."""
+        return self.keeper.totals
+
+    def keep_step(self, output: StepOutput) -> None:
+        """Number, annotate, keep and log one step's record (``step`` calls it after each step)."""
+        step = step_record(output.record, self.t0, self.keeper.num_steps)
+        annotated = self.monitor.annotate(step) if self.monitor is not None else dict(step)
+        self._keep(self.keeper.offer(annotated))
+
+    def flush_steps(self) -> None:
+        """Keep and log the step aggregates still open (``records.steps=interval:...``); once, after the run."""
+        self._keep(self.keeper.flush())
+
+    def _keep(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self.steps.append(record)
+            for logger in self.loggers:
+                logger.log_step(record)
 
     def ended(self, request: Request, record: RequestRecord) -> None:
         """Keep and log the record of a request that ended (``step`` calls it for each one a step reports)."""

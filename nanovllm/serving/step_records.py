@@ -1,0 +1,244 @@
+"""Bounded step records: how many of a run's step records are kept and written (``records.steps``).
+
+A simulated run of a GPU-scale trace takes millions of engine steps; one record each makes ``steps.jsonl``
+gigabytes long. ``StepRecords`` says what is kept:
+
+* ``all`` (the default): every step, as always. A run that passes ``WARN_STEPS`` steps says so in one log line.
+* ``every:N``: every N-th step's record, unchanged (step numbers keep their gaps: ``step`` is the run's count).
+* ``interval:SECONDS``: one record per replica per SECONDS of run time, aggregating its steps: ``num_steps``
+  (how many), ``step`` and ``start_time`` of the first, ``duration`` summed (the time spent stepping), the
+  token, sequence, preemption, eviction, prefix-hit, FLOP and byte counts summed, the queue lengths and KV
+  blocks used / cached / unused slots at their maximum, free blocks at their minimum, MFU and MBU over the
+  window's summed work and time. A record with ``num_steps`` is an aggregate.
+
+Whatever is kept, the run's summary reads ``StepTotals``, accumulated from every step as it happens: step
+count, peak and mean KV usage, mean step time, evictions, mean unused slots and cached blocks, the monitor's
+run-level MFU/MBU and a cluster's per-replica step figures. Counts, sums of integers and maxima are those of
+all steps exactly; means are running sums, equal to the all-steps figures up to float rounding.
+``calibrate`` and ``step_time=replay`` need every step: run those with ``records.steps=all``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+logger = logging.getLogger(__name__)
+
+#: Steps after which a run that keeps every record says (once) that ``records.steps`` bounds them.
+WARN_STEPS = 1_000_000
+
+# How an ``interval`` aggregate combines each key of its steps' records (keys not named keep the last value).
+_SUMMED = ("duration", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs", "num_decode_seqs",
+           "num_preempted", "context_tokens", "attn_pairs", "num_sampled", "prefix_hit_tokens", "recomputed_tokens",
+           "num_evictions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+           "spec_decode_num_accepted_tokens", "flops", "bytes")
+_MAXED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached", "kv_slots_unused")
+_MINNED = ("kv_blocks_free",)
+_FIRST = ("step", "start_time")
+_UTILISATION = ("mfu", "mbu")   # duration-weighted: the window's work over its time, as Monitor.overall does
+
+
+@dataclass(frozen=True)
+class StepRecords:
+    """What a run keeps of its step records (the module docstring): ``mode`` ``all``, ``every`` (each
+    ``every``-th) or ``interval`` (aggregated per ``interval`` seconds). ``parse`` reads the Hydra spelling."""
+
+    mode: Literal["all", "every", "interval"] = "all"
+    every: int = 1
+    interval: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "StepRecords":
+        """``"all"``, ``"every:N"`` (N >= 1) or ``"interval:SECONDS"`` (> 0); ``ValueError`` naming the option."""
+        text = "all" if spec is None else str(spec).strip()
+        kind, _, value = text.partition(":")
+        try:
+            if kind == "all" and not value:
+                return cls()
+            if kind == "every" and int(value) >= 1:
+                return cls("every", every=int(value))
+            if kind == "interval" and math.isfinite(float(value)) and float(value) > 0:
+                return cls("interval", interval=float(value))
+        except ValueError:
+            pass
+        raise ValueError(f"records.steps must be all, every:N (N >= 1) or interval:SECONDS (> 0), got {spec!r}")
+
+    @property
+    def bounded(self) -> bool:
+        return self.mode != "all"
+
+    def __str__(self) -> str:
+        return {"all": "all", "every": f"every:{self.every}", "interval": f"interval:{self.interval:g}"}[self.mode]
+
+
+@dataclass
+class RecordsConfig:
+    """The Hydra ``records`` node: ``steps``, what ``steps.jsonl`` keeps (``StepRecords.parse``)."""
+
+    steps: str = "all"
+
+
+@dataclass
+class _Sums:
+    """Running figures over some steps (the run's, or one replica's)."""
+
+    num_steps: int = 0
+    duration: float = 0.0
+    usage_sum: float = 0.0
+    usage_count: int = 0
+    usage_peak: float | None = None
+    outstanding: int = 0   # running + waiting, summed
+
+    def add(self, step: Mapping[str, Any]) -> None:
+        self.num_steps += 1
+        self.duration += step["duration"]
+        self.outstanding += step["num_running"] + step["num_waiting"]
+        if step["kv_blocks_total"] > 0:
+            usage = step["kv_blocks_used"] / step["kv_blocks_total"]
+            self.usage_sum += usage
+            self.usage_count += 1
+            self.usage_peak = usage if self.usage_peak is None else max(self.usage_peak, usage)
+
+
+@dataclass
+class StepTotals:
+    """The step figures of a run's summary, accumulated from every step as it runs (``add``), so they hold
+    whichever records are kept. ``summary()`` has the keys of ``metrics.summarize``'s step and memory figures."""
+
+    run: _Sums = field(default_factory=_Sums)
+    replicas: dict[int, _Sums] = field(default_factory=dict)
+    has_memory_fields: bool | None = None   # whether the records carry kv_slots_unused (as summarize checks)
+    num_evictions: int = 0
+    kv_slots_unused: int = 0
+    kv_blocks_cached: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def add(self, step: Mapping[str, Any]) -> None:
+        """One step's (annotated) record; called by ``StepLoop`` for every step."""
+        self.run.add(step)
+        replica = step.get("replica")
+        if replica is not None:
+            self.replicas.setdefault(replica, _Sums()).add(step)
+        if self.has_memory_fields is None:
+            self.has_memory_fields = "kv_slots_unused" in step
+        if self.has_memory_fields:
+            self.num_evictions += step["num_evictions"]
+            self.kv_slots_unused += step["kv_slots_unused"]
+            self.kv_blocks_cached += step["kv_blocks_cached"]
+        self.flops += step.get("flops", 0.0)
+        self.bytes += step.get("bytes", 0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """``peak_kv_usage``, ``mean_kv_usage``, ``num_steps``, ``mean_step_ms``, ``num_evictions``,
+        ``mean_kv_slots_unused``, ``mean_kv_blocks_cached`` over every step added."""
+        run, n = self.run, self.run.num_steps
+        out: dict[str, Any] = {
+            "peak_kv_usage": run.usage_peak,
+            "mean_kv_usage": run.usage_sum / run.usage_count if run.usage_count else None,
+            "num_steps": n,
+            "mean_step_ms": run.duration / n * 1000.0 if n else None,
+        }
+        memory = bool(n and self.has_memory_fields)
+        out["num_evictions"] = self.num_evictions if memory else None
+        out["mean_kv_slots_unused"] = self.kv_slots_unused / n if memory else None
+        out["mean_kv_blocks_cached"] = self.kv_blocks_cached / n if memory else None
+        return out
+
+    def utilisation(self, peak_flops: float | None, peak_bandwidth: float | None) -> dict[str, float | None]:
+        """Run-level MFU and MBU over every step (``Monitor.overall``'s definition: total work over total time)."""
+        time = self.run.duration
+
+        def ratio(work: float, peak: float | None) -> float | None:
+            return work / time / peak if peak is not None and peak > 0 and time > 0 else None
+
+        return {"mfu": ratio(self.flops, peak_flops), "mbu": ratio(self.bytes, peak_bandwidth)}
+
+    def replica_figures(self, replica: int, duration: float) -> dict[str, Any]:
+        """One replica's step figures for ``harness.cluster.per_replica`` (``duration``: the run's length)."""
+        sums = self.replicas.get(replica, _Sums())
+        return {
+            "mean_kv_usage": sums.usage_sum / sums.usage_count if sums.usage_count else 0.0,
+            "peak_kv_usage": sums.usage_peak if sums.usage_peak is not None else 0.0,
+            "busy_fraction": sums.duration / duration,
+            "mean_outstanding": sums.outstanding / sums.num_steps if sums.num_steps else 0.0,
+            "num_steps": sums.num_steps,
+        }
+
+
+class StepKeeper:
+    """Decides, step by step, which records a run keeps (``StepRecords``) and keeps ``totals`` over all of
+    them when it keeps fewer than all. ``StepLoop`` offers every step (``offer``) and ``flush``es at the end."""
+
+    def __init__(self, spec: StepRecords) -> None:
+        self.spec = spec
+        self.totals: StepTotals | None = StepTotals() if spec.bounded else None
+        self.num_steps = 0
+        self._open: dict[Any, dict[str, Any]] = {}   # interval: the open aggregate of each replica
+        self._warned = False
+
+    def offer(self, step: dict[str, Any]) -> list[dict[str, Any]]:
+        """The records to keep and log now, given the run's next step (its record, numbered and annotated)."""
+        self.num_steps += 1
+        spec = self.spec
+        if self.totals is None:
+            if self.num_steps == WARN_STEPS and not self._warned:
+                self._warned = True
+                logger.warning("%d step records kept so far (records.steps=all); records.steps=interval:SECONDS "
+                               "or every:N bounds steps.jsonl, with the summary's step figures still over "
+                               "every step", WARN_STEPS)
+            return [step]
+        self.totals.add(step)
+        if spec.mode == "every":
+            return [step] if (self.num_steps - 1) % spec.every == 0 else []
+        return self._aggregate(step)
+
+    def flush(self) -> list[dict[str, Any]]:
+        """The aggregates still open (interval mode), in start order; called once after the last step."""
+        done = sorted(self._open.values(), key=lambda record: record["start_time"])
+        self._open.clear()
+        return [_finished(record) for record in done]
+
+    def _aggregate(self, step: dict[str, Any]) -> list[dict[str, Any]]:
+        window = math.floor(step["start_time"] / self.spec.interval)
+        key = step.get("replica")
+        current = self._open.get(key)
+        if current is not None and current["_window"] == window:
+            _merge(current, step)
+            return []
+        self._open[key] = {**step, "num_steps": 1, "_window": window, **_weighted(step)}
+        return [] if current is None else [_finished(current)]
+
+
+def _weighted(step: Mapping[str, Any]) -> dict[str, float]:
+    return {f"_{key}_time": step[key] * step["duration"] for key in _UTILISATION if step.get(key) is not None}
+
+
+def _merge(record: dict[str, Any], step: Mapping[str, Any]) -> None:
+    record["num_steps"] += 1
+    for key, value in step.items():
+        if key in _FIRST:
+            continue
+        if key in _SUMMED:
+            record[key] += value
+        elif key in _MAXED:
+            record[key] = max(record[key], value)
+        elif key in _MINNED:
+            record[key] = min(record[key], value)
+        elif key not in _UTILISATION:
+            record[key] = value
+    for name, value in _weighted(step).items():
+        record[name] = record.get(name, 0.0) + value
+
+
+def _finished(record: dict[str, Any]) -> dict[str, Any]:
+    """An aggregate as it is written: MFU/MBU over its summed time, the bookkeeping keys dropped."""
+    out = {key: value for key, value in record.items() if not key.startswith("_")}
+    for key in _UTILISATION:
+        if key in out:
+            weighted = record.get(f"_{key}_time")
+            out[key] = weighted / out["duration"] if weighted is not None and out["duration"] > 0 else None
+    return out
