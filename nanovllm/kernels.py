@@ -26,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Callable, Protocol, cast
 
 import filelock
 import torch
@@ -49,6 +50,115 @@ ISA_CFLAGS: dict[str, list[str]] = {
     "avx2": _AVX2,
     "scalar": [],
 }
+
+
+class StackLinear(Protocol):
+    """One linear of a ``DecoderStack`` (``stack_linear``'s result): opaque to Python, handed to ``add_layer``."""
+
+
+class CompiledDecoderStack(Protocol):
+    """The fast path's decoder layers as one C++ loop (``csrc/decoder_stack.cpp``)."""
+
+    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: StackLinear, o: StackLinear,
+                  gate_up: StackLinear, down: StackLinear) -> None: ...
+
+    def num_layers(self) -> int: ...
+
+    def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+                v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                seq: torch.Tensor, pos: torch.Tensor, eight_bit_cache: bool, scale: float) -> torch.Tensor: ...
+
+
+class Kernels(Protocol):
+    """The compiled kernel module ``load()`` returns: the functions ``csrc/bindings.cpp`` binds (declared in
+    ``csrc/kernels.h``), the classes of ``csrc/decoder_stack.cpp``, and what ``load()`` adds (``isa`` and the
+    linears as torch operators, ``*_op``). The extension is built at run time, so this is its type."""
+
+    isa: str
+    gemv_bf16_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    quant_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                               torch.Tensor | None, int], torch.Tensor]
+    brgemm_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    int8_amx_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, int],
+                                 torch.Tensor]
+    q4x16_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int],
+                              torch.Tensor]
+    i8x16_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    q8x16_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    bf16_fma_linear_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        seq: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    def paged_attention_8bit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             seq: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+
+    def greedy_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def gemv_available(self) -> bool: ...
+
+    def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def quant_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     bias: torch.Tensor | None, format: int) -> torch.Tensor: ...
+
+    def quant_gemm_isa(self) -> str: ...
+
+    def q4x16_available(self) -> bool: ...
+
+    def i8x16_available(self) -> bool: ...
+
+    def q8x16_available(self) -> bool: ...
+
+    def q4x16_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                     bias: torch.Tensor | None, out_features: int) -> torch.Tensor: ...
+
+    def i8x16_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor: ...
+
+    def q8x16_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor: ...
+
+    def int8_amx_available(self) -> bool: ...
+
+    def pack_int8_amx(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+    def int8_amx_linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None, out_features: int, digits: int = 2) -> torch.Tensor: ...
+
+    def brgemm_bf16_available(self) -> bool: ...
+
+    def pack_brgemm_weight(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def brgemm_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor: ...
+
+    def bf16_fma_available(self) -> bool: ...
+
+    def pack_bf16_fma_weight(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def bf16_fma_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int) -> torch.Tensor: ...
+
+    def stack_linear(self, kind: str, weight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
+                     bias: torch.Tensor | None, out_features: int, format: int = 0,
+                     gemv_weight: torch.Tensor | None = None, gemv_max_rows: int = 0,
+                     activation_digits: int = 2) -> StackLinear: ...
+
+    # A class in the module (pybind11's ``py::class_``); its constructor, as called.
+    def DecoderStack(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                     final_norm: torch.Tensor) -> CompiledDecoderStack: ...
 
 
 def kernel_build(level: str) -> str:
@@ -93,7 +203,7 @@ def _build(name: str, build: str, build_dir: Path) -> None:
 
 
 @functools.cache
-def load(level: str | None = None) -> ModuleType:
+def load(level: str | None = None) -> Kernels:
     """The compiled kernels for ISA ``level`` (None: the level in force, ``machine.selected_isa()``), built on
     first use. The module also carries ``isa`` (its build's level) and ``gemv_bf16_op`` and ``quant_linear_op`` (the
     GEMV and the quantized GEMM as torch operators, which profiles count as linears). Raises ``ValueError`` for a level the CPU lacks and
@@ -119,17 +229,19 @@ def load(level: str | None = None) -> ModuleType:
             f"could not build nano-vllm's CPU kernels ({exc}); they need g++ and the ninja package "
             "(pip install ninja). attention='torch' with dtype='float32' runs without them."
         ) from exc
-    module.isa = build
+    # The one place the built module gets its type: an extension module has no static attributes to check.
+    compiled = cast(Kernels, module)
+    compiled.isa = build
     ops = getattr(torch.ops, f"nanovllm_{build}")
-    module.gemv_bf16_op = ops.gemv_bf16
-    module.quant_linear_op = ops.quant_linear
-    module.brgemm_linear_op = ops.brgemm_linear
-    module.int8_amx_linear_op = ops.int8_amx_linear
-    module.q4x16_linear_op = ops.q4x16_linear
-    module.i8x16_linear_op = ops.i8x16_linear
-    module.q8x16_linear_op = ops.q8x16_linear
-    module.bf16_fma_linear_op = ops.bf16_fma_linear
-    return module
+    compiled.gemv_bf16_op = ops.gemv_bf16
+    compiled.quant_linear_op = ops.quant_linear
+    compiled.brgemm_linear_op = ops.brgemm_linear
+    compiled.int8_amx_linear_op = ops.int8_amx_linear
+    compiled.q4x16_linear_op = ops.q4x16_linear
+    compiled.i8x16_linear_op = ops.i8x16_linear
+    compiled.q8x16_linear_op = ops.q8x16_linear
+    compiled.bf16_fma_linear_op = ops.bf16_fma_linear
+    return compiled
 
 
 class _build_lock:

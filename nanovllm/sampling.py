@@ -156,20 +156,21 @@ def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) 
     """Per row with ``ks[i]`` set: the ``ks[i]`` most likely tokens and the sampled one, with their
     log-probabilities under the model's raw distribution (before temperature and filters, as vLLM reports them)
     and 1-based ranks. Rows with ``ks[i] is None`` get None."""
-    rows = [i for i, k in enumerate(ks) if k is not None]
+    wanted = {i: k for i, k in enumerate(ks) if k is not None}
+    rows = list(wanted)
     result: list[dict[int, Logprob] | None] = [None] * len(ks)
     if not rows:
         return result
     index = torch.tensor(rows, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    k_max = max(ks[i] for i in rows)
+    k_max = max(wanted.values())
     top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (logprobs[:, :0], logprobs[:, :0].long())
     sampled = torch.tensor([tokens[i] for i in rows], device=logits.device)
     sampled_values = logprobs.gather(1, sampled[:, None])[:, 0]
     sampled_ranks = (logprobs > sampled_values[:, None]).sum(dim=-1) + 1
     for j, i in enumerate(rows):
         entry = {int(t): Logprob(float(v), rank + 1)
-                 for rank, (t, v) in enumerate(zip(top_ids[j, : ks[i]].tolist(), top_values[j, : ks[i]].tolist()))}
+                 for rank, (t, v) in enumerate(zip(top_ids[j, : wanted[i]].tolist(), top_values[j, : wanted[i]].tolist()))}
         entry.setdefault(tokens[i], Logprob(float(sampled_values[j]), int(sampled_ranks[j])))
         result[i] = entry
     return result

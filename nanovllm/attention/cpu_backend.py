@@ -30,7 +30,7 @@ import torch
 from nanovllm import kernels
 from nanovllm.attention import kv_quant
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata, register_attention
-from nanovllm.attention.torch_backend import attend_padded_group, plan_padded_group
+from nanovllm.attention.torch_backend import _Group, attend_padded_group, plan_padded_group
 
 
 @register_attention("cpu")
@@ -62,7 +62,7 @@ class CpuAttention(AttentionBackend):
         self._seq = torch.empty(0, dtype=torch.int32)
         self._pos = torch.empty(0, dtype=torch.int32)
         self._kernel_rows: torch.Tensor | None = None  # flat rows the kernel attends (None: all of them)
-        self._sdpa_group = None
+        self._sdpa_group: _Group | None = None  # the long sequences SDPA attends (with _kernel_rows)
         self._stack_caches: tuple | None = None  # kernel_step()'s split of kv_caches, keyed by the list bound
 
     @classmethod
@@ -81,13 +81,13 @@ class CpuAttention(AttentionBackend):
         width = max(len(t) for t in meta.block_tables)
         self._block_tables = torch.tensor([t + [0] * (width - len(t)) for t in meta.block_tables], dtype=torch.int32)
         self._slot_mapping = meta.slot_mapping
-        long_seqs = ([] if self.sdpa_min_query is None
-                     else [i for i, q in enumerate(meta.query_lens) if q >= self.sdpa_min_query])
-        if not long_seqs:
+        min_query = self.sdpa_min_query
+        long_seqs = [] if min_query is None else [i for i, q in enumerate(meta.query_lens) if q >= min_query]
+        if min_query is None or not long_seqs:
             self._kernel_rows, self._sdpa_group = None, None
             self._seq, self._pos = seq, pos
             return
-        on_kernel = query_lens[seq.long()] < self.sdpa_min_query
+        on_kernel = query_lens[seq.long()] < min_query
         self._kernel_rows = on_kernel.nonzero().view(-1)
         self._seq, self._pos = seq[on_kernel], pos[on_kernel]
         self._sdpa_group = plan_padded_group(meta, long_seqs, starts.tolist(), meta.slot_mapping.device)
@@ -127,5 +127,6 @@ class CpuAttention(AttentionBackend):
             return attended
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         out.index_copy_(0, self._kernel_rows, attended)
+        assert self._sdpa_group is not None  # planned with _kernel_rows
         attend_padded_group(self._sdpa_group, q, k_cache, v_cache, self.scale, out)
         return out

@@ -108,6 +108,7 @@ class FlashInferAttention(AttentionBackend):
 
     # -- CUDA-graph decode -------------------------------------------------------------------------------------
     def prepare_cuda_graphs(self, batch_sizes: list[int], max_num_pages: int) -> None:
+        assert self._workspace is not None, "bind_kv_caches() runs before prepare_cuda_graphs()"
         device = self._workspace.device
         top = max(batch_sizes)
         self._graph_slots = torch.zeros(top, dtype=torch.long, device=device)
@@ -125,6 +126,7 @@ class FlashInferAttention(AttentionBackend):
         }
 
     def plan_cuda_graph(self, meta: AttentionMetadata, batch_size: int) -> None:
+        assert self._graph_slots is not None, "prepare_cuda_graphs() runs before plan_cuda_graph()"
         self._graph_slots[:batch_size].copy_(meta.slot_mapping)
         self._slot_mapping = self._graph_slots[:batch_size]
         wrapper = self._graph_decode[batch_size]
@@ -134,7 +136,9 @@ class FlashInferAttention(AttentionBackend):
     # -- the per-layer call ------------------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, v.to(v_cache.dtype))
+        slots = self._slot_mapping
+        assert slots is not None, "plan() runs before forward()"
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
         out = self._active.run(q.contiguous(), (k_cache, v_cache))
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -54,16 +54,18 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
+        slots = self._slot_mapping
+        assert slots is not None, "plan() runs before forward()"
         fmt = kv_quant.format_of_cache(k_cache)
         row = k_cache.shape[-1]  # head_dim, or head_dim + 4 for an 8-bit cache's packed rows
         flat_k = k_cache.view(-1, self.num_kv_heads, row)
         flat_v = v_cache.view(-1, self.num_kv_heads, row)
         if fmt is None:
-            flat_k.index_copy_(0, self._slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, self._slot_mapping, v.to(flat_v.dtype))
+            flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
         else:
-            flat_k.index_copy_(0, self._slot_mapping, kv_quant.quantize(k, fmt))
-            flat_v.index_copy_(0, self._slot_mapping, kv_quant.quantize(v, fmt))
+            flat_k.index_copy_(0, slots, kv_quant.quantize(k, fmt))
+            flat_v.index_copy_(0, slots, kv_quant.quantize(v, fmt))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for g in self._groups:
             attend_padded_group(g, q, k_cache, v_cache, self.scale, out)

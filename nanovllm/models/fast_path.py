@@ -116,7 +116,7 @@ class PackedLinear(nn.Module):
             kernel = "onednn"
         self.kernel = kernel
         self.kernels = kernels  # the C++ decoder stack calls this layer's kernel through them, oneDNN's too
-        self.packed = self.weight = None
+        self.weight: torch.Tensor | None = None
         if kernel in ("brgemm", "bf16-fma"):
             pack = kernels.pack_brgemm_weight if kernel == "brgemm" else kernels.pack_bf16_fma_weight
             self.packed = pack(weight)

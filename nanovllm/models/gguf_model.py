@@ -45,7 +45,7 @@ def build_gguf_model(model_class: type[CausalLM], hf_config, gguf_path: Path, dt
         layer.to_activation_dtype(dtype)
         return layer
 
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         blk = f"blk.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = linears(f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v")

@@ -36,7 +36,7 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(raw)
+    buf = raw.data  # the map's memoryview
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"model={str(path)!r} is not a GGUF file")
     version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -77,7 +77,10 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
         name = read_string()
         dims = tuple(read("Q") for _ in range(read("I")))
         infos.append((name, dims, GGMLQuantizationType(read("I")), read("Q")))
-    alignment = int(metadata.get("general.alignment", 32))
+    declared = metadata.get("general.alignment", 32)
+    if not isinstance(declared, (int, float, str)):
+        raise ValueError(f"model={str(path)!r}: general.alignment is {declared!r}, not a number")
+    alignment = int(declared)
     start = -(-pos // alignment) * alignment
     tensors = {}
     for name, dims, qtype, offset in infos:

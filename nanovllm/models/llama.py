@@ -20,10 +20,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.config import attention_biases, head_dim_of
-from nanovllm.kernels import load as load_kernels
+from nanovllm.kernels import CompiledDecoderStack, Kernels, load as load_kernels
 from nanovllm.models.base import CausalLM, register_model
 from nanovllm.models.fast_path import PackedLinear, can_prepack, fuse_linears, prepack
-from nanovllm.models.quantized import QuantLinear
+from nanovllm.models.quantized import QuantEmbedding, QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels = None  # the fused C++ kernel, set by use_fast_path() on CPU
+        self.kernels: Kernels | None = None  # the fused C++ kernel, set by use_fast_path() on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2:
@@ -44,6 +44,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to ``max_positions``, computed once like transformers does."""
+
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -102,15 +105,16 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.q_size, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, self.kv_size, bias=qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # nn.Linear; on the fast path a prepacked or quantized linear (PackedLinear, QuantLinear)
+        self.o_proj: nn.Module = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None  # set by use_fast_path()
-        self.kernels = None  # the fused rotary kernel, set by use_fast_path() on CPU
+        self.kernels: Kernels | None = None  # the fused rotary kernel, set by use_fast_path() on CPU
 
-    def use_fast_path(self, kernels, quantization: str | None = None) -> None:
+    def use_fast_path(self, kernels: Kernels | None, quantization: str | None = None) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
         prepack(self, ("qkv_proj", "o_proj"), kernels, quantization)
@@ -140,12 +144,13 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        # nn.Linear; on the fast path a prepacked or quantized linear (PackedLinear, QuantLinear)
+        self.down_proj: nn.Module = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj: nn.Module | None = None  # set by use_fast_path()
-        self.kernels = None  # the fused silu-and-mul kernel, set by use_fast_path() on CPU
+        self.kernels: Kernels | None = None  # the fused silu-and-mul kernel, set by use_fast_path() on CPU
 
-    def use_fast_path(self, kernels=None, quantization: str | None = None) -> None:
+    def use_fast_path(self, kernels: Kernels | None = None, quantization: str | None = None) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
         prepack(self, ("gate_up_proj", "down_proj"), kernels, quantization)
@@ -182,6 +187,7 @@ class DecoderLayer(nn.Module):
         add thus runs inside a fused add+RMSNorm kernel; the arithmetic, and so the result, is the same as
         ``forward``'s with those kernels."""
         kernels, first, second = self.input_layernorm.kernels, self.input_layernorm, self.post_attention_layernorm
+        assert kernels is not None  # the fast path's layers run here only with the kernels (forward's check)
         normed = first(residual) if delta is None else kernels.add_rms_norm_(residual, delta, first.weight, first.eps)
         attended = self.self_attn(rope, normed, attention)
         return self.mlp(kernels.add_rms_norm_(residual, attended, second.weight, second.eps))
@@ -206,28 +212,33 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError(f"sliding_window={window} (below the model's {max_positions} positions) is not "
                              "supported: this model attends to every earlier token")
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A model built from a GGUF file's blocks (gguf_model) holds both as quantized layers.
+        self.embed_tokens: nn.Embedding | QuantEmbedding = embed_tokens
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | QuantLinear = lm_head
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            lm_head.weight = embed_tokens.weight
         self.rotary = rotary
         self.lm_head_chunks: nn.ModuleList | None = None  # prepacked LM head slices, set by use_fast_path()
-        self.kernels = None  # fused C++ kernels (RMSNorm, rotary), set by use_fast_path() on CPU
+        self.kernels: Kernels | None = None  # fused C++ kernels (RMSNorm, rotary), set by use_fast_path() on CPU
         self.fast_path = False
         # With the fused kernels, run the decoder layers as one C++ loop where it applies (decoder_stack()).
         # False keeps the Python loop (same kernels, bitwise the same result): the tests compare the two.
         self.use_decoder_stack = True
-        self._decoder_stack: tuple | None = None  # (the layer list it was built from, the stack or None)
+        # (the layer list it was built from, the stack or None)
+        self._decoder_stack: tuple[nn.ModuleList, CompiledDecoderStack | None] | None = None
 
     def use_fast_path(self, quantization: str | None = None) -> "LlamaForCausalLM":
         """Switch to the fast layouts (fused projections; prepacked weights on CPU; with
         ``quantization="int8"``, int8 W8A8 linears and LM head). Call after the weights are loaded and cast;
         irreversible."""
+        assert isinstance(self.lm_head, nn.Linear)  # loaded dense: a GGUF-built model is built in the fast layout
         on_cpu = self.lm_head.weight.device.type == "cpu"
         kernels = load_kernels() if on_cpu else None
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.self_attn.use_fast_path(kernels, quantization)
             layer.mlp.use_fast_path(kernels, quantization)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
@@ -253,19 +264,30 @@ class LlamaForCausalLM(CausalLM):
         else:
             rope = self.rotary.tables(positions, x.dtype)
         if self.kernels is not None:
-            residual, delta = x.contiguous(), None  # x is this step's own tensor: updated in place from here on
+            residual = x.contiguous()  # x is this step's own tensor: updated in place from here on
+            delta: torch.Tensor | None = None
             step = self._stack_step(attention)
             if step is not None:
                 stack, attention_args = step
                 return stack.forward(residual, *rope, *attention_args)
-            for layer in self.layers:
-                delta = layer.forward_fused(rope, residual, delta, attention)
+            for fused in self.decoder_layers():
+                delta = fused.forward_fused(rope, residual, delta, attention)
+            assert delta is not None  # a model has at least one layer
             return self.kernels.add_rms_norm_(residual, delta, self.norm.weight, self.norm.eps)
         for layer in self.layers:
             x = layer(rope, x, attention)
         return self.norm(x)
 
-    def decoder_stack(self):
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as their class: every model of the family builds ``DecoderLayer``s (a shard's are copies of
+        them)."""
+        layers = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layers.append(layer)
+        return layers
+
+    def decoder_stack(self) -> CompiledDecoderStack | None:
         """The fast path's decoder layers as one C++ loop (``nanovllm/csrc/decoder_stack.cpp``: the same kernels
         ``forward_fused`` calls, in the same order, without a Python call around each), built on first use; None
         where a layer is not the plain fused one: q/k norm (Qwen3), tensor-parallel shards, a subclassed layer, a
@@ -275,7 +297,7 @@ class LlamaForCausalLM(CausalLM):
             self._decoder_stack = (self.layers, _build_decoder_stack(self))
         return self._decoder_stack[1]
 
-    def _stack_step(self, attention: AttentionBackend) -> tuple | None:
+    def _stack_step(self, attention: AttentionBackend) -> tuple[CompiledDecoderStack, tuple] | None:
         """``(stack, attention arguments)`` for running this step's decoder layers as the C++ loop, or None to
         run the Python loop: the stack is off or unavailable, the backend is not the CPU kernel alone
         (``CpuAttention.kernel_step``), or a profiler is recording (it then sees every kernel as its own op, as
@@ -283,13 +305,15 @@ class LlamaForCausalLM(CausalLM):
         if not self.use_decoder_stack or torch.autograd.profiler._is_profiler_enabled:
             return None
         kernel_step = getattr(attention, "kernel_step", None)
-        stack = self.decoder_stack() if kernel_step is not None else None
+        if kernel_step is None:
+            return None
+        stack = self.decoder_stack()
         if stack is None:
             return None
         attention_args = kernel_step(self.kernels)
         return None if attention_args is None else (stack, attention_args)
 
-    def linear_layers(self) -> list[nn.Module]:
+    def linear_layers(self) -> list[nn.Linear | PackedLinear | QuantLinear]:
         """Every module that is one matmul of the decoder layers (nn.Linear, a prepacked or a quantized linear)."""
         return [m for m in self.layers.modules() if isinstance(m, (nn.Linear, PackedLinear, QuantLinear))]
 
@@ -304,6 +328,7 @@ class LlamaForCausalLM(CausalLM):
         The harness's cost model (``ModelCost.from_model``) takes the bytes per weight of its MBU from it."""
         total_bytes = total_weights = 0
         for layer in self.linear_layers() + self.lm_head_layers():
+            assert isinstance(layer, (nn.Linear, PackedLinear, QuantLinear))  # an LM head chunk is one of them
             total_bytes += (layer.weight.numel() * layer.weight.element_size() if isinstance(layer, nn.Linear)
                             else layer.num_bytes)
             total_weights += layer.in_features * layer.out_features
@@ -318,28 +343,32 @@ class LlamaForCausalLM(CausalLM):
             if len(self.lm_head_chunks) == 1:  # one quantized head: no copy through torch.cat
                 return self.lm_head_chunks[0](hidden)
             return torch.cat([chunk(hidden) for chunk in self.lm_head_chunks], dim=-1)
+        assert isinstance(self.lm_head, nn.Linear)  # a quantized head (GGUF) is always in lm_head_chunks
         weight = self.lm_head.weight
         if hidden.device.type != "cpu" or weight.shape[0] <= self.LOGITS_CHUNK:
             return self.lm_head(hidden)
         return torch.cat([F.linear(hidden, w) for w in weight.split(self.LOGITS_CHUNK)], dim=-1)
 
 
-def _build_decoder_stack(model: LlamaForCausalLM):
+def _build_decoder_stack(model: LlamaForCausalLM) -> CompiledDecoderStack | None:
     """A ``kernels.DecoderStack`` over ``model``'s layers, or None where one of them is not the plain fused
     layer (``LlamaForCausalLM.decoder_stack`` says which)."""
     kernels = model.kernels
     if kernels is None or not hasattr(kernels, "DecoderStack") or len(model.layers) == 0:
         return None
     eps = model.norm.eps
-    first = model.layers[0].self_attn
+    shape = None  # the first layer's (num_heads, num_kv_heads, head_dim), which every layer must have
     norms = [model.norm]
     parts = []
     for layer in model.layers:
+        if type(layer) is not DecoderLayer:
+            return None
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP or attn.qk_norm
-                or attn.qkv_proj is None or mlp.gate_up_proj is None
-                or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (first.num_heads, first.num_kv_heads,
-                                                                          first.head_dim)):
+        if (type(attn) is not Attention or type(mlp) is not MLP or attn.qk_norm
+                or attn.qkv_proj is None or mlp.gate_up_proj is None):
+            return None
+        shape = shape or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape:
             return None
         linears = []
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -355,11 +384,13 @@ def _build_decoder_stack(model: LlamaForCausalLM):
                 return None
             linears.append(linear)
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        qkv, o, gate_up, down = linears
         parts.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                      *linears))
+                      qkv, o, gate_up, down))
     if any(norm.eps != eps or norm.kernels is not kernels for norm in norms):
         return None
-    stack = kernels.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, eps, model.norm.weight.detach())
+    assert shape is not None  # model.layers is not empty
+    stack = kernels.DecoderStack(*shape, eps, model.norm.weight.detach())
     for part in parts:
         stack.add_layer(*part)
     return stack

@@ -270,7 +270,7 @@ def load_weights(model, model_dir: Path) -> None:
 
 # Loaded models by (directory, dtype, device): engines built one after another in a process (tests, notebooks,
 # sweeps) share the weights instead of reloading them. Weak values: a model goes once no engine holds it.
-_LOADED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+_LOADED: "weakref.WeakValueDictionary[tuple, CausalLM]" = weakref.WeakValueDictionary()
 
 
 def gguf_source(model: str | os.PathLike | None) -> Path:
@@ -297,7 +297,8 @@ def model_class(hf_config) -> type[CausalLM]:
 
         model_type = getattr(hf_config, "model_type", None)
         field = f"no architectures, model_type={model_type!r}"
-        names = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]] if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []
+        names = ([MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+                 if isinstance(model_type, str) and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else [])
     for name in names:
         if name in MODELS:
             return MODELS.get(name)
@@ -320,6 +321,8 @@ def load_model(hf_config, model_dir: Path, dtype, device, fast_path: bool = Fals
     cls = model_class(hf_config)
     max_positions = max_positions_of(hf_config)
     if quantization == "gguf":
+        if gguf is None:
+            raise ValueError("quantization='gguf' builds the model from a .gguf file: pass gguf=<its path>")
         model = build_gguf_model(cls, hf_config, gguf, dtype, max_positions)
     else:
         with torch.device(device):

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, Sequence, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.models.base import CausalLM
 
 
 class Collectives(Protocol):
@@ -35,6 +37,39 @@ class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
 
     def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> None: ...
+
+
+class DenseLinear(Protocol):
+    """A linear holding a plain weight matrix [out, in] and an optional bias (``nn.Linear``), which the
+    parallel layers slice."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class ShardableModel(Protocol):
+    """What ``shard_model`` reads of a Llama-family model (``LlamaForCausalLM``)."""
+
+    config: Any
+    layers: nn.ModuleList
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+class ShardableAttention(Protocol):
+    """The head counts and sizes ``shard_model`` reads and rewrites on a layer's ``self_attn`` (``llama.Attention``)."""
+
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    q_size: int
+    kv_size: int
+
+
+class FusedMLP(Protocol):
+    """An MLP whose fused forward splits gate from up by ``intermediate_size`` (``llama.MLP``)."""
+
+    intermediate_size: int
 
 
 @dataclass(frozen=True)
@@ -85,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
     """Output features ``[start, end)`` of a linear layer (and, for a fused projection, the ranges in ``also``,
     concatenated in order); no communication."""
 
-    def __init__(self, full: nn.Linear, start: int, end: int, also: list[tuple[int, int]] = ()) -> None:
+    def __init__(self, full: DenseLinear, start: int, end: int, also: Sequence[tuple[int, int]] = ()) -> None:
         super().__init__()
         ranges = [(start, end), *also]
         self.weight = nn.Parameter(torch.cat([full.weight.data[a:b] for a, b in ranges]).clone(),
@@ -101,7 +136,7 @@ class RowParallelLinear(nn.Module):
     """Input features ``[start, end)`` of a linear layer; the partial products are summed over the ranks, then
     the bias (held by every rank, added once after the sum)."""
 
-    def __init__(self, full: nn.Linear, start: int, end: int, comm: Collectives) -> None:
+    def __init__(self, full: DenseLinear, start: int, end: int, comm: Collectives) -> None:
         super().__init__()
         self.weight = nn.Parameter(full.weight.data[:, start:end].clone(), requires_grad=False)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.data.clone(), requires_grad=False)
@@ -153,20 +188,24 @@ class ParallelLMHead(nn.Module):
         return torch.cat([p[:, : end - start] for p, (start, end) in zip(parts, sizes)], dim=1)
 
 
-def shard_model(model: nn.Module, rank: int, world: int, comm: Collectives) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def shard_model(model: CausalLM, rank: int, world: int, comm: Collectives) -> CausalLM:
     """A copy of a loaded ``LlamaForCausalLM`` holding only rank ``rank``'s shard of every weight, whose
     collectives go through ``comm`` (the loaded
     model, which the loader may share between engines, is left untouched). The copy gains ``lm_head_parallel``
     (a :class:`ParallelLMHead`) for the runner's logits."""
-    config = model.config
-    shard = copy.copy(model)  # shallow: its submodule dict is replaced below, never the original's
-    shard._modules = dict(model._modules)
+    # nn.Module's submodules are dynamic attributes: these are the ones a Llama-family model has.
+    full = cast(ShardableModel, model)
+    config = full.config
+    shard = _shallow(model)  # its submodule dict is replaced below, never the original's
     heads = head_shard(config.num_attention_heads, config.num_key_value_heads, rank, world)
-    shard.layers = nn.ModuleList(_shard_layer(layer, heads, rank, world, comm) for layer in model.layers)
+    shard.layers = nn.ModuleList(_shard_layer(layer, heads, rank, world, comm) for layer in full.layers)
     start, end = _even_split(config.vocab_size, rank, world)
-    shard.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, comm)
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    head_weight = shard.embed_tokens.weight if tied else model.lm_head.weight.data[start:end].clone()
+    embedding = shard.embed_tokens = VocabParallelEmbedding(full.embed_tokens, start, end, comm)
+    tied = full.lm_head.weight is full.embed_tokens.weight
+    head_weight = embedding.weight if tied else full.lm_head.weight.data[start:end].clone()
     shard.lm_head_parallel = ParallelLMHead(head_weight, start, end, config.vocab_size, world, comm)
     del shard._modules["lm_head"]
     return shard
@@ -175,35 +214,38 @@ def shard_model(model: nn.Module, rank: int, world: int, comm: Collectives) -> n
 def _shard_layer(layer: nn.Module, heads: HeadShard, rank: int, world: int,
                  comm: Collectives) -> nn.Module:
     layer = _shallow(layer)
-    attn = layer.self_attn = _shallow(layer.self_attn)
-    d = attn.head_dim
+    attn = layer.self_attn = _shallow(_submodule(layer, "self_attn"))
+    sizes = cast(ShardableAttention, attn)  # llama.Attention's fields (nn.Module's attributes are dynamic)
+    d = sizes.head_dim
     q = (heads.q_start * d, (heads.q_start + heads.num_heads) * d)
     kv = (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d)
     if _has_weight(attn, "qkv_proj"):  # a fused projection: this rank's q, k and v rows, fused again
-        q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
-        attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, *q, also=[(q_size + kv[0], q_size + kv[1]),
-                                                                     (q_size + kv_size + kv[0], q_size + kv_size + kv[1])])
+        q_size, kv_size = sizes.num_heads * d, sizes.num_kv_heads * d
+        attn.qkv_proj = ColumnParallelLinear(_dense(attn, "qkv_proj"), *q,
+                                             also=[(q_size + kv[0], q_size + kv[1]),
+                                                   (q_size + kv_size + kv[0], q_size + kv_size + kv[1])])
     else:
         _require_weight(attn, "q_proj")
-        attn.q_proj = ColumnParallelLinear(attn.q_proj, *q)
-        attn.k_proj = ColumnParallelLinear(attn.k_proj, *kv)
-        attn.v_proj = ColumnParallelLinear(attn.v_proj, *kv)
-    attn.o_proj = RowParallelLinear(attn.o_proj, *q, comm)
-    attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
-    attn.q_size, attn.kv_size = heads.num_heads * d, heads.num_kv_heads * d
-    mlp = layer.mlp = _shallow(layer.mlp)
+        attn.q_proj = ColumnParallelLinear(_dense(attn, "q_proj"), *q)
+        attn.k_proj = ColumnParallelLinear(_dense(attn, "k_proj"), *kv)
+        attn.v_proj = ColumnParallelLinear(_dense(attn, "v_proj"), *kv)
+    attn.o_proj = RowParallelLinear(_dense(attn, "o_proj"), *q, comm)
+    sizes.num_heads, sizes.num_kv_heads = heads.num_heads, heads.num_kv_heads
+    sizes.q_size, sizes.kv_size = heads.num_heads * d, heads.num_kv_heads * d
+    mlp = layer.mlp = _shallow(_submodule(layer, "mlp"))
     if _has_weight(mlp, "gate_up_proj"):  # fused: this rank's gate rows, then its up rows
-        size = mlp.down_proj.weight.shape[1]
+        size = _dense(mlp, "down_proj").weight.shape[1]
         inter = _even_split(size, rank, world)
-        mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, *inter, also=[(size + inter[0], size + inter[1])])
+        mlp.gate_up_proj = ColumnParallelLinear(_dense(mlp, "gate_up_proj"), *inter,
+                                                also=[(size + inter[0], size + inter[1])])
     else:
         _require_weight(mlp, "gate_proj")
-        inter = _even_split(mlp.gate_proj.weight.shape[0], rank, world)
-        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, *inter)
-        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, *inter)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, *inter, comm)
+        inter = _even_split(_dense(mlp, "gate_proj").weight.shape[0], rank, world)
+        mlp.gate_proj = ColumnParallelLinear(_dense(mlp, "gate_proj"), *inter)
+        mlp.up_proj = ColumnParallelLinear(_dense(mlp, "up_proj"), *inter)
+    mlp.down_proj = RowParallelLinear(_dense(mlp, "down_proj"), *inter, comm)
     if hasattr(mlp, "intermediate_size"):  # a fused forward splits gate from up by it
-        mlp.intermediate_size = inter[1] - inter[0]
+        cast(FusedMLP, mlp).intermediate_size = inter[1] - inter[0]
     return layer
 
 
@@ -217,7 +259,20 @@ def _require_weight(module: nn.Module, name: str) -> None:
                          f"weight matrix (prepacked fast-path weights cannot be sliced); use the reference layout")
 
 
-def _shallow(module: nn.Module) -> nn.Module:
+def _submodule(module: nn.Module, name: str) -> nn.Module:
+    """``module.<name>``, a submodule (read through nn.Module's attributes, which are typed Tensor | Module)."""
+    child = getattr(module, name)
+    assert isinstance(child, nn.Module), f"{type(module).__name__}.{name} is not a module"
+    return child
+
+
+def _dense(module: nn.Module, name: str) -> DenseLinear:
+    """``module.<name>``, a linear with a plain weight matrix (what the parallel layers slice)."""
+    linear: DenseLinear = getattr(module, name)
+    return linear
+
+
+def _shallow(module: M) -> M:
     """A copy sharing the original's parameters, whose own submodules can be replaced without touching it."""
     clone = copy.copy(module)
     clone._modules = dict(module._modules)

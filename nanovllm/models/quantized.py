@@ -117,6 +117,7 @@ class QuantLinear(nn.Module):
         elif fmt in ("q4_1", "q4_0") and kernels is not None and kernels.q4x16_available():
             # Interleaved by 16 features (the same 4-bit codes and fp16 scales, moved): ``canonical()`` undoes it.
             self.kernel = "q4x16"
+            assert mins is not None  # Q4 blocks carry their offsets (Q4_0's made from its scales)
             self.qweight, self.scales, self.mins = pack_q4x16(qweight, scales, mins)
         elif fmt == "q8_0" and kernels is not None and kernels.q8x16_available():
             # Interleaved likewise (codes as unsigned w + 128, fp16 block scales as Q4's): ``canonical()`` undoes it.
@@ -137,6 +138,7 @@ class QuantLinear(nn.Module):
         """(codes, scales, mins) in the vector kernel's layout ([N, K] int8 or [N, K / 2] packed 4-bit codes,
         [N] or [N, K / 32] scales), of all rows or of ``rows`` (indices), whatever layout this layer stores."""
         if self.kernel == "q4x16":
+            assert self.mins is not None  # set with the Q4 layout (__init__)
             return unpack_q4x16(self.qweight, self.scales, self.mins, self.out_features, rows)
         if self.kernel == "i8x16":
             return unpack_i8x16(self.qweight, self.scales, self.out_features, rows)
@@ -165,13 +167,12 @@ class QuantLinear(nn.Module):
             raise ValueError("quantized projections fused into one must share their format and input width")
         biases = [p.bias for p in parts]
         if any(b is not None for b in biases):
-            biases = [b if b is not None else torch.zeros(p.out_features, dtype=first_dtype(biases))
-                      for b, p in zip(biases, parts)]
-            bias = torch.cat(biases)
+            bias = torch.cat([b if b is not None else torch.zeros(p.out_features, dtype=first_dtype(biases))
+                              for b, p in zip(biases, parts)])
         else:
             bias = None
         canonical = [p.canonical() for p in parts]
-        mins = None if first.mins is None else torch.cat([c[2] for c in canonical])
+        mins = None if first.mins is None else torch.cat([_offsets(c[2]) for c in canonical])
         return cls(first.fmt, torch.cat([c[0] for c in canonical]), torch.cat([c[1] for c in canonical]), mins,
                    bias, first.in_features, first.kernels, max(p.activation_digits for p in parts))
 
@@ -326,6 +327,12 @@ def unpack_q4x16(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     fb, f = ids // Q4X16_FEATURES, ids % Q4X16_FEATURES
     codes = packed.view(blocks, nb, 4, Q4X16_FEATURES, 4)[fb, :, :, f, :]  # [rows, nb, v, i]
     return (codes.reshape(len(ids), nb * 16).contiguous(), scales[fb, :, f].contiguous(), mins[fb, :, f].contiguous())
+
+
+def _offsets(mins: torch.Tensor | None) -> torch.Tensor:
+    """The offsets of a Q4 layer fused with others of its format (which all carry them)."""
+    assert mins is not None
+    return mins
 
 
 def first_dtype(tensors: list[torch.Tensor | None]) -> torch.dtype:
