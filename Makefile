@@ -24,8 +24,8 @@ run: setup
 serve: setup
 	$(BIN)/python -m nanovllm.serve $(ARGS)
 
-# lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) and mypy the engine interface,
-# its implementations and its drivers ([tool.mypy]) before the suite runs.
+# lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) and mypy the types of the
+# core and the built-in plugins ([tool.mypy]) before the suite runs.
 # The suite runs on every core (pytest-xdist, one worker per core, work-stealing), each worker with one torch
 # thread: two workers' OpenMP threads on the same cores would spin against each other and slow every step
 # tenfold. TEST_WORKERS=0 runs it in one process.

@@ -60,10 +60,11 @@ class RadixTreeAllocator(BlockAllocator):
         block = self.eviction.victim()
         node = self._node_of_block.pop(block)
         self.eviction.forget(block)
-        del node.parent.children[node.tokens]
+        parent = node.parent
+        assert parent is not None   # only the root has none, and the root holds no block
+        del parent.children[node.tokens]
         self._num_unreferenced -= 1
         self.num_evictions += 1
-        parent = node.parent
         if parent is not self._root and parent.ref == 0 and not parent.children:
             self.eviction.release(parent.block, touch=False)
         return block
@@ -100,6 +101,7 @@ class RadixTreeAllocator(BlockAllocator):
         path: dict[int, _Node] = {}
         while node is not self._root:
             path[node.block] = node
+            assert node.parent is not None   # every node but the root has a parent
             node = node.parent
         return path
 
@@ -108,10 +110,11 @@ class RadixTreeAllocator(BlockAllocator):
         compute at least one token to produce logits)."""
         nodes, node = [], self._root
         for i in range((request.num_tokens - 1) // self.block_size):
-            node = node.children.get(self._chunk(request.token_ids, i))
-            if node is None:
+            child = node.children.get(self._chunk(request.token_ids, i))
+            if child is None:
                 break
-            nodes.append(node)
+            nodes.append(child)
+            node = child
         return nodes
 
     def cached_prefix_len(self, request: Request) -> int:

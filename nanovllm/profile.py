@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from nanovllm import machine
 from nanovllm.config import torch_dtype
 from nanovllm.kernels import ISA_CFLAGS
+from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.sampling import SamplingParams
 
 # Profiler op names that are one whole linear layer (the fused/prepacked path and plain F.linear).
@@ -135,7 +136,7 @@ def kernel_of(linear: nn.Module, rows: int) -> str:
     return f"torch F.linear (ATen {torch.backends.cpu.get_cpu_capability()})"
 
 
-def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def named_linears(model: LlamaForCausalLM) -> list[tuple[str, nn.Module]]:
     """The linears of the first decoder layer and the LM head, by name: every layer repeats the first's choice."""
     layer = model.layers[0]
     names = [("qkv_proj", "self_attn.qkv_proj"), ("q_proj", "self_attn.q_proj"), ("k_proj", "self_attn.k_proj"),
@@ -152,7 +153,7 @@ def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def layer_loop(model: nn.Module) -> str:
+def layer_loop(model: LlamaForCausalLM) -> str:
     """How a step outside the profiler runs ``model``'s decoder layers: the C++ decoder stack, or the Python loop
     and why."""
     if getattr(model, "kernels", None) is None:
@@ -166,7 +167,7 @@ def layer_loop(model: nn.Module) -> str:
             "the profiled run takes the Python loop")
 
 
-def format_kernels(model: nn.Module, batch_sizes: list[int]) -> str:
+def format_kernels(model: LlamaForCausalLM, batch_sizes: list[int]) -> str:
     """A table: each linear's shape and the kernel it runs at each decode batch size."""
     lines = ["| linear | shape (out x in) | " + " | ".join(f"{b} rows" for b in batch_sizes) + " |",
              "|" + "---|" * (2 + len(batch_sizes))]
@@ -176,7 +177,7 @@ def format_kernels(model: nn.Module, batch_sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
-def gemm_floor(model: nn.Module, rows: int, sampled: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+def gemm_floor(model: LlamaForCausalLM, rows: int, sampled: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """(ms, GFLOP/s): the step's matmuls, the model's own modules on inputs of the step's shape, timed alone."""
     mods = model.linear_layers()
     inputs = [torch.randn(rows, m.in_features).to(dtype) for m in mods]
@@ -200,7 +201,7 @@ def gemm_floor(model: nn.Module, rows: int, sampled: int, dtype: torch.dtype, re
     return best * 1e3, flops / best / 1e9
 
 
-def run_gemm_floor(model: nn.Module, records: list[dict], dtype: torch.dtype) -> tuple[float, float]:
+def run_gemm_floor(model: LlamaForCausalLM, records: list[dict], dtype: torch.dtype) -> tuple[float, float]:
     """(seconds, GFLOP): the matmuls of a whole recorded run (``LLM.last_steps``), timed alone.
 
     Each step computes ``num_prefill_tokens + num_decode_tokens`` rows through every linear layer and

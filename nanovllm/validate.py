@@ -229,7 +229,8 @@ def validate_output(
         references = reference_greedy_top(reference_model.eval(), [ids for _, ids in pairs], max_tokens)
     results = [
         PromptAgreement(label, output.token_ids, ref_tokens,
-                        [{t for t, lp in entry.items() if lp.rank <= TOP_K} for entry in output.logprobs], ref_top)
+                        [{t for t, lp in entry.items() if lp.rank <= TOP_K} for entry in output.logprobs or []],
+                        ref_top)
         for (label, _), output, (ref_tokens, ref_top) in zip(pairs, outputs, references)
     ]
     steps = llm.last_steps
@@ -320,7 +321,7 @@ def validate_quantized(quantization: str, model: str | None = None, prompts: str
         pairs = load_prompts(prompts, llm.tokenizer)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOP_K)
         outputs = llm.generate([p for _, p in pairs], params, use_tqdm=False)
-        tops = [[{t for t, lp in entry.items() if lp.rank <= TOP_K} for entry in o.logprobs] for o in outputs]
+        tops = [[{t for t, lp in entry.items() if lp.rank <= TOP_K} for entry in o.logprobs or []] for o in outputs]
         reports[name] = (ppl, pairs, [o.token_ids for o in outputs], tops)
         del llm
     (dense_ppl, pairs, dense_tokens, dense_tops), (ppl, _, tokens, quant_tops) = reports["dense"], reports["quantized"]

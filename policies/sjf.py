@@ -50,6 +50,8 @@ class ShortestJobFirst(Policy):
         self.output_per_prompt_token = output_per_prompt_token
         self.predictor_name = predictor if isinstance(predictor, str) else getattr(predictor, "__name__", "callable")
         self._fixed_predictor = isinstance(predictor, str) and predictor in FIXED_PREDICTORS
+        # See the module docstring: a fixed predictor's key changes only with waiting time (aging).
+        self.waiting_key = "timed" if self._fixed_predictor else "dynamic"
         self._predict = self._resolve(predictor)
         self._history: dict[str, list[int]] = defaultdict(list)
 
@@ -91,10 +93,6 @@ class ShortestJobFirst(Policy):
             raise ValueError(f"scheduler.predictor={self.predictor_name!r} must return a number of tokens >= 0, "
                              f"got {value!r} for request {request.request_id!r}")
         return value
-
-    @property
-    def waiting_key(self) -> str:   # see the module docstring
-        return "timed" if self._fixed_predictor else "dynamic"
 
     def priority(self, request: Request, now: float):
         starving = request.status is not RequestStatus.RUNNING and now - request.arrival_time > self.max_wait
