@@ -45,6 +45,7 @@ from nanovllm.cluster.kv_transfer import KV_TRANSFERS
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.runner import RUNNERS
 from nanovllm.proposer import PROPOSERS, check_speculative
+from nanovllm.spec_policy import check_spec_policy
 from nanovllm.harness.conf_schema import register_configs
 from nanovllm.harness.errors import (
     check_group_choices,
@@ -170,7 +171,9 @@ def _speculative(cfg: DictConfig) -> dict[str, Any] | None:
     if method is not None and (not isinstance(method, str) or method not in PROPOSERS):
         raise ValueError(f"speculative.method must be null (off) or a registered proposer "
                          f"({', '.join(PROPOSERS.names())}), got {method!r}")
-    check_speculative(EngineConfig(speculative=spec))
+    config = EngineConfig(speculative=spec)
+    check_speculative(config)
+    check_spec_policy(config.speculative)
     return spec
 
 
