@@ -68,6 +68,11 @@ _EXPORTS = {
     "ProposerContext": "nanovllm.proposer",
     "register_proposer": "nanovllm.proposer",
     "PROPOSERS": "nanovllm.proposer",
+    "SpeculationPolicy": "nanovllm.spec_policy",
+    "SpeculationState": "nanovllm.spec_policy",
+    "StepCost": "nanovllm.spec_policy",
+    "register_spec_policy": "nanovllm.spec_policy",
+    "SPEC_POLICIES": "nanovllm.spec_policy",
     "Registry": "nanovllm.registry",
     "load_plugins": "nanovllm.plugins",
     "PluginImportError": "nanovllm.plugins",
@@ -110,3 +115,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.request import Request, RequestStatus
     from nanovllm.router import ROUTERS, ReplicaView, Router, RouterError, live_replicas, register_router
     from nanovllm.sampling import SamplingParams
+    from nanovllm.spec_policy import (SPEC_POLICIES, SpeculationPolicy, SpeculationState, StepCost,
+                                      register_spec_policy)

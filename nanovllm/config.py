@@ -41,8 +41,9 @@ class EngineConfig:
                                                 # weights, per-token activations) or "gguf" (the .gguf file's own
                                                 # Q8_0/Q4_0/Q4_1 blocks); CPU, one rank; implies the fast path
     speculative: dict[str, Any] | None = None   # speculative decoding, vLLM's spelling: {"method": a registered
-                                                # proposer (ngram), "num_speculative_tokens": K, **its options};
-                                                # None (or method None): off. ``num_tokens`` is read as K too
+                                                # proposer (ngram), "num_speculative_tokens": K, "policy": a
+                                                # speculation policy (fixed), **its options}; None (or method
+                                                # None): off. ``num_tokens`` is read as K too
 
     @property
     def fast_path(self) -> bool:

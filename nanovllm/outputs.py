@@ -38,6 +38,9 @@ class StepRecord(TypedDict):
     spec_decode_num_drafts: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
+    # [i]: proposals at position i (0 = first after the newest token) accepted this step, as long as the longest
+    # proposal verified ([] without any); absent from the placeholder records of a Ray replica's failed step.
+    spec_decode_num_accepted_tokens_per_pos: NotRequired[list[int]]
     replica: NotRequired[int]           # on a cluster: the replica that ran the step
 
 

@@ -28,7 +28,7 @@ from nanovllm.request import Request
 
 class ProposerError(RuntimeError):
     """A proposer raised or returned something the engine cannot verify (too many tokens, ids outside the
-    vocabulary)."""
+    vocabulary), or a speculation policy raised or returned a length outside [0, K]."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,6 @@ def check_speculative(config: EngineConfig) -> None:
 
 def proposer_spec(speculative: dict[str, Any]) -> dict[str, Any]:
     """The registry spec ``{"name": method, **options}`` of an ``EngineConfig.speculative`` mapping (its
-    ``num_speculative_tokens`` is the engine's, not the proposer's)."""
-    options = {k: v for k, v in speculative.items() if k not in ("method", "num_speculative_tokens")}
+    ``num_speculative_tokens`` is the engine's and its ``policy`` the speculation policy's, not the proposer's)."""
+    options = {k: v for k, v in speculative.items() if k not in ("method", "num_speculative_tokens", "policy")}
     return {"name": speculative["method"], **options}

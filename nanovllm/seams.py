@@ -6,8 +6,8 @@ Each seam is declared the same way, in its own module: a ``Registry`` named in u
 ``register_<seam>`` class decorator and the base class the registry checks, all three exported from ``nanovllm``.
 Its built-ins live in the modules its registry's ``builtin_packages`` names, imported on the first lookup: a
 top-level package named after the seam where they need only the public API (``policies/``, ``allocators/``,
-``routers/``), else beside the base class. A front door like ``run``: it imports the harness for its seam
-(step-time models), which the core never does.
+``routers/``, ``proposers/``, ``spec_policies/``), else beside the base class. A front door like ``run``: it
+imports the harness for its seam (step-time models), which the core never does.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from nanovllm.proposer import PROPOSERS, register_proposer
 from nanovllm.registry import Registry
 from nanovllm.router import ROUTERS, register_router
 from nanovllm.serving.loggers import LOGGERS, register_logger
+from nanovllm.spec_policy import SPEC_POLICIES, register_spec_policy
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("run logger", "LOGGERS", LOGGERS, register_logger, "logger=NAME"),
     Seam("speculative proposer", "PROPOSERS", PROPOSERS, register_proposer,
          "speculative=NAME, LLM(speculative=dict(method=NAME, num_speculative_tokens=K))"),
+    Seam("speculation policy", "SPEC_POLICIES", SPEC_POLICIES, register_spec_policy,
+         "speculative.policy=NAME, LLM(speculative=dict(..., policy=NAME))"),
 )
 
 

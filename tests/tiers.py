@@ -63,6 +63,7 @@ SLOW = {
         "python -m nanovllm.run",
     "test_live.py::test_bad_run_dirs_say_what_is_wrong": "python -m nanovllm.viz --live",
     "test_loggers.py::test_wandb_offline_run_holds_config_history_summary_and_table": "wandb's own processes",
+    "test_loggers.py::test_wandb_run_summary_holds_the_speculative_decoding_figures": "wandb's own processes",
     "test_kernels.py::test_a_build_killed_mid_way_does_not_block_the_next_start": "kernel builds in processes",
     "test_kernels.py::test_a_start_that_waits_for_another_build_says_so_once": "kernel builds in processes",
     "test_kernels.py::test_a_library_another_process_is_still_linking_is_never_loaded": "kernel builds in processes",

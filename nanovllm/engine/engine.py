@@ -31,6 +31,7 @@ from nanovllm.policy import POLICIES, Policy
 from nanovllm.proposer import ProposerContext, ProposerError, check_speculative
 from nanovllm.request import KVHandoff, Request, RequestStatus
 from nanovllm.sampling import SamplingParams
+from nanovllm.spec_policy import check_spec_policy
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class LLMEngine(EngineClient):
         check_before_load(config, self.hf_config, self.max_model_len, scheduler, allocator, attention, device,
                           loads_model)
         check_speculative(config)
+        check_spec_policy(config.speculative)
         if config.speculative is not None and not runner_class(runner).supports_speculation:
             raise ValueError(f"speculative decoding needs a runner that verifies proposals; runner "
                              f"{runner_class(runner).registered_name!r} does not (use runner real)")
@@ -325,7 +327,10 @@ class LLMEngine(EngineClient):
         for request in handed_off:
             self._read_kv_for_handoff(request)
         num_sampled = sum(token is not None for token in next_tokens)
-        return StepOutput(finished, self._step_record(start, out, layout, num_sampled), out, handed_off)
+        record = self._step_record(start, out, layout, num_sampled)
+        if self.speculator is not None:
+            self.speculator.observe_step(record)
+        return StepOutput(finished, record, out, handed_off)
 
     def _read_kv_for_handoff(self, request: Request) -> None:
         """A prefilled request leaves this engine: its prompt's blocks are read into ``request.handoff`` (what a
@@ -371,6 +376,7 @@ class LLMEngine(EngineClient):
             spec_decode_num_drafts=out.num_drafts,
             spec_decode_num_draft_tokens=out.num_draft_tokens,
             spec_decode_num_accepted_tokens=out.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=out.num_accepted_tokens_per_pos,
         )
 
 

@@ -36,6 +36,7 @@ class SchedulerOutput:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)   # [i]: accepted at proposal position i
     # Admitted requests whose prompt K/V came from a prefill replica, with the first block to load (the ones
     # before it were prefix-cache hits here): the engine loads them before the step runs.
     kv_loads: list[tuple[Request, int]] = field(default_factory=list)
@@ -170,6 +171,10 @@ class Scheduler:
         out.num_drafts += 1
         out.num_draft_tokens += num_proposed
         out.num_accepted_tokens += accepted
+        per_pos = out.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_proposed - len(per_pos)))
+        for position in range(accepted):   # accepted proposals are a prefix: positions 0 .. accepted - 1
+            per_pos[position] += 1
         request.num_drafts += 1
         request.num_draft_tokens += num_proposed
         request.num_accepted_tokens += accepted

@@ -16,34 +16,85 @@ from typing import Sequence
 import torch
 
 from nanovllm.config import EngineConfig
-from nanovllm.outputs import Logprob
+from nanovllm.outputs import Logprob, StepRecord
 from nanovllm.proposer import PROPOSERS, Proposer, ProposerContext, ProposerError, proposer_spec
 from nanovllm.request import Request
 from nanovllm.sampling import INVALID_TOKEN, Sampler, SamplingParams, greedy_tokens, top_logprobs
+from nanovllm.spec_policy import SPEC_POLICIES, SpeculationPolicy, SpeculationState, StepCost, spec_policy_spec
+
+
+class StepCostFit:
+    """The engine's measured decode-step cost for speculation policies: a least-squares line of step seconds
+    against tokens computed, over decode-only steps, each older step weighing ``decay`` times less (so the fit
+    follows the machine's current load). None until ``min_steps`` steps were seen at two or more sizes."""
+
+    def __init__(self, decay: float = 0.95, min_steps: int = 4) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self.num_steps = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One decode-only step that computed ``num_tokens`` tokens in ``seconds``."""
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + num_tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + num_tokens * num_tokens
+        self._xy = d * self._xy + num_tokens * seconds
+        self.num_steps += 1
+
+    def estimate(self) -> StepCost | None:
+        if self.num_steps < self.min_steps:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < 1e-3:   # every step computed as many tokens: no slope to read
+            return None
+        # Noise can tilt the line below zero; a verified token never makes a step faster.
+        per_token = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+        fixed = mean_y - per_token * mean_x
+        if fixed <= 0.0:   # a line through the origin or below: read the whole step as per-token cost
+            return StepCost(0.0, mean_y / mean_x) if mean_x > 0 else None
+        return StepCost(fixed, per_token)
 
 
 class Speculator:
-    """The engine's side of speculation: the proposer of ``EngineConfig.speculative`` and the number of tokens
-    it may propose per request and step (``num_speculative_tokens``, capped so that no accepted run can pass
-    the request's ``max_tokens`` or the model's length)."""
+    """The engine's side of speculation: the proposer of ``EngineConfig.speculative``, its speculation policy
+    (how many tokens each request may get this step, at most ``num_speculative_tokens``, capped again so that
+    no accepted run can pass the request's ``max_tokens`` or the model's length) and the measured step cost
+    the policy may read."""
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         assert config.speculative is not None
         self.num_tokens: int = config.speculative["num_speculative_tokens"]
         self.proposer: Proposer = PROPOSERS.build(proposer_spec(config.speculative), context)
+        self.policy: SpeculationPolicy = SPEC_POLICIES.build(spec_policy_spec(config.speculative))
         self.vocab_size = context.vocab_size
+        self.step_cost = StepCostFit()
 
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Before the scheduler plans a step: set ``spec_token_ids`` of every running request (empty for those
-        that do not decode this step or may not get more tokens)."""
-        requests: list[Request] = []
-        limits: list[int] = []
+        that do not decode this step, may not get more tokens, or that the policy gives none)."""
+        candidates: list[tuple[Request, int]] = []
+        num_decoding = 0
         for request in running:
             request.spec_token_ids = []
-            limit = self._limit(request, max_model_len)
-            if limit > 0:
+            if _decodes(request):
+                num_decoding += 1
+                limit = self._limit(request, max_model_len)
+                if limit > 0:
+                    candidates.append((request, limit))
+        if not candidates:
+            return
+        state = SpeculationState(num_running=len(running), num_decoding=num_decoding,
+                                 max_num_tokens=self.num_tokens, step_cost=self.step_cost.estimate())
+        requests: list[Request] = []
+        limits: list[int] = []
+        for request, limit in candidates:
+            k = min(limit, self._ask_policy(request, state))
+            if k > 0:
                 requests.append(request)
-                limits.append(limit)
+                limits.append(k)
         if not requests:
             return
         name = self.proposer.registered_name
@@ -64,20 +115,42 @@ class Speculator:
                                     f"got {tokens!r}")
             request.spec_token_ids = tokens
 
+    def _ask_policy(self, request: Request, state: SpeculationState) -> int:
+        name = self.policy.registered_name
+        try:
+            k = self.policy.num_speculative_tokens(request, state)
+        except Exception as exc:
+            raise ProposerError(f"speculation policy {name!r} raised in num_speculative_tokens(): "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= state.max_num_tokens:
+            raise ProposerError(f"speculation policy {name!r}: num_speculative_tokens() must return an integer in "
+                                f"[0, {state.max_num_tokens}], got {k!r} for request {request.request_id}")
+        return k
+
     def _limit(self, request: Request, max_model_len: int) -> int:
-        """How many tokens ``request`` may have proposed now: 0 unless it decodes (only its newest token is not
-        in the cache, and it has output already); at most as many as could still be emitted after the target's
-        own token, so that verification never writes K/V past ``max_tokens`` or the model's length."""
-        if request.num_uncomputed_tokens != 1 or request.num_output_tokens == 0 or request.hand_off_after_prefill:
-            return 0
+        """How many tokens a decoding ``request`` may have proposed now: at most as many as could still be
+        emitted after the target's own token, so that verification never writes K/V past ``max_tokens`` or the
+        model's length."""
         left = min(request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
         return max(0, min(self.num_tokens, left - 1))
 
+    def observe_step(self, record: StepRecord) -> None:
+        """After each step: a decode-only step's duration and tokens feed the step-cost fit."""
+        if record["num_prefill_tokens"] == 0 and record["num_decode_seqs"] > 0:
+            self.step_cost.observe(record["num_decode_tokens"], record["duration"])
+
     def on_finish(self, requests: Sequence[Request]) -> None:
-        """Requests ended this step: the proposer forgets them."""
+        """Requests ended this step: the proposer and the policy forget them."""
         for request in requests:
             request.spec_token_ids = []
             self.proposer.on_finish(request)
+            self.policy.on_finish(request)
+
+
+def _decodes(request: Request) -> bool:
+    """Whether ``request`` decodes this step (only its newest token is not in the cache, and it has output
+    already) and stays here to do so (a request prefilled for another replica leaves after its first token)."""
+    return request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0 and not request.hand_off_after_prefill
 
 
 def num_proposed(request: Request, num_new: int) -> int:

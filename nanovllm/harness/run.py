@@ -45,7 +45,6 @@ from nanovllm.cluster.kv_transfer import KV_TRANSFERS
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.runner import RUNNERS
 from nanovllm.harness.conf_schema import register_configs
-from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.harness.errors import (
     check_group_choices,
     exit_with_error,
@@ -56,10 +55,6 @@ from nanovllm.harness.errors import (
 )
 from nanovllm.harness.interrupt import STOP, StartupInterrupt, interrupt_message, one_line_interrupts
 from nanovllm.harness.live.config import LiveConfig
-from nanovllm.serving.loggers import LOGGERS, JsonlLogger, RunLogger
-from nanovllm.serving.metrics import SLO, format_summary
-from nanovllm.serving.monitor import MonitorConfig
-from nanovllm.serving.step_records import StepRecords
 from nanovllm.harness.objective import (
     ObjectiveConfig,
     check_sweeper_direction,
@@ -70,8 +65,14 @@ from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
+from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.router import ROUTERS
 from nanovllm.sampling import SamplingParams
+from nanovllm.serving.loggers import LOGGERS, JsonlLogger, RunLogger
+from nanovllm.serving.metrics import SLO, format_summary
+from nanovllm.serving.monitor import MonitorConfig
+from nanovllm.serving.step_records import StepRecords
+from nanovllm.spec_policy import check_spec_policy
 
 
 # -- where the configs are -----------------------------------------------------------------------------------------
@@ -172,7 +173,9 @@ def _speculative(cfg: DictConfig) -> dict[str, Any] | None:
     if method is not None and (not isinstance(method, str) or method not in PROPOSERS):
         raise ValueError(f"speculative.method must be null (off) or a registered proposer "
                          f"({', '.join(PROPOSERS.names())}), got {method!r}")
-    check_speculative(EngineConfig(speculative=spec))
+    config = EngineConfig(speculative=spec)
+    check_speculative(config)
+    check_spec_policy(config.speculative)
     return spec
 
 

@@ -313,7 +313,9 @@ class EngineLoop:
             self._in_flight.discard(request.request_id)
         if tracked is None:
             return
-        new = request.output_token_ids[tracked.num_sent:]
+        # After a stop string ended it in an earlier step, nothing more is output: tokens that step appended past
+        # the match (accepted proposals, with speculative decoding) are dropped, as tokens sampled after it are.
+        new = [] if tracked.stop_string_hit else request.output_token_ids[tracked.num_sent:]
         text = tracked.detokenizer.add(new)
         if text.stopped and not tracked.stop_string_hit:  # its very last token completed a stop string
             new, tracked.stop_string_hit = new[:max(0, text.num_tokens - tracked.num_sent)], True

@@ -1,7 +1,8 @@
 """``GET /metrics``: the server's figures in Prometheus' text format, under vLLM's names where vLLM has one
 (so a dashboard built for vLLM reads nano-vllm unchanged) and ``nanovllm:`` names for what only nano-vllm
 knows: the scheduling policy and allocator in use, figures per priority class, prefix-cache hits, recompute
-after preemption, evictions and step times.
+after preemption, evictions and step times. Speculative decoding's counters are vLLM's
+(``vllm:spec_decode_num_drafts`` etc., with ``_total`` appended as Prometheus counters are).
 
 Updated by the engine thread after each step and each ended request, from the same records the run writes
 (``records.RequestRecord`` / ``StepRecord``), so ``/metrics`` and ``metrics.json`` count the same things. Each
@@ -60,6 +61,14 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", model, _E2E_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds", "Time from arrival to the first step.", model,
                                _E2E_BUCKETS)
+        # Speculative decoding, as vLLM counts it (all 0 with speculation off).
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Verifications of proposed tokens (one per "
+                                   "request and step with proposals).", model)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", model)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", model)
+        self._spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
+                                              "accepted, by position in the proposal (0 = first).",
+                                              [*model, "position"], registry=r)
         self._model = model
         # nano-vllm's own: which policy and allocator serve, and what they did.
         self.info = Gauge("nanovllm:engine_info", "The scheduling policy and KV allocator in use (always 1).",
@@ -97,6 +106,11 @@ class ServerMetrics:
         self.prefix_hits.inc(step["prefix_hit_tokens"])
         self.recomputed.inc(step["recomputed_tokens"])
         self.evictions.inc(step["num_evictions"])
+        self.spec_drafts.inc(step["spec_decode_num_drafts"])
+        self.spec_draft_tokens.inc(step["spec_decode_num_draft_tokens"])
+        self.spec_accepted.inc(step["spec_decode_num_accepted_tokens"])
+        for position, count in enumerate(step.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            self._spec_accepted_per_pos.labels(**self._model, position=str(position)).inc(count)
 
     def observe_request(self, record: Mapping[str, Any]) -> None:
         """After each ended request (engine thread): its latencies and how it ended."""

@@ -224,6 +224,32 @@ def _step_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _spec_decode_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Speculative decoding's figures from the step records, vLLM's names (none for runs recorded before the
+    counters existed; zeros and None when nothing was proposed). Acceptance rate: accepted / proposed tokens;
+    mean accepted length, as vLLM's: tokens one verification emits on average, 1 + accepted / drafts (the
+    target's own token included); per position: proposals accepted at position i (0 = the first proposed)."""
+    if not steps or "spec_decode_num_drafts" not in steps[0]:
+        return {}
+    drafts = sum(s["spec_decode_num_drafts"] for s in steps)
+    draft_tokens = sum(s["spec_decode_num_draft_tokens"] for s in steps)
+    accepted = sum(s["spec_decode_num_accepted_tokens"] for s in steps)
+    per_pos: list[int] = []
+    for s in steps:
+        counts = s.get("spec_decode_num_accepted_tokens_per_pos", [])
+        per_pos.extend([0] * (len(counts) - len(per_pos)))
+        for position, count in enumerate(counts):
+            per_pos[position] += count
+    return {
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": _ratio(accepted, draft_tokens),
+        "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts else None,
+        "spec_decode_num_accepted_tokens_per_pos": per_pos,
+    }
+
+
 def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, Any]] = (),
               duration: float | None = None, slo: SLO | None = None) -> dict[str, Any]:
     """The flat serving summary of a run, with ``vllm bench serve`` key names (see the module docstring).
@@ -243,6 +269,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, An
     summary.update(_scheduling(requests, done))
     summary.update(_step_stats(steps))
     summary.update(_memory_stats(steps))
+    summary.update(_spec_decode_stats(steps))
     return summary
 
 
@@ -299,6 +326,14 @@ _LAYOUT: list[tuple[str | None, list[tuple[str, str]]]] = [
         ("Mean KV cache usage", "mean_kv_usage"), ("Engine steps", "num_steps"),
         ("Mean step time (ms)", "mean_step_ms"),
     ]),
+    # Shown only when something was proposed (format_summary), as vLLM logs it only with speculation on.
+    ("Speculative Decoding", [
+        ("Drafts", "spec_decode_num_drafts"), ("Draft tokens", "spec_decode_num_draft_tokens"),
+        ("Accepted tokens", "spec_decode_num_accepted_tokens"),
+        ("Acceptance rate", "spec_decode_acceptance_rate"),
+        ("Mean accepted length", "spec_decode_mean_accepted_length"),
+        ("Accepted per position", "spec_decode_num_accepted_tokens_per_pos"),
+    ]),
 ]
 _KNOWN_KEYS = {key for _, rows in _LAYOUT for _, key in rows}
 
@@ -315,13 +350,16 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     """A console block in the style of ``vllm bench serve``'s result; keys the summary lacks are skipped,
     goodput only shows when an SLO was given, and keys it does not know go under "Other"."""
     lines = [_header(f" {title} ", "=")]
+    speculated = bool(summary.get("spec_decode_num_drafts"))
     for section, rows in _LAYOUT:
         present = [(label, key) for label, key in rows if key in summary
                    and not (key in ("request_goodput", "goodput_fraction", "slo_attainment")
-                            and summary[key] is None)]
+                            and summary[key] is None)
+                   and (speculated or not key.startswith("spec_decode_"))]
         if section is not None and present:
             lines.append(_header(section, "-"))
-        lines += [_line(label, summary[key]) for label, key in present]
+        lines += [_line(label, ", ".join(map(str, summary[key])) if isinstance(summary[key], list)
+                        else summary[key]) for label, key in present]
     # Nested figures (a cluster's per-replica table, its replicas' settings) have tables of their own.
     extra = [key for key in summary if key not in _KNOWN_KEYS and not isinstance(summary[key], (dict, list))]
     if extra:

@@ -18,6 +18,7 @@ from nanovllm.serving.loggers import (
     register_logger,
 )
 from nanovllm.progress import RequestProgress as RunProgress
+from nanovllm.serving.metrics import summarize
 
 STEPS = [
     {"step": 0, "start_time": 0.0, "duration": 0.05, "num_prefill_tokens": 12, "num_decode_tokens": 0,
@@ -167,6 +168,19 @@ def test_wandb_offline_run_holds_config_history_summary_and_table(wandb_sandbox:
         assert "token_times" not in table["columns"] and "request_id" in table["columns"]
         assert [row[table["columns"].index("request_id")] for row in table["data"]] == ["0", "1"]
         assert records[-1]["type"] == "exit" and records[-1]["exit"].get("exit_code", 0) == 0
+
+
+def test_wandb_run_summary_holds_the_speculative_decoding_figures(wandb_sandbox: Path) -> None:
+    steps = [{**STEPS[1], "kv_blocks_total": 8, "spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 6,
+              "spec_decode_num_accepted_tokens": 3, "spec_decode_num_accepted_tokens_per_pos": [2, 1, 0]}]
+    logger = LOGGERS.build("wandb")
+    logger.start(wandb_sandbox / "spec", CONFIG)
+    logger.log_summary(summarize(REQUESTS[:1], steps))
+    logger.finish()
+    summary = _final_summary(read_wandb_records(next(_offline_run_dir(wandb_sandbox / "spec").glob("run-*.wandb"))))
+    assert summary["spec_decode_num_drafts"] == 2 and summary["spec_decode_num_accepted_tokens"] == 3
+    assert summary["spec_decode_acceptance_rate"] == 0.5 and summary["spec_decode_mean_accepted_length"] == 2.5
+    assert summary["spec_decode_num_accepted_tokens_per_pos"] == [2, 1, 0]
 
 
 def test_wandb_logger_defaults_to_offline() -> None:

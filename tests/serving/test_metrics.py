@@ -199,3 +199,38 @@ def test_run_files_round_trip(tmp_path):
     requests, steps, loaded = run.requests, run.steps, run.summary
     assert requests == [A, B, C] and steps == STEPS and loaded == summary
     assert summarize(requests, steps, slo=SLO(ttft_ms=250)) == summary  # files alone reproduce the summary
+
+
+def _spec_step(i: int, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> dict:
+    return {**_step(i, 0.01, 2), "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted, "spec_decode_num_accepted_tokens_per_pos": per_pos}
+
+
+# Step 0: two requests verify 3 proposals each, accepting 2 and 0; step 1: one verifies 2 and accepts both;
+# step 2: nothing proposed.
+SPEC_STEPS = [_spec_step(0, 2, 6, 2, [1, 1, 0]), _spec_step(1, 1, 2, 2, [1, 1]), _spec_step(2, 0, 0, 0, [])]
+
+
+def test_speculative_decoding_figures_sum_the_step_records_with_vllm_names():
+    s = summarize([A, B], SPEC_STEPS)
+    assert (s["spec_decode_num_drafts"], s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]) \
+        == (3, 8, 4)
+    assert s["spec_decode_acceptance_rate"] == pytest.approx(4 / 8)
+    assert s["spec_decode_mean_accepted_length"] == pytest.approx(1 + 4 / 3)   # the target's own token included
+    assert s["spec_decode_num_accepted_tokens_per_pos"] == [2, 2, 0]
+    # Without proposals the counters are 0 and the ratios None (never a misleading 0); older runs have none.
+    off = summarize([A, B], [_spec_step(0, 0, 0, 0, [])])
+    assert off["spec_decode_num_drafts"] == 0 and off["spec_decode_acceptance_rate"] is None
+    assert off["spec_decode_mean_accepted_length"] is None and off["spec_decode_num_accepted_tokens_per_pos"] == []
+    assert "spec_decode_num_drafts" not in summarize([A, B], STEPS)
+
+
+def test_format_summary_shows_speculative_decoding_only_when_something_was_proposed():
+    text = format_summary(summarize([A, B], SPEC_STEPS))
+    lines = text.splitlines()
+    assert "---------------Speculative Decoding---------------" in lines
+    assert "Acceptance rate:                         0.50" in lines
+    assert "Mean accepted length:                    2.33" in lines
+    assert "Accepted per position:                   2, 2, 0" in lines
+    off = format_summary(summarize([A, B], [_spec_step(0, 0, 0, 0, [])]))
+    assert "Speculative" not in off and "spec_decode" not in off

@@ -18,7 +18,14 @@ def _checked(*overrides: str):
 def test_speculation_is_off_by_default_and_the_ngram_option_sets_method_k_and_lookup():
     assert _checked().engine.speculative is None
     spec = _checked("speculative=ngram", "speculative.num_tokens=5", "speculative.prompt_lookup_max=3").engine.speculative
-    assert spec == dict(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert spec == dict(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3, prompt_lookup_min=1,
+                        policy="fixed")
+
+
+def test_the_speculation_policy_is_chosen_by_name_or_with_options_in_a_mapping():
+    assert _checked("speculative=ngram", "speculative.policy=adaptive").engine.speculative["policy"] == "adaptive"
+    spec = _checked("speculative=ngram", "speculative.policy={name:off_above_batch,max_batch:4}").engine.speculative
+    assert spec["policy"] == dict(name="off_above_batch", max_batch=4)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -26,6 +33,9 @@ def test_speculation_is_off_by_default_and_the_ngram_option_sets_method_k_and_lo
     (("speculative=ngram", "speculative.method=nope"), "speculative.method must be null .off. or a registered proposer .ngram"),
     (("speculative=ngram", "speculative.num_tokens=0"), r"num_speculative_tokens \(num_tokens\) must be an integer >= 1"),
     (("speculative=ngram", "runner=sim"), "needs a runner that verifies proposals"),
+    (("speculative=ngram", "speculative.policy=nope"), "unknown speculation policy 'nope'"),
+    (("speculative=ngram", "speculative.policy={name:off_above_batch,bogus:1}"), "does not take options"),
+    (("speculative=ngram", "speculative.policy={name:off_above_batch,max_batch:-1}"), "max_batch must be"),
 ])
 def test_a_bad_speculative_setting_fails_before_the_model_loads(overrides, message):
     with pytest.raises(ValueError, match=message):
