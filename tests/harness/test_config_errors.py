@@ -149,6 +149,8 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["monitor.peak_flops=-1"], ["monitor.peak_flops", "> 0"]),
     (["monitor.calibrate=maybe"], ["monitor.calibrate", "bool"]),
     (["slo.ttft_ms=0"], ["slo.ttft_ms", "> 0"]),
+    (["records.steps=sometimes"], ["records.steps must be all, every:N", "'sometimes'"]),
+    (["records.steps=every:0"], ["records.steps", "N >= 1", "'every:0'"]),
     (["slo.e2el_ms=[1]"], ["slo.e2el_ms"]),
     (["slo.ttft=100"], ["slo.ttft"]),
     (["objective.direction=up"], ["objective.direction", "maximize"]),

@@ -263,7 +263,7 @@ class Boom(Policy):
     (["plugins=[broken_plugin]"], ["broken_plugin", "failed to import", "RuntimeError", "broken on purpose"]),
     (["workload.num_requests=0"], ["workload.num_requests=0", "integer >= 1"]),
     (["engine.block_size=0"], ["engine.block_size", ">= 1"]),
-    (["allocator=radix", "allocator.eviction=mru"], ["allocator.eviction must be one of lru, lfu, fifo", "'mru'"]),
+    (["allocator=radix", "allocator.eviction=mru"], ["allocator.eviction must be one of fifo, lfu, lru", "'mru'"]),
     (["scheduler=sjf", "scheduler.predictor=psychic"],
      ["scheduler.predictor must be one of oracle, prompt_length, client_history", "'psychic'"]),
     # Found by Hydra while composing, folded into one line by nanovllm/harness/errors.py
