@@ -30,11 +30,11 @@ from sim_accuracy import METRICS, WORKLOADS  # noqa: E402
 from nanovllm import machine  # noqa: E402
 from nanovllm.harness.sim.calibrate import calibrate_this_machine  # noqa: E402
 from nanovllm.harness.sim.this_machine import (  # noqa: E402
-from nanovllm.serving.records import read_metrics  # noqa: E402
     profile_name,
     run_engine,
     settings_overrides,
 )
+from nanovllm.serving.records import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPE = "bfloat16"

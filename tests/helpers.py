@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -300,3 +301,16 @@ def serve_with_live_loggers(served: Any, workload: Sequence[Any], run_dir: Path)
     finally:
         for run_logger in loggers:
             run_logger.finish()
+
+
+def interrupt_server(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """Stop a server started in its own process group (``start_new_session=True``) as Ctrl-C would, and return
+    its (stdout, stderr); a server that does not end within ``timeout`` is killed (the test then sees its
+    return code)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()

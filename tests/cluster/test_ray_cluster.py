@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from helpers import REPO
+from helpers import REPO, interrupt_server
 
 from nanovllm.config import torch_dtype
 
@@ -320,13 +320,7 @@ def test_the_server_serves_through_the_router_streams_stops_and_leaves_no_ray_pr
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert 'vllm:request_success_total{' in metrics
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        out, err = interrupt_server(proc)
     assert proc.returncode == 130, err[-3000:]
     assert "load imbalance" in out
     run = read_run(run_dir)

@@ -159,7 +159,7 @@ def test_streams_over_http_survive_a_replica_killed_mid_stream(tmp_path, tiny_mo
 
     import openai
 
-    from helpers import cli_env, free_port, wait_until_healthy
+    from helpers import cli_env, free_port, interrupt_server, wait_until_healthy
     from nanovllm import LLM, SamplingParams
     from nanovllm.serving.records import read_run
 
@@ -202,13 +202,7 @@ def test_streams_over_http_survive_a_replica_killed_mid_stream(tmp_path, tiny_mo
             texts = [future.result() for future in futures]
         assert texts == expected
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        out, err = interrupt_server(proc)
     assert proc.returncode == 130, err[-3000:]
     run = read_run(run_dir)
     assert len(run.requests) == len(PROMPTS) and all(r["error"] is None for r in run.requests)

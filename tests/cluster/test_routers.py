@@ -6,7 +6,6 @@ no machine's, so the counts here are the same on every machine."""
 from __future__ import annotations
 
 import random
-import statistics
 from collections import Counter
 
 import pytest
