@@ -108,6 +108,13 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
                 run_logger.finish()
             live.close()
             served.close()   # real replicas (Ray actors, the Ray instance they started) end with the server
+    fault = state.engine_loop.fault if state.engine_loop is not None else None
+    return _report(summary, run_dir, fault, http.started, server)
+
+
+def _report(summary: dict[str, Any] | None, run_dir: Path, fault: str | None, started: bool,
+            server: ServerConfig) -> int:
+    """Print the server-side summary and where the run's files are, and say how serving ended: the exit status."""
     if summary is not None:
         print(format_summary(summary, title="Serving Result (server side)"))
         if "per_replica" in summary:
@@ -116,11 +123,10 @@ def serve_config(cfg: DictConfig, run_dir: Path) -> int:
 
             print(format_per_replica(summary))
     print(f"run files: {run_dir}")
-    fault = state.engine_loop.fault if state.engine_loop is not None else None
     if fault is not None:
         print(f"error: the engine failed while serving: {fault}", file=sys.stderr)
         return 1
-    if not http.started:
+    if not started:
         print(f"error: the HTTP server did not start on {server.host}:{server.port} (see the log above)",
               file=sys.stderr)
         return 1

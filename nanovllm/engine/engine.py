@@ -71,52 +71,18 @@ class LLMEngine(EngineClient):
             self.model_dir, trust_remote_code=False)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
             self.model_dir, trust_remote_code=False)
-        model_max = max_positions_of(self.hf_config)
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
-                             f"got {config.max_model_len}")
-        self.max_model_len = config.max_model_len or model_max
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
-            )
+        self.max_model_len = _max_model_len(config, self.hf_config)
         check_before_load(config, self.hf_config, self.max_model_len, scheduler, allocator, attention, device,
                           loads_model)
-        check_speculative(config)
-        check_spec_policy(config.speculative)
-        if config.speculative is not None and not runner_class(runner).supports_speculation:
-            raise ValueError(f"speculative decoding needs a runner that verifies proposals; runner "
-                             f"{runner_class(runner).registered_name!r} does not (use runner real)")
+        _check_speculation(config, runner)
         attention = resolve_attention(attention, device)
         self.runner: Runner = runner if isinstance(runner, Runner) else RUNNERS.build(
             runner, RunnerContext(config, self.hf_config, self.model_dir, attention))
         self.clock: Callable[[], float] = self.runner.clock
-        runner = self.runner
-        block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
-                                      runner.dtype, config.kv_cache_dtype)
-        self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
-        self.kv_block_bytes = block_bytes
-        scale = runner.head_dim ** -0.5
-        backend: AttentionBackend = ATTENTION_BACKENDS.build(
-            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, scale
-        )
-        graphs = (loads_model and device.type == "cuda" and not config.enforce_eager
-                  and backend.supports_cuda_graphs)
-        runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
-                             GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
+        self._init_kv_cache(attention, device, loads_model)
         # Before the first request's clock starts, every representative batch shape runs once (warmup.py).
-        self.warmup_steps, self.warmup_time = 0, 0.0
-        if config.warmup and loads_model:
-            try:
-                self.warmup_steps, self.warmup_time = warm_up(
-                    runner, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                    self.num_kv_blocks, config.block_size, self.hf_config.vocab_size)
-            except Exception as exc:
-                raise RuntimeError(f"engine warm-up failed (engine.warmup=false skips it): {type(exc).__name__}: "
-                                   f"{exc}") from exc
-            logger.info("warm-up: %d steps on representative batch shapes in %.2f s (engine.warmup=false skips it)",
-                        self.warmup_steps, self.warmup_time)
+        self.warmup_steps, self.warmup_time = self._warm_up() if config.warmup and loads_model else (0, 0.0)
+        runner = self.runner
         self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)
         self.policy: Policy = POLICIES.build(scheduler)
         self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
@@ -132,6 +98,35 @@ class LLMEngine(EngineClient):
         self._ids = itertools.count()
         self._num_steps = 0
         self._evictions_seen = 0
+
+    def _init_kv_cache(self, attention: PluginSpec, device: torch.device, loads_model: bool) -> None:
+        """Size the KV cache in blocks (``EngineConfig.num_kv_blocks`` or the memory it may take), build the
+        attention backend and let the runner allocate the cache (and capture CUDA graphs where they apply)."""
+        config, runner = self.config, self.runner
+        block_bytes = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, config.block_size,
+                                      runner.dtype, config.kv_cache_dtype)
+        self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
+        self.kv_block_bytes = block_bytes
+        backend: AttentionBackend = ATTENTION_BACKENDS.build(
+            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.head_dim ** -0.5)
+        graphs = (loads_model and device.type == "cuda" and not config.enforce_eager
+                  and backend.supports_cuda_graphs)
+        runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
+                             GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
+
+    def _warm_up(self) -> tuple[int, float]:
+        """Run every representative batch shape once (``warmup.py``); (steps, seconds)."""
+        config = self.config
+        try:
+            steps, seconds = warm_up(self.runner, config.max_num_seqs, config.max_num_batched_tokens,
+                                     self.max_model_len, self.num_kv_blocks, config.block_size,
+                                     self.hf_config.vocab_size)
+        except Exception as exc:
+            raise RuntimeError(f"engine warm-up failed (engine.warmup=false skips it): {type(exc).__name__}: "
+                               f"{exc}") from exc
+        logger.info("warm-up: %d steps on representative batch shapes in %.2f s (engine.warmup=false skips it)",
+                    steps, seconds)
+        return steps, seconds
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(
@@ -430,3 +425,28 @@ def batch_features(scheduled: list[tuple[Request, int]]) -> dict[str, int]:
         "num_prefill_seqs": layout.prefill_seqs, "num_decode_seqs": layout.decode_seqs,
         "context_tokens": layout.context_tokens, "attn_pairs": layout.attn_pairs, "num_sampled": num_sampled,
     }
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    """The longest request the engine takes: ``config.max_model_len``, else the model's positions; checked
+    against the model and, without chunked prefill, against the step's token budget."""
+    model_max = max_positions_of(hf_config)
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({model_max}), "
+                         f"got {config.max_model_len}")
+    max_model_len = config.max_model_len or model_max
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+            f"({max_model_len}) when enable_chunked_prefill is False, or no long prompt could run"
+        )
+    return max_model_len
+
+
+def _check_speculation(config: EngineConfig, runner: PluginSpec) -> None:
+    """``config.speculative``'s proposer and policy options, and a runner that can verify proposals."""
+    check_speculative(config)
+    check_spec_policy(config.speculative)
+    if config.speculative is not None and not runner_class(runner).supports_speculation:
+        raise ValueError(f"speculative decoding needs a runner that verifies proposals; runner "
+                         f"{runner_class(runner).registered_name!r} does not (use runner real)")
