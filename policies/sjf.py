@@ -50,8 +50,11 @@ class ShortestJobFirst(Policy):
         self.output_per_prompt_token = output_per_prompt_token
         self.predictor_name = predictor if isinstance(predictor, str) else getattr(predictor, "__name__", "callable")
         self._fixed_predictor = isinstance(predictor, str) and predictor in FIXED_PREDICTORS
-        # See the module docstring: a fixed predictor's key changes only with waiting time (aging).
-        self.waiting_key = "timed" if self._fixed_predictor else "dynamic"
+        # See the module docstring: a fixed predictor's key changes only with waiting time (aging). Only for this
+        # class's own ranking: a subclass with a priority of its own keeps what it declares, or Policy's exact
+        # "dynamic" when it declares nothing.
+        if type(self).priority is ShortestJobFirst.priority:
+            self.waiting_key = "timed" if self._fixed_predictor else "dynamic"
         self._predict = self._resolve(predictor)
         self._history: dict[str, list[int]] = defaultdict(list)
 

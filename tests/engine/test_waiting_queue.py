@@ -186,7 +186,7 @@ def test_a_subclass_that_overrides_priority_without_declaring_gets_the_exact_ful
 
     sjf, priority = type(POLICIES.build("sjf")), type(POLICIES.build("priority"))
 
-    class MySjf(sjf):          # sjf declares "timed" (a property): a new priority does not inherit it
+    class MySjf(sjf):          # sjf's "timed" is for its own ranking: a new priority does not inherit it
         def priority(self, request, now):
             return (request.num_prompt_tokens,)
 
