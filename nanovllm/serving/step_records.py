@@ -55,15 +55,13 @@ class StepRecords:
         """``"all"``, ``"every:N"`` (N >= 1) or ``"interval:SECONDS"`` (> 0); ``ValueError`` naming the option."""
         text = "all" if spec is None else str(spec).strip()
         kind, _, value = text.partition(":")
-        try:
-            if kind == "all" and not value:
-                return cls()
-            if kind == "every" and int(value) >= 1:
-                return cls("every", every=int(value))
-            if kind == "interval" and math.isfinite(float(value)) and float(value) > 0:
-                return cls("interval", interval=float(value))
-        except ValueError:
-            pass
+        number = _number(value)
+        if kind == "all" and not value:
+            return cls()
+        if kind == "every" and value.strip().isdigit() and int(value) >= 1:
+            return cls("every", every=int(value))
+        if kind == "interval" and number is not None and math.isfinite(number) and number > 0:
+            return cls("interval", interval=number)
         raise ValueError(f"records.steps must be all, every:N (N >= 1) or interval:SECONDS (> 0), got {spec!r}")
 
     @property
@@ -242,3 +240,11 @@ def _finished(record: dict[str, Any]) -> dict[str, Any]:
             weighted = record.get(f"_{key}_time")
             out[key] = weighted / out["duration"] if weighted is not None and out["duration"] > 0 else None
     return out
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a number, None when it is not one."""
+    try:
+        return float(text)
+    except ValueError:
+        return None

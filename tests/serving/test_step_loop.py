@@ -61,9 +61,10 @@ def _by_server_thread(num_kv_blocks: int) -> tuple[list, list]:
             loop.submit(loop.make_request(_prompt(i, n), _params(m), request_id=str(i)), queue)
             queues.append(queue)
         loop.start()
-        for queue in queues:
-            while not (await asyncio.wait_for(queue.get(), timeout=60))[1].final:
-                pass
+        for queue in queues:   # every request's stream, to its final delta
+            final = False
+            while not final:
+                final = (await asyncio.wait_for(queue.get(), timeout=60))[1].final
         await asyncio.to_thread(loop.stop)
         return loop
 
