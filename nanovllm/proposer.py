@@ -60,12 +60,6 @@ class Proposer:
 
     registered_name: str = "custom"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # A proposer that overrides neither method would propose nothing, silently: refuse it where it is written.
-        if cls.propose is Proposer.propose and cls.propose_one is Proposer.propose_one:
-            raise TypeError(f"proposer class {cls.__qualname__} must override propose or propose_one")
-
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
 
@@ -78,8 +72,8 @@ class Proposer:
 
     def propose_one(self, request: Request, num_tokens: int) -> list[int]:
         """Up to ``num_tokens`` ids guessed to follow ``request.token_ids`` (what ``propose`` asks per request).
-        Every subclass overrides this or ``propose`` (checked when the class is defined); the base proposes
-        nothing, which decodes one token as usual."""
+        A proposer overrides this or ``propose``; the base proposes nothing, so each request decodes one token
+        as usual."""
         return []
 
     def on_finish(self, request: Request) -> None:

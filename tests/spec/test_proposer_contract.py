@@ -99,8 +99,3 @@ def test_bad_speculative_settings_are_refused_naming_the_field(spec, message):
 def test_method_none_is_speculation_off():
     assert EngineConfig(speculative=dict(method=None, num_tokens=3)).speculative is None
 
-
-def test_a_proposer_that_overrides_neither_method_is_refused_where_it_is_defined():
-    with pytest.raises(TypeError, match="_Silent must override propose or propose_one"):
-        class _Silent(Proposer):
-            """Would propose nothing, without a word."""
