@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_vec.h"
 #include "scratch.h"
@@ -142,18 +143,21 @@ inline void prefetch_weight_tile(const uint8_t* w) {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8")
 
-// Tiles: 0/3 the int32 sums of digit 1/2 for a first block of 16 features, 5/6 for a second; 1/4 digit 1/2 of
-// 16 rows of x; 2/7 the two blocks' weights.
+// Tiles: 0-3 the int32 sums of one digit for (row tile a, block a), (row tile b, block a), (row tile a, block b),
+// (row tile b, block b); 4/5 the digit's codes of row tiles a/b; 6/7 the weights of blocks a/b.
 inline void configure_tiles(int64_t tile_rows) {
   TileConfig config;
-  for (int t : {0, 3, 5, 6, 1, 4}) {
+  for (int t : {0, 1, 2, 3, 4, 5}) {
     config.rows[t] = static_cast<uint8_t>(tile_rows);
     config.colsb[t] = 64;
   }
-  for (int t : {2, 7}) {
+  for (int t : {6, 7}) {
     config.rows[t] = kTileK / 4;
     config.colsb[t] = 64;
   }
+  // GCC does not treat ldtilecfg as reading the configuration's memory and may drop the stores above as dead (it
+  // did once they were contiguous); the empty asm says that memory is read.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
@@ -183,6 +187,76 @@ inline void finish_block(const int32_t* c1, const int32_t* c2, int64_t rows, con
   }
 }
 
+// One digit's products over all of K for up to two row tiles (xa, xb: that digit's codes, rows kp apart) and up
+// to two blocks of 16 features (wa, wb) into tiles 0-3 (the layout above). Two by two, each tile load feeds two
+// tile products: on a tile unit that runs loads and products one after the other, loads are a third of its time
+// at one load a product, against two fifths when one row tile's codes meet two blocks alone. `prefetch`: the
+// weights' first pass (later row tiles and digits find them in cache).
+template <bool kTwoRowTiles, bool kTwoBlocks>
+inline void multiply_digit(const int8_t* xa, const int8_t* xb, const uint8_t* wa, const uint8_t* wb, int64_t kp,
+                           bool prefetch) {
+  _tile_zero(0);
+  if constexpr (kTwoRowTiles) _tile_zero(1);
+  if constexpr (kTwoBlocks) _tile_zero(2);
+  if constexpr (kTwoRowTiles && kTwoBlocks) _tile_zero(3);
+  for (int64_t kk = 0; kk < kp; kk += kTileK) {
+    if (prefetch) {
+      prefetch_weight_tile(wa + kk * kFeatures);
+      if constexpr (kTwoBlocks) prefetch_weight_tile(wb + kk * kFeatures);
+    }
+    _tile_loadd(4, xa + kk, kp);
+    _tile_loadd(6, wa + kk * kFeatures, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(5, xb + kk, kp);
+      _tile_dpbsud(1, 5, 6);
+    }
+    if constexpr (kTwoBlocks) {
+      _tile_loadd(7, wb + kk * kFeatures, 64);
+      _tile_dpbsud(2, 4, 7);
+      if constexpr (kTwoRowTiles) _tile_dpbsud(3, 5, 7);
+    }
+  }
+}
+
+// Tile t's 16 x 16 int32 sums into c (tile numbers are immediates).
+inline void store_sums(int t, int32_t* c) {
+  switch (t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+
+// Up to two row tiles (from row0, `rows` rows in all) times up to two blocks (from block nb): the digits' products
+// (digit 1's sums parked in memory while digit 2 takes the tiles), then each (row tile, block)'s epilogue.
+template <bool kTwoDigits, bool kTwoRowTiles, bool kTwoBlocks, typename T>
+void multiply_tiles(int64_t row0, int64_t rows, int64_t nb, int64_t n, int64_t kp, const int8_t* p1, const int8_t* p2,
+                    const float* d, const int32_t* digit_sums, const uint8_t* packed, const float* scales,
+                    const T* bias, T* y, bool prefetch) {
+  const uint8_t* wa = packed + nb * kp * kFeatures;
+  const uint8_t* wb = wa + kp * kFeatures;
+  alignas(64) int32_t first[4][kTileRows * kFeatures], second[kTileRows * kFeatures];
+  // The second row tile's codes sit kTileRows rows on (only read with two row tiles).
+  const int64_t next = kTwoRowTiles ? kTileRows * kp : 0;
+  multiply_digit<kTwoRowTiles, kTwoBlocks>(p1 + row0 * kp, p1 + row0 * kp + next, wa, wb, kp, prefetch);
+  if constexpr (kTwoDigits) {
+    for (int t = 0; t < 4; ++t)
+      if ((kTwoRowTiles || t % 2 == 0) && (kTwoBlocks || t < 2)) store_sums(t, first[t]);
+    multiply_digit<kTwoRowTiles, kTwoBlocks>(p2 + row0 * kp, p2 + row0 * kp + next, wa, wb, kp, false);
+  }
+  for (int t = 0; t < 4; ++t) {
+    const int64_t row_tile = t % 2, block = t / 2;
+    if ((!kTwoRowTiles && row_tile == 1) || (!kTwoBlocks && block == 1)) continue;
+    store_sums(t, kTwoDigits ? second : first[t]);
+    const int64_t r0 = row0 + row_tile * kTileRows, tile_rows = std::min(kTileRows, rows - row_tile * kTileRows);
+    const int64_t col0 = (nb + block) * kFeatures, cols = std::min(kFeatures, n - col0);
+    finish_block<kTwoDigits>(first[t], second, tile_rows, d + r0, digit_sums + 2 * r0, scales + col0,
+                             bias != nullptr ? bias + col0 : nullptr, cols, y + r0 * n + col0, n);
+  }
+}
+
 // y [m, n] from the digits p1 (and p2 with two digits) [m_pad, kp] (m_pad: m rounded up to whole tiles from 16
 // rows on, the rows past m zero), the steps d [m] and digit sums [m, 2], the packed weights and the channel scales.
 template <bool kTwoDigits, typename T>
@@ -194,60 +268,25 @@ void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* 
 #pragma omp parallel
   {
     configure_tiles(tile_rows);
-    alignas(64) int32_t c1[kTileRows * kFeatures], c2[kTileRows * kFeatures];
-    // Pairs of feature blocks (each x tile load serves two weight tiles), then the row tiles: a pair's weights
-    // (2 x K' x 16 bytes) stay in L1/L2 while every row tile passes.
+    // Pairs of feature blocks, then pairs of row tiles: a pair's weights (2 x K' x 16 bytes) stay in L1/L2 while
+    // every row tile passes.
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t nb = 2 * pair;
-      const bool two = nb + 1 < n_blocks;
-      const uint8_t* wa = packed + nb * kp * kFeatures;
-      const uint8_t* wb = wa + kp * kFeatures;
-      for (int64_t mt = 0; mt < m_tiles; ++mt) {
-        const int64_t row0 = mt * kTileRows, rows = std::min(kTileRows, m - row0);
-        const int8_t* x1 = p1 + row0 * kp;
-        const int8_t* x2 = kTwoDigits ? p2 + row0 * kp : nullptr;  // no second digit: never read
-        // With one digit, tiles 3, 4 and 6 (the second digit's) are never touched.
-        _tile_zero(0);
-        if constexpr (kTwoDigits) _tile_zero(3);
-        if (two) {
-          _tile_zero(5);
-          if constexpr (kTwoDigits) _tile_zero(6);
-          for (int64_t kk = 0; kk < kp; kk += kTileK) {
-            if (mt == 0) {  // later row tiles find this pair's weights in cache
-              prefetch_weight_tile(wa + kk * kFeatures);
-              prefetch_weight_tile(wb + kk * kFeatures);
-            }
-            _tile_loadd(1, x1 + kk, kp);
-            if constexpr (kTwoDigits) _tile_loadd(4, x2 + kk, kp);
-            _tile_loadd(2, wa + kk * kFeatures, 64);
-            _tile_loadd(7, wb + kk * kFeatures, 64);
-            _tile_dpbsud(0, 1, 2);
-            if constexpr (kTwoDigits) _tile_dpbsud(3, 4, 2);
-            _tile_dpbsud(5, 1, 7);
-            if constexpr (kTwoDigits) _tile_dpbsud(6, 4, 7);
-          }
+      const bool two_blocks = nb + 1 < n_blocks;
+      for (int64_t mt = 0; mt < m_tiles; mt += 2) {
+        const int64_t row0 = mt * kTileRows, rows = std::min(2 * kTileRows, m - row0);
+        const bool two_row_tiles = mt + 1 < m_tiles, prefetch = mt == 0;
+        const auto run = [&](auto two_rows, auto two_cols) {
+          multiply_tiles<kTwoDigits, decltype(two_rows)::value, decltype(two_cols)::value>(
+              row0, rows, nb, n, kp, p1, p2, d, digit_sums, packed, scales, bias, y, prefetch);
+        };
+        using Yes = std::true_type;
+        using No = std::false_type;
+        if (two_row_tiles) {
+          if (two_blocks) run(Yes{}, Yes{}); else run(Yes{}, No{});
         } else {
-          for (int64_t kk = 0; kk < kp; kk += kTileK) {
-            if (mt == 0) prefetch_weight_tile(wa + kk * kFeatures);
-            _tile_loadd(1, x1 + kk, kp);
-            if constexpr (kTwoDigits) _tile_loadd(4, x2 + kk, kp);
-            _tile_loadd(2, wa + kk * kFeatures, 64);
-            _tile_dpbsud(0, 1, 2);
-            if constexpr (kTwoDigits) _tile_dpbsud(3, 4, 2);
-          }
-        }
-        for (int half = 0; half < (two ? 2 : 1); ++half) {
-          if (half == 0) {  // tile numbers are immediates
-            _tile_stored(0, c1, 64);
-            if constexpr (kTwoDigits) _tile_stored(3, c2, 64);
-          } else {
-            _tile_stored(5, c1, 64);
-            if constexpr (kTwoDigits) _tile_stored(6, c2, 64);
-          }
-          const int64_t col0 = (nb + half) * kFeatures, cols = std::min(kFeatures, n - col0);
-          finish_block<kTwoDigits>(c1, c2, rows, d + row0, digit_sums + 2 * row0, scales + col0,
-                                   bias != nullptr ? bias + col0 : nullptr, cols, y + row0 * n + col0, n);
+          if (two_blocks) run(No{}, Yes{}); else run(No{}, No{});
         }
       }
     }
