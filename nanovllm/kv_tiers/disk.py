@@ -99,10 +99,13 @@ class DiskTier(KVTier):
 
     def _adopt(self, key: int) -> int | None:
         try:
-            size = self._file(key).stat().st_size
-        except OSError:
+            with self._file(key).open("rb") as f:
+                head = f.read(len(MAGIC) + 4)
+                size = os.fstat(f.fileno()).st_size
+            (length,) = struct.unpack("<I", head[len(MAGIC):])
+        except (OSError, struct.error):
             return None
-        return size   # header included: a bound on the payload, which is what capacity counts
+        return max(0, size - len(head) - length)   # the payload: what capacity counts
 
     def close(self) -> None:
         if not self.persist:
