@@ -35,6 +35,8 @@ class PrefixCachingAllocator(BlockAllocator):
             block = self._never_used.pop()
         else:
             block = self.eviction.victim()
+            self._notify_evicted(block, self._hash_of_block[block], self._tokens_of_block[block],
+                                 self.eviction.uses(block))
             self.eviction.forget(block)
             del self._block_of_hash[self._hash_of_block.pop(block)]
             del self._tokens_of_block[block]

@@ -59,6 +59,8 @@ class RadixTreeAllocator(BlockAllocator):
             return self._free.pop()
         block = self.eviction.victim()
         node = self._node_of_block.pop(block)
+        if self.evict_listener is not None:   # the key costs a walk to the root: only when someone listens
+            self._notify_evicted(block, self._key_of(node), node.tokens, self.eviction.uses(block))
         self.eviction.forget(block)
         parent = node.parent
         assert parent is not None   # only the root has none, and the root holds no block
@@ -160,6 +162,19 @@ class RadixTreeAllocator(BlockAllocator):
             self.eviction.cached(child.block)
             node, published = child, i + 1
         self._cursor[request.request_id] = (node, max(published, full), True)
+
+    def _key_of(self, node: _Node) -> int:
+        """``prefix_block_key`` of ``node``'s block: the chain of its path's labels from the root."""
+        path = []
+        while node is not self._root:
+            path.append(node.tokens)
+            assert node.parent is not None   # every node but the root has a parent
+            node = node.parent
+        key: int | None = None
+        for tokens in reversed(path):
+            key = prefix_block_key(key, tokens)
+        assert key is not None   # an evicted node is never the root
+        return key
 
     def _chunk(self, token_ids: list[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])

@@ -35,6 +35,14 @@ _EXPORTS = {
     "register_allocator": "nanovllm.allocator",
     "ALLOCATORS": "nanovllm.allocator",
     "prefix_block_key": "nanovllm.allocator",
+    "KVTier": "nanovllm.kv_tiers",
+    "TierContext": "nanovllm.kv_tiers",
+    "register_kv_tier": "nanovllm.kv_tiers",
+    "KV_TIERS": "nanovllm.kv_tiers",
+    "OffloadPolicy": "nanovllm.kv_tiers.offload",
+    "register_offload_policy": "nanovllm.kv_tiers.offload",
+    "OFFLOAD_POLICIES": "nanovllm.kv_tiers.offload",
+    "EvictedBlock": "nanovllm.allocator",
     "AttentionBackend": "nanovllm.attention.base",
     "AttentionMetadata": "nanovllm.attention.base",
     "register_attention": "nanovllm.attention.base",
@@ -98,13 +106,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from nanovllm.allocator import ALLOCATORS, BlockAllocator, register_allocator
+    from nanovllm.allocator import ALLOCATORS, BlockAllocator, EvictedBlock, register_allocator
     from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
     from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer, register_kv_transfer
     from nanovllm.config import EngineConfig
     from nanovllm.engine.engine import LLMEngine
     from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, register_runner
     from nanovllm.eviction import EVICTION_POLICIES, EvictionPolicy, EvictionTracker, register_eviction
+    from nanovllm.kv_tiers import KV_TIERS, KVTier, TierContext, register_kv_tier
+    from nanovllm.kv_tiers.offload import OFFLOAD_POLICIES, OffloadPolicy, register_offload_policy
     from nanovllm.llm import LLM
     from nanovllm.models.base import MODELS, CausalLM, register_model
     from nanovllm.outputs import RequestMetrics, RequestOutput

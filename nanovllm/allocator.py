@@ -6,16 +6,30 @@ reads it; nothing else touches the allocator's internals.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 from nanovllm.registry import Registry
 from nanovllm.request import Request
 
 
+@dataclass(frozen=True)
+class EvictedBlock:
+    """A cached block a caching allocator is about to reuse: its id (its K/V still intact), its
+    ``prefix_block_key``, its tokens and how many requests used it (the one that computed it counts)."""
+
+    block: int
+    key: int
+    tokens: tuple[int, ...]
+    uses: int
+
+
 class BlockAllocator(ABC):
     """Hands out ``num_blocks`` blocks of ``block_size`` token slots each."""
 
     registered_name: str = "custom"
+    # Set by the engine when KV tiers are on: told of every cached block before its content is dropped.
+    evict_listener: Callable[[EvictedBlock], None] | None = None
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -91,6 +105,12 @@ class BlockAllocator(ABC):
         would follow them), or None for an allocator that does not say: what a real cluster's driver mirrors
         to answer ``ReplicaView.prefix_match_tokens`` without asking the replica's process. Default: None."""
         return None
+
+    def _notify_evicted(self, block: int, key: int, tokens: tuple[int, ...], uses: int) -> None:
+        """A caching allocator calls this as it evicts ``block`` (before anything overwrites it), so the KV
+        tiers may keep a copy."""
+        if self.evict_listener is not None:
+            self.evict_listener(EvictedBlock(block, key, tokens, uses))
 
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks()

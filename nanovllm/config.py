@@ -40,6 +40,10 @@ class EngineConfig:
     quantization: str | None = None             # weights: None (dense, in dtype), "int8" (W8A8: per-channel
                                                 # weights, per-token activations) or "gguf" (the .gguf file's own
                                                 # Q8_0/Q4_0/Q4_1 blocks); CPU, one rank; implies the fast path
+    kv_offload: Any = None                      # KV tiers below the pool: a tier name (host, disk), or {name, **its
+                                                # options, policy: an offload policy, below: the next tier}; None:
+                                                # off (docs/kv_tiers.md)
+    preemption_mode: str = "recompute"          # recompute | swap (a victim's blocks go to the top KV tier)
     speculative: dict[str, Any] | None = None   # speculative decoding, vLLM's spelling: {"method": a registered
                                                 # proposer (ngram), "num_speculative_tokens": K, "policy": a
                                                 # speculation policy (fixed), **its options}; None (or method
@@ -90,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
         if self.speculative is not None:
             _validate_speculative(self.speculative)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
 
     def _validate_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -116,6 +116,10 @@ class EvictionTracker:
         self._candidates.discard(block)
         del self._use[block]
 
+    def uses(self, block: int) -> int:
+        """How many requests used ``block`` (its creator counts as one)."""
+        return self._use[block].uses
+
     def is_cached(self, block: int) -> bool:
         return block in self._use
 

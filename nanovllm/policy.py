@@ -147,6 +147,12 @@ class Policy:
         Default: the least urgent by ``priority``, latest arrival breaking ties."""
         return max(candidates, key=lambda r: (self.priority(r, now), r.arrival_time))
 
+    def preemption_mode(self, victim: Request, now: float) -> str | None:
+        """``victim`` is being preempted (asked right after ``select_victim`` or ``preempt_for`` named it):
+        ``"recompute"`` (drop its blocks), ``"swap"`` (send them to the top KV tier, loaded back when it is
+        readmitted; needs ``kv_offload``), or None for the engine's ``preemption_mode`` (the default)."""
+        return None
+
     def preempt_for(self, waiting: Request, running: Sequence[Request], now: float) -> Request | None:
         """``waiting`` cannot be admitted (no free slot or blocks). Return a running request to preempt in its
         favour, or None (the default: never preempt for a waiting request)."""

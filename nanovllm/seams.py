@@ -22,6 +22,8 @@ from nanovllm.cluster.kv_transfer import KV_TRANSFERS, register_kv_transfer
 from nanovllm.engine.runner import RUNNERS, register_runner
 from nanovllm.eviction import EVICTION_POLICIES, register_eviction
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, register_step_time
+from nanovllm.kv_tiers import KV_TIERS, register_kv_tier
+from nanovllm.kv_tiers.offload import OFFLOAD_POLICIES, register_offload_policy
 from nanovllm.models.base import MODELS, register_model
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES, register_policy
@@ -54,6 +56,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("scheduling policy", "POLICIES", POLICIES, register_policy, "scheduler=NAME, LLM(scheduler=...)"),
     Seam("KV block allocator", "ALLOCATORS", ALLOCATORS, register_allocator, "allocator=NAME, LLM(allocator=...)"),
     Seam("eviction order", "EVICTION_POLICIES", EVICTION_POLICIES, register_eviction, "allocator.eviction=NAME"),
+    Seam("KV tier", "KV_TIERS", KV_TIERS, register_kv_tier, "kv_offload=NAME, LLM(kv_offload=...)"),
+    Seam("KV offload policy", "OFFLOAD_POLICIES", OFFLOAD_POLICIES, register_offload_policy,
+         "kv_offload.policy=NAME"),
     Seam("attention backend", "ATTENTION_BACKENDS", ATTENTION_BACKENDS, register_attention,
          "attention=NAME, LLM(attention=...)"),
     Seam("model architecture", "MODELS", MODELS, register_model, "the checkpoint's config.json `architectures`"),

@@ -19,12 +19,14 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolv
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
+from nanovllm.engine.kv_offload import KVOffload, check_kv_offload, kv_namespace
 from nanovllm.engine.protocol import EngineClient, StepError, StepOutput
 from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, resolve_runner, runner_class
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.engine.speculative import Speculator
 from nanovllm.engine.startup_checks import check_before_load
 from nanovllm.engine.warmup import warm_up
+from nanovllm.kv_tiers import TierContext
 from nanovllm.models.loader import resolve_model
 from nanovllm.outputs import StepRecord
 from nanovllm.policy import POLICIES, Policy
@@ -85,8 +87,10 @@ class LLMEngine(EngineClient):
         runner = self.runner
         self.allocator: BlockAllocator = ALLOCATORS.build(allocator, self.num_kv_blocks, config.block_size)
         self.policy: Policy = POLICIES.build(scheduler)
+        self.offload = self._build_offload(loads_model)
         self.scheduler = Scheduler(self.policy, self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, offload=self.offload,
+                                   preemption_mode=config.preemption_mode)
         # Speculative decoding (EngineConfig.speculative): the proposer, asked before each step.
         self.speculator: Speculator | None = None if config.speculative is None else Speculator(
             config, ProposerContext(config, self.hf_config, self.model_dir, self.hf_config.vocab_size, runner))
@@ -113,6 +117,31 @@ class LLMEngine(EngineClient):
                   and backend.supports_cuda_graphs)
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
                              GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
+
+    def _build_offload(self, loads_model: bool) -> KVOffload | None:
+        """The KV tiers of ``config.kv_offload`` (None when off), told of the allocator's evictions."""
+        config = self.config
+        if check_kv_offload(config.kv_offload) is None:
+            if config.preemption_mode == "swap":
+                raise ValueError("preemption_mode=swap sends a victim's blocks to a KV tier: set kv_offload "
+                                 "(e.g. kv_offload='host')")
+            return None
+        runner = self.runner
+        if not loads_model or runner.registered_name != "real":
+            raise ValueError(f"kv_offload copies K/V between the cache and its tiers in this process: it needs "
+                             f"runner real, not {runner.registered_name!r}")
+        cache_dtype = runner.read_kv([0]).dtype
+        namespace = kv_namespace(self.model_dir, config.dtype, config.kv_cache_dtype, config.block_size,
+                                 runner.num_layers, runner.num_kv_heads, runner.head_dim, config.fast_path)
+        offload = KVOffload(config.kv_offload, TierContext(namespace, cache_dtype), config.block_size,
+                            runner.read_kv, lambda ids, data: runner.write_kv(ids, data, 0))
+        self.allocator.evict_listener = offload.on_evicted
+        return offload
+
+    def close(self) -> None:
+        """Close the KV tiers (a disk tier with ``persist=False`` removes its files); idempotent."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _warm_up(self) -> tuple[int, float]:
         """Run every representative batch shape once (``warmup.py``); (steps, seconds)."""
@@ -345,7 +374,7 @@ class LLMEngine(EngineClient):
         evictions, self._evictions_seen = self.allocator.num_evictions - self._evictions_seen, \
             self.allocator.num_evictions
         block_size = self.allocator.block_size
-        return StepRecord(
+        record = StepRecord(
             step=self._num_steps - 1,
             start_time=start,
             duration=self.clock() - start,
@@ -373,6 +402,9 @@ class LLMEngine(EngineClient):
             spec_decode_num_accepted_tokens=out.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=out.num_accepted_tokens_per_pos,
         )
+        if self.offload is not None:
+            record["swapped_tokens"], record["kv_tiers"] = self.offload.take_step_stats()
+        return record
 
 
 def _token_ids_in_range(token_ids: list[Any], vocab_size: int) -> bool:

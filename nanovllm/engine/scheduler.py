@@ -1,4 +1,5 @@
-"""Scheduler mechanics: budgets, block allocation, preemption by recompute, and every request state change.
+"""Scheduler mechanics: budgets, block allocation, preemption (by recompute, or by swap to a KV tier), and every
+request state change.
 
 Each step the running requests get their next tokens first (a decode, or the next prefill chunk), most urgent
 first; when blocks run out the policy names a victim among those not yet scheduled, which loses its blocks and
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from nanovllm.allocator import BlockAllocator
+from nanovllm.engine.kv_offload import PREEMPTION_MODES, KVOffload
 from nanovllm.engine.waiting_queue import WaitingQueue, waiting_queue_for
 from nanovllm.policy import Policy, PolicyError, SchedulerView, StepBudget
 from nanovllm.request import Request, RequestStatus
@@ -31,6 +33,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0      # prompt tokens served from the prefix cache at this step's admissions
     num_recomputed_tokens: int = 0      # tokens computed again after a preemption (set by update_from_output)
+    num_swapped_tokens: int = 0         # tokens of swapped-out requests loaded back at readmission (not computed)
     # Speculative decoding (set by update_from_output): requests whose proposals were verified, the proposals
     # verified and those accepted (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens).
     num_drafts: int = 0
@@ -61,8 +64,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
+        offload: KVOffload | None = None,
+        preemption_mode: str = "recompute",
     ) -> None:
+        """``offload``: the KV tiers below the allocator's pool (None: none). ``preemption_mode``: ``recompute``
+        (a victim's blocks are dropped) or ``swap`` (they go to the top tier and come back at readmission;
+        needs ``offload``); a policy may choose per victim (``Policy.preemption_mode``)."""
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {preemption_mode!r}")
         self.policy = policy
+        self.offload = offload
+        self.preemption_mode = preemption_mode
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,7 +86,13 @@ class Scheduler:
         self.running: list[Request] = []
         self._rejected: list[Request] = []   # failed on arrival or aborted; reported by the next update_from_output
         self._handed_off: list[Request] = []  # prefilled for a decode replica, blocks held until the engine read them
-        policy.bind_prefix_lookup(allocator.cached_prefix_len)
+        policy.bind_prefix_lookup(self.cached_prefix_len)
+
+    def cached_prefix_len(self, request: Request) -> int:
+        """How many of ``request``'s tokens are cached: in the allocator's pool, then (with KV tiers) in the
+        tiers below, as a ``CachedPrefix`` (an int with ``by_tier``). A pure lookup (what ``lpm`` reads)."""
+        cached = self.allocator.cached_prefix_len(request)
+        return cached if self.offload is None else self.offload.cached_prefix_len(request, cached)
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, request: Request, now: float) -> None:
@@ -104,6 +122,8 @@ class Scheduler:
                 return None
             self.waiting.remove(request)
         self.allocator.free(request)
+        if self.offload is not None:
+            self.offload.forget(request)
         request.status = RequestStatus.ABORTED
         request.finish_reason = "abort"
         request.error = reason
@@ -136,6 +156,8 @@ class Scheduler:
             request.num_computed_tokens += num_new
             request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
             self.allocator.on_tokens_computed(request)
+            if self.offload is not None:
+                self.offload.on_tokens_computed(request)
         self._ask("on_step", out.scheduled, now)
         logprobs = next_logprobs if next_logprobs is not None else [None] * len(next_tokens)
         for (request, _), num_proposed, token, token_logprobs in zip(out.scheduled, proposed, next_tokens, logprobs):
@@ -221,6 +243,8 @@ class Scheduler:
         request.error = error
         request.finish_time = now
         self.allocator.free(request)
+        if self.offload is not None:
+            self.offload.forget(request)
         self.running.remove(request)
         self._ask("on_finish", request, now)
 
@@ -242,6 +266,8 @@ class Scheduler:
         out = SchedulerOutput()
         self._reject_hopeless(now)
         self.waiting.order(now)
+        if self.offload is not None:   # before admission: blocks of the queue's head move up to the top tier
+            self.offload.prefetch(self.waiting)
         self._preempt_for_waiting(out, now)
         self._sort(self.running, now)
         plan = self._step_budget(out, now)
@@ -290,6 +316,8 @@ class Scheduler:
                 continue
             self.waiting.remove(request)
             self._undo_prefix_match(request)
+            if self.offload is not None:
+                self.offload.forget(request)
             self.reject(request, f"rejected by policy {self.policy.registered_name!r}: {reason}", now)
             self._ask("on_finish", request, now)
 
@@ -331,7 +359,7 @@ class Scheduler:
             if victim not in candidates:
                 raise PolicyError(f"policy {self.policy.registered_name!r}: select_victim returned a request "
                                   "that is not among the candidates")
-            self._preempt(victim, out)
+            self._preempt(victim, out, now)
             candidates.remove(victim)
             if victim is request:
                 return False
@@ -346,8 +374,12 @@ class Scheduler:
                 break
             # Set when its prompt's K/V came from a prefill replica: loaded, not computed.
             handoff = request.handoff if request.awaits_kv else None
+            load = None
             if not request.block_table:
                 cached = self.allocator.match_prefix(request)
+                if handoff is None and self.offload is not None:   # the next blocks, from the tiers below
+                    load = self.offload.plan(request, cached)
+                    cached += self.offload.planned_tokens(load)
                 request.num_computed_tokens = cached
                 if handoff is None:   # a handed-off request keeps its prefill replica's count
                     request.num_cached_tokens = cached
@@ -365,6 +397,8 @@ class Scheduler:
                 self._undo_prefix_match(request)
                 break
             self.allocator.allocate(request, to_allocate)
+            if load is not None:
+                self._load_from_tiers(request, load, out)
             if handoff is not None:
                 out.kv_loads.append((request, request.num_computed_tokens // self.allocator.block_size))
                 out.num_prefix_hit_tokens += request.num_computed_tokens
@@ -390,7 +424,7 @@ class Scheduler:
             if victim not in self.running:
                 raise PolicyError(f"policy {self.policy.registered_name!r}: preempt_for returned a request "
                                   "that is not running")
-            self._preempt(victim, out)
+            self._preempt(victim, out, now)
             # The victim joined the waiting queue behind ``request``; keep the policy's order.
             self.waiting.order(now)
 
@@ -399,8 +433,31 @@ class Scheduler:
         needed = self.allocator.blocks_for(request.num_tokens) + self.watermark_blocks
         return len(self.running) >= self.max_num_seqs or needed > self.allocator.num_free_blocks()
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Recompute-style preemption: free every block, forget computed tokens, go back to waiting."""
+    def _load_from_tiers(self, request: Request, load: Any, out: SchedulerOutput) -> None:
+        """Admission with KV tiers: copy the planned blocks (swapped, or found below) into the request's fresh
+        blocks. A block that fails to load is computed instead, with those after it (the step computes from
+        there: its blocks are allocated already)."""
+        assert self.offload is not None
+        start = load.first_block * self.allocator.block_size
+        loaded = self.offload.load(request, load)
+        request.num_computed_tokens = start + loaded
+        if load.swap:
+            request.num_swapped_tokens += loaded
+            out.num_swapped_tokens += loaded
+            request.num_cached_tokens = start   # swapped tokens were this request's own, not a cache hit
+        else:
+            request.num_cached_tokens = start + loaded
+        self.allocator.on_tokens_computed(request)   # loaded blocks join the pool's prefix cache
+
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
+        """Preempt ``request`` back to waiting, its blocks freed: by recompute (computed tokens forgotten), or by
+        swap (its computed blocks go to the top KV tier first; a full tier falls back to recompute)."""
+        mode = self._ask("preemption_mode", request, now) or self.preemption_mode
+        if mode not in PREEMPTION_MODES:
+            raise PolicyError(f"policy {self.policy.registered_name!r}: preemption_mode must return None or one of "
+                              f"{', '.join(PREEMPTION_MODES)}, got {mode!r}")
+        if mode == "swap" and self.offload is not None and not request.awaits_kv:
+            self.offload.swap_out(request)
         self.allocator.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []

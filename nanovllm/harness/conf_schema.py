@@ -41,7 +41,7 @@ def _engine_schema() -> type:
     hints = typing.get_type_hints(EngineConfig)
     specs = []
     for f in dataclasses.fields(EngineConfig):
-        if f.name in ("model", "speculative"):
+        if f.name in ("model", "speculative", "kv_offload"):
             continue
         default = "${seed}" if f.name == "seed" else f.default
         specs.append((f.name, hints[f.name], field(default=default)))
@@ -84,6 +84,7 @@ class RunConfig:
     live: LiveConfig = field(default_factory=LiveConfig)  # watch the run: off | web | tui (conf/live/)
     server: ServerConfig = field(default_factory=ServerConfig)  # python -m nanovllm.serve (conf/server/)
     speculative: Any = MISSING  # {method: <registered proposer> or null (off), num_tokens: K, **its options}
+    kv_offload: Any = None      # {name: <registered KV tier> or none, **its options, policy, below}
     records: RecordsConfig = field(default_factory=RecordsConfig)  # steps: all | every:N | interval:SECONDS
 
 

@@ -65,6 +65,7 @@ from nanovllm.harness.parallel_jobs import apply_fair_share
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
+from nanovllm.engine.kv_offload import check_kv_offload
 from nanovllm.proposer import PROPOSERS, check_speculative
 from nanovllm.router import ROUTERS
 from nanovllm.sampling import SamplingParams
@@ -179,6 +180,13 @@ def _speculative(cfg: DictConfig) -> dict[str, Any] | None:
     return spec
 
 
+def _kv_offload(cfg: DictConfig) -> Any:
+    """The ``kv_offload`` group as ``EngineConfig.kv_offload`` (name none: off), checked before the model loads."""
+    node = cfg.get("kv_offload")
+    spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    return spec if check_kv_offload(spec) is not None else None
+
+
 def check_config(cfg: DictConfig) -> _Checked:
     _check_missing(cfg)
     _check_mappings(cfg)
@@ -186,7 +194,8 @@ def check_config(cfg: DictConfig) -> _Checked:
     validate_workload_config(cfg.workload)
     _check_model_path(cfg.model.path)
     with _engine_field_errors():
-        engine = EngineConfig.from_options(model=cfg.model.path, speculative=_speculative(cfg), **cfg.engine)
+        engine = EngineConfig.from_options(model=cfg.model.path, speculative=_speculative(cfg),
+                                           kv_offload=_kv_offload(cfg), **cfg.engine)
     SamplingParams(temperature=cfg.temperature)  # validates it
     runner = OmegaConf.to_container(cfg.runner, resolve=True)
     hardware = OmegaConf.to_container(cfg.hardware, resolve=True) if cfg.get("hardware") is not None else None

@@ -82,6 +82,10 @@ class ServerMetrics:
         self.recomputed = counter("nanovllm:recomputed_tokens", "Tokens computed again after a preemption.",
                                   plugins)
         self.evictions = counter("nanovllm:kv_cache_evictions", "Cached KV blocks evicted.", plugins)
+        self.swapped = counter("nanovllm:swapped_tokens", "Tokens of swapped-out requests loaded back instead of "
+                               "recomputed.", plugins)
+        self.tier_hits = counter("vllm:external_prefix_cache_hits", "Prompt tokens loaded from KV tiers below the "
+                                 "pool (vLLM's name for hits outside the GPU pool).", model)
         self.kv_free = gauge("nanovllm:kv_blocks_free", "Free KV blocks (cached ones included).", plugins)
         self._by_priority = Counter("nanovllm:requests_ended", "Requests that ended, by priority class and finish "
                                     "reason ('failed' when rejected).", [*plugins, "priority", "finished_reason"],
@@ -106,6 +110,8 @@ class ServerMetrics:
         self.prefix_hits.inc(step["prefix_hit_tokens"])
         self.recomputed.inc(step["recomputed_tokens"])
         self.evictions.inc(step["num_evictions"])
+        self.swapped.inc(step.get("swapped_tokens", 0))
+        self.tier_hits.inc(sum(t["hit_tokens"] for t in step.get("kv_tiers", {}).values()))
         self.spec_drafts.inc(step["spec_decode_num_drafts"])
         self.spec_draft_tokens.inc(step["spec_decode_num_draft_tokens"])
         self.spec_accepted.inc(step["spec_decode_num_accepted_tokens"])

@@ -201,6 +201,21 @@ def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]
     return out
 
 
+def _tier_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """KV tiers (runs with kv_offload): swapped tokens, and per tier its counters summed over the steps and
+    the blocks and bytes it held at the last step. Empty without tiers."""
+    tiered = [s for s in steps if "kv_tiers" in s]
+    if not tiered:
+        return {}
+    per_tier: dict[str, dict[str, int]] = {}
+    for step in tiered:
+        for name, counts in step["kv_tiers"].items():
+            totals = per_tier.setdefault(name, {})
+            for key, value in counts.items():
+                totals[key] = value if key in ("blocks", "bytes") else totals.get(key, 0) + value
+    return {"swapped_tokens": sum(s.get("swapped_tokens", 0) for s in tiered), "kv_tiers": per_tier}
+
+
 def _memory_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Prefix-cache and fragmentation figures from the step records (None for runs recorded before them).
     Internal fragmentation is the mean, over steps, of allocated KV slots not holding a computed token."""
@@ -269,6 +284,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, An
     summary.update(_scheduling(requests, done))
     summary.update(_step_stats(steps))
     summary.update(_memory_stats(steps))
+    summary.update(_tier_stats(steps))
     summary.update(_spec_decode_stats(steps))
     return summary
 

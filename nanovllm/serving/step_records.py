@@ -33,6 +33,7 @@ WARN_STEPS = 1_000_000
 # How an ``interval`` aggregate combines each key of its steps' records (keys not named keep the last value).
 _SUMMED = ("duration", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs", "num_decode_seqs",
            "num_preempted", "context_tokens", "attn_pairs", "num_sampled", "prefix_hit_tokens", "recomputed_tokens",
+           "swapped_tokens",
            "num_evictions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
            "spec_decode_num_accepted_tokens", "flops", "bytes")
 _MAXED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached", "kv_slots_unused")
