@@ -257,16 +257,24 @@ void multiply_tiles(int64_t row0, int64_t rows, int64_t nb, int64_t n, int64_t k
   }
 }
 
-// y [m, n] from the digits p1 (and p2 with two digits) [m_pad, kp] (m_pad: m rounded up to whole tiles from 16
-// rows on, the rows past m zero), the steps d [m] and digit sums [m, 2], the packed weights and the channel scales.
+// y [m, n] = x [m, k] times the packed weights and the channel scales: each row of x quantized into the digits p1
+// (and p2 with two digits) [m_pad, kp] (m_pad: m rounded up to whole tiles from 16 rows on, the rows past m
+// already zero), its step d [m] and digit sums [m, 2], then the tiles' products. Both in one parallel region: a
+// decode step calls this some 120 times on a few rows each, and a second fork and join per call cost about as
+// much as quantizing.
 template <bool kTwoDigits, typename T>
-void amx_gemm(int64_t m, int64_t kp, int64_t n, const int8_t* p1, const int8_t* p2, const float* d,
-              const int32_t* digit_sums, const uint8_t* packed, const float* scales, const T* bias, T* y) {
+void amx_gemm(int64_t m, int64_t k, int64_t kp, int64_t n, const T* x, int8_t* p1, int8_t* p2, float* d,
+              int32_t* digit_sums, const uint8_t* packed, const float* scales, const T* bias, T* y) {
   const int64_t n_blocks = (n + kFeatures - 1) / kFeatures, pairs = (n_blocks + 1) / 2;
   const int64_t tile_rows = std::min<int64_t>(m, kTileRows);  // below 16 rows, tiles of exactly m rows
   const int64_t m_tiles = (m + kTileRows - 1) / kTileRows;
 #pragma omp parallel
   {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r)
+      quantize_digits<kTwoDigits>(x + r * k, k, kp, p1 + r * kp, kTwoDigits ? p2 + r * kp : nullptr, d + r,
+                                  digit_sums + 2 * r);
+    // (the loop's barrier: every row's digits are in place before any tile reads them)
     configure_tiles(tile_rows);
     // Pairs of feature blocks, then pairs of row tiles: a pair's weights (2 x K' x 16 bytes) stay in L1/L2 while
     // every row tile passes.
@@ -303,14 +311,8 @@ void quantize_and_multiply(const at::Tensor& x, const at::Tensor& packed, const 
                            const at::Tensor& bias, at::Tensor& p1, at::Tensor& p2, at::Tensor& d,
                            at::Tensor& digit_sums, at::Tensor& y) {
   const int64_t rows = x.size(0), k = x.size(1), kp = p1.size(1), n = y.size(1);
-  const T* xp = x.data_ptr<T>();
-  int8_t* second = kTwoDigits ? p2.data_ptr<int8_t>() : nullptr;
-#pragma omp parallel for if (rows > 8)
-  for (int64_t r = 0; r < rows; ++r)
-    quantize_digits<kTwoDigits>(xp + r * k, k, kp, p1.data_ptr<int8_t>() + r * kp,
-                                kTwoDigits ? second + r * kp : nullptr, d.data_ptr<float>() + r,
-                                digit_sums.data_ptr<int32_t>() + 2 * r);
-  amx_gemm<kTwoDigits>(rows, kp, n, p1.data_ptr<int8_t>(), second, d.data_ptr<float>(),
+  amx_gemm<kTwoDigits>(rows, k, kp, n, x.data_ptr<T>(), p1.data_ptr<int8_t>(),
+                       kTwoDigits ? p2.data_ptr<int8_t>() : nullptr, d.data_ptr<float>(),
                        digit_sums.data_ptr<int32_t>(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                        bias.defined() ? bias.data_ptr<T>() : nullptr, y.data_ptr<T>());
 }
