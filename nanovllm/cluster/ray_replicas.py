@@ -62,6 +62,7 @@ from typing import Any, Mapping, Sequence, cast
 from nanovllm.allocator import prefix_block_keys
 from nanovllm.cluster.cluster import ClusterBase
 from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.faults import death_record
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.config import EngineConfig
@@ -465,10 +466,7 @@ class RayCluster(ClusterBase):
 
     def _router_of(self, replica: RemoteReplica) -> Router:
         """The router of ``replica``'s pool (the cluster's one router when replicas are colocated)."""
-        if self.pool_of(replica.index) == "decode":
-            assert self.decode_router is not None   # a disaggregated cluster is built with one
-            return self.decode_router
-        return self.router
+        return self._pool(replica.index)[1]
 
     def pool_of(self, index: int) -> str | None:
         """"prefill" or "decode" (None: colocated replicas)."""
@@ -683,76 +681,32 @@ class RayCluster(ClusterBase):
         abort_all = replica.abort or replica.aborting[0]
         aborted = dict(replica.aborting[1] + replica.aborts)
         replica.abort, replica.aborts, replica.aborting = None, [], (None, [])
-        retry: list[Request] = []
-        failed: list[Request] = []
         for request in held:
             handoff = request.handoff
             if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
                 self.transfer.discard(handoff.data)   # K/V sent to it and never received: free them
                 handoff.data = None
-            abort = aborted.get(request.request_id, abort_all)
-            if abort is not None:   # the client gave up on it already: no reason to resume it
-                request.status, request.error, request.finish_reason = RequestStatus.ABORTED, abort, "abort"
-                request.finish_time = now
-                failed.append(request)
-            elif request.num_retries >= self.max_retries:
-                request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
-                if self.max_retries:
-                    request.error += f" (retried {request.num_retries} times: cluster.max_retries)"
-                failed.append(request)
-            else:
-                retry.append(request)
-        router = self._router_of(replica)
-        for request in held:   # its replica's router hears every one end there, retried or not
-            self._ask("on_finish", request, replica.view_index, now, router=router)
-        for request in retry:
-            if not self._retry(request, replica, now):
-                request.status, request.finish_time = RequestStatus.FAILED, now
-                request.error = f"{reason} (no live replica is left to retry it on)"
-                failed.append(request)
+        # What every cluster does with a dead replica's requests (the simulated one too): ClusterBase._recover.
+        failed = self._recover(replica, held, reason, now, aborted, abort_all)
         if replica.num_restarts < self.max_restarts:
             self._relaunch(replica)
-        state = replica.state
-        record = StepRecord(
-            step=0, start_time=now, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0,
-            num_decode_seqs=0, num_running=0, num_waiting=0, num_preempted=0, kv_blocks_used=0,
-            kv_blocks_cached=0, kv_blocks_free=state["num_total_blocks"], kv_blocks_total=state["num_total_blocks"],
-            context_tokens=0, attn_pairs=0, num_sampled=0, prefix_hit_tokens=0, recomputed_tokens=0,
-            num_evictions=0, kv_slots_unused=0, spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-            spec_decode_num_accepted_tokens=0)
-        record["replica"] = replica.index
+        record = death_record(replica.index, now, replica.state["num_total_blocks"])
         self._reports.append(StepOutput(failed, record))
 
-    def _retry(self, request: Request, dead: RemoteReplica, now: float) -> bool:
-        """Route ``request``, held by ``dead``, to a live replica of the same pool (a decode replica's to a decode
-        replica: it recomputes the prompt and the tokens generated so far, no K/V moved) and queue it to resume
-        there. False when no replica of the pool is alive."""
-        pool_name = self.pool_of(dead.index)
-        if pool_name == "decode":
-            pool, router, imbalance = self.replicas[self.num_prefill:], self.decode_router, self.decode_imbalance
-            request.hand_off_after_prefill = False   # it decodes where it goes
-        else:
-            pool = self.replicas[:self.num_prefill] if pool_name == "prefill" else self.replicas
-            router, imbalance = self.router, self.imbalance
-        if not any(replica.alive for replica in pool):
-            return False
-        request.retried_from.append(dead.index)
-        if request.num_output_tokens:   # the dead replica had computed all but the newest token
-            request.retry_recomputed_tokens += request.num_tokens - 1
+    def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
         self._last_keys = (None, [])   # its tokens grew since it was routed: hash them again
-        views = [replica.view(request, self._prefix_match) for replica in pool]
-        local = self._choose(request, views, now, router, imbalance)
-        target = pool[local]
-        request.replica = target.index
+        return [replica.view(request, self._prefix_match) for replica in pool]
+
+    def _resume_on(self, target: Any, request: Request, now: float) -> None:
+        """Queue a dead replica's ``request`` on ``target``: it goes with the target's next call, as far as the
+        driver has followed it (prompt and generated tokens, recomputed there; no K/V)."""
         target.num_routed += 1
         target.held[request.request_id] = request
         target.unsent.append((request, None))
         target.resumes.add(request.request_id)
         target._view = None
-        self._ask("on_arrival", request, local, now, router=router)
         if target.in_flight is None:
             target.send()
-        return True
 
     def _relaunch(self, replica: RemoteReplica) -> None:
         """Start a new actor for dead ``replica`` (same index and settings); it rejoins once its ``info``

@@ -8,8 +8,9 @@ per replica, and the summary's cluster figures (``summary_extras``):
 * ``per_replica``: per replica, requests routed and completed, prefix-cache hit rate, preemptions, mean and
   peak KV usage, busy fraction (its steps' time over the run's) and mean outstanding requests (real replicas:
   and ``restarts``);
-* ``faults`` (real replicas): requests resumed after their replica died, retries, tokens recomputed for them,
-  requests failed by a death, restarts (``faults_summary``).
+* ``faults`` (real replicas, and simulated ones with ``cluster.faults``): requests resumed after their replica
+  died, retries, tokens recomputed for them, requests failed by a death or for lack of a live replica, K/V
+  transfers that failed, restarts (``faults_summary``).
 
 Simulated (``runner=sim cluster.replicas=N``): every replica is a ``Simulation`` (the real scheduler, policy
 instance and allocator of its own) on its own virtual clock, and the cluster runs them as one discrete-event
@@ -62,14 +63,20 @@ class ServedCluster(ServedEngine):
         model = simulations[0].model
         step_time = lambda features: float(model.predict(features, 0.0))  # noqa: E731
         engines = [sim.engine for sim in simulations]
+
+        def restarted(index: int) -> Any:   # a dead replica comes back as a fresh engine: empty queues and cache
+            return first.replica(cluster.engine_config(config, index), **plugins).engine
+
+        faults = dict(faults=cluster.faults, max_retries=cluster.max_retries, max_restarts=cluster.max_restarts,
+                      step_timeout=cluster.step_timeout, replica_factory=restarted)
         if cluster.disaggregated:
             prefill_router, decode_router = pool_routers(router)
             transfer = simulated_transfer(cluster.kv_transfer, hardware)
             engine: Cluster = DisaggregatedCluster(engines[:cluster.prefill_replicas],
                                                    engines[cluster.prefill_replicas:], prefill_router,
-                                                   decode_router, transfer, step_time=step_time)
+                                                   decode_router, transfer, step_time=step_time, **faults)
         else:
-            engine = Cluster(engines, ROUTERS.build(_colocated(router)), step_time=step_time)
+            engine = Cluster(engines, ROUTERS.build(_colocated(router)), step_time=step_time, **faults)
         return cls(engine, engine.clock, simulations[0].cost, simulations)
 
     @classmethod
@@ -79,6 +86,9 @@ class ServedCluster(ServedEngine):
         on the wall clock; the cost model is the HF config's (the driver loads no weights)."""
         from nanovllm.cluster.ray_replicas import RayCluster  # Ray: imported only for real replicas
 
+        if cluster.faults.active:
+            raise ValueError("cluster.faults are injected into a simulated cluster (runner=sim); real replicas die "
+                             "for real (RayCluster.kill_replica kills one as a crash would)")
         if cluster.disaggregated:
             prefill_router, decode_router = pool_routers(router)
         else:
@@ -134,7 +144,7 @@ class ServedCluster(ServedEngine):
             "load_imbalance_max": max(imbalance) if imbalance else None,
             "per_replica": table,
         }
-        if not self.simulations:   # real replicas: what their deaths cost
+        if not self.simulations or self.cluster.faults.active:   # what replica deaths cost
             restarts = [getattr(replica, "num_restarts", 0) for replica in self.cluster.replicas]
             for index, count in enumerate(restarts):
                 table[str(index)]["restarts"] = count
@@ -220,6 +230,8 @@ def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int]) ->
     return {"retried_requests": len(retried), "retries": sum(r["num_retries"] for r in retried),
             "retry_recomputed_tokens": sum(r["retry_recomputed_tokens"] for r in retried),
             "failed_replica_died": sum(bool(r["error"] and " died: " in r["error"]) for r in records),
+            "failed_no_replica": sum(bool(r["error"] and "no live" in r["error"]) for r in records),
+            "kv_transfer_failures": sum(bool(r.get("kv_transfer_failed")) for r in records),
             "replica_restarts": sum(restarts)}
 
 
