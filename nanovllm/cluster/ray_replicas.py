@@ -298,6 +298,7 @@ class RemoteReplica:
         self.unsent: list[tuple[Request, str | None]] = []
         self.sending: list[Request] = []                # the (accepted) requests of the call in flight
         self.in_flight: Any = None                      # its ObjectRef
+        self.sent_at = 0.0                              # when it was sent (time.monotonic; cluster.step_timeout)
         self.abort: str | None = None
         self.aborts: list[tuple[str, str]] = []         # (request id, reason) for the next call
         # The aborts the call in flight carries: if the actor dies with it, those requests end aborted.
@@ -335,6 +336,7 @@ class RemoteReplica:
         self.sending = [request for request, error in self.unsent if error is None]
         self.unsent, self.resumes = [], set()
         self.in_flight = self.actor.run.remote(new, self.abort, self.aborts)
+        self.sent_at = time.monotonic()
         self.aborting = (self.abort, self.aborts)
         self.abort, self.aborts = None, []
 
@@ -415,6 +417,7 @@ class RayCluster(ClusterBase):
         self._reports: deque[StepOutput] = deque()
         self._last_keys: tuple[Request | None, list[int]] = (None, [])
         self.max_retries, self.max_restarts = cluster.max_retries, cluster.max_restarts
+        self.step_timeout = cluster.step_timeout
         self._started = _start_ray(cluster.address, cluster.replicas)
         actors: list[Any] = []   # every actor started, relaunched ones included (the finalizer stops them)
         self._actors = actors
@@ -599,9 +602,17 @@ class RayCluster(ClusterBase):
             if not flights:
                 raise RuntimeError("RayCluster: waited for a step with no replica holding a request")
             starting = {replica.starting: replica for replica in self.replicas if replica.starting is not None}
-            ready, _ = ray.wait(list(flights) + list(starting), num_returns=1, timeout=timeout)
+            wait = timeout
+            if self.step_timeout is not None:   # wake up when the oldest call in flight is overdue
+                overdue_in = min(r.sent_at for r in flights.values()) + self.step_timeout - time.monotonic()
+                wait = max(0.0, overdue_in) if wait is None else min(wait, max(0.0, overdue_in))
+            ready, _ = ray.wait(list(flights) + list(starting), num_returns=1, timeout=wait)
             if not ready:
-                return False
+                if self._kill_hung(flights.values()):
+                    continue
+                if wait == timeout:
+                    return False
+                continue
             if ready[0] in starting:   # a relaunched replica answered: it takes requests from now on
                 self._rejoin(starting[ready[0]])
                 continue
@@ -692,6 +703,24 @@ class RayCluster(ClusterBase):
             self._relaunch(replica)
         record = death_record(replica.index, now, replica.state["num_total_blocks"])
         self._reports.append(StepOutput(failed, record))
+
+    def _kill_hung(self, replicas: Any) -> bool:
+        """Treat every replica whose call has been in flight longer than ``cluster.step_timeout`` as dead: its
+        actor is killed (a hung process may never answer) and its requests resume elsewhere (``_died``).
+        True when one was."""
+        import ray
+
+        if self.step_timeout is None:
+            return False
+        now, killed = time.monotonic(), False
+        for replica in list(replicas):
+            if replica.in_flight is not None and now - replica.sent_at >= self.step_timeout:
+                replica.in_flight = None
+                with contextlib.suppress(Exception):   # already gone
+                    ray.kill(replica.actor, no_restart=True)
+                self._died(replica, TimeoutError(f"no step within cluster.step_timeout={self.step_timeout:g} s"))
+                killed = True
+        return killed
 
     def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
         self._last_keys = (None, [])   # its tokens grew since it was routed: hash them again
