@@ -1,7 +1,7 @@
 """What replica failures cost a simulated 64-replica cluster: goodput and p99 TTFT against the replica failure rate.
 
-    python experiments/cluster_faults_vs_rate.py [--replicas 64] [--failure-rates 0,15,60,240] \
-        [--rate-per-replica 1.0] [--seconds 60] [--restart-delay 30] [--seeds 0]
+    python experiments/cluster_faults_vs_rate.py [--replicas 64] [--failure-rates 0,60,240,960] \
+        [--rate-per-replica 8] [--seconds 10] [--restart-delay 30] [--seeds 0]
 
 Every replica is Meta-Llama-3-8B's architecture (``nanovllm/data/models/llama-3-8b``, no weights) in bfloat16 on
 the H100 SXM profile (``conf/hardware/h100_sxm.yaml``, the analytical step-time model: an estimate), 128
@@ -58,9 +58,9 @@ def point(replicas: int, failure_rate: float, args: argparse.Namespace, seed: in
     good = sum(1 for r in records if is_completed(r) and ttft_s(r) * 1e3 <= TTFT_SLO_MS
                and (tpot_s(r) is None or tpot_s(r) * 1e3 <= TPOT_SLO_MS))
     ttfts = np.array([ttft_s(r) for r in records if is_completed(r)]) * 1e3
-    faults = result.summary.get("faults") or {"retried_requests": 0, "retry_recomputed_tokens": 0}  # none injected
-    deaths = sum(1 for s in result.steps if s["duration"] == 0.0 and s["num_sampled"] == 0
-                 and s["kv_blocks_used"] == 0 and s["num_running"] == 0)
+    faults = result.summary.get("faults") or {"replica_deaths": 0, "retried_requests": 0,   # none injected
+                                              "retry_recomputed_tokens": 0}
+    deaths = faults["replica_deaths"]
     return {"failures_per_replica_hour": failure_rate, "seed": seed, "requests": len(records),
             "deaths": deaths, "retried": faults["retried_requests"], "recomputed_tokens": faults["retry_recomputed_tokens"],
             "failed": sum(r["error"] is not None for r in records), "goodput_req_s": good / duration,
@@ -71,9 +71,9 @@ def point(replicas: int, failure_rate: float, args: argparse.Namespace, seed: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--failure-rates", default="0,15,60,240")
-    parser.add_argument("--rate-per-replica", type=float, default=1.0)
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--failure-rates", default="0,60,240,960")
+    parser.add_argument("--rate-per-replica", type=float, default=8.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--restart-delay", type=float, default=30.0)
     parser.add_argument("--seeds", default="0")
     args = parser.parse_args()

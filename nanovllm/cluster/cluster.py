@@ -65,6 +65,7 @@ class ClusterBase(EngineClient):
     decode_router: Router | None = None
     decode_imbalance: list[float]
     max_retries: int = 3               # resumes a request may have after its replica died (cluster.max_retries)
+    num_deaths: int = 0                # replica deaths so far (each one's requests went through _recover)
 
     def make_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                      **fields: Any) -> Request:
@@ -106,6 +107,7 @@ class ClusterBase(EngineClient):
         ``abort_all``), failed with ``reason`` when it was retried ``max_retries`` times or no replica of its pool
         is alive. ``dead``'s router hears ``on_finish`` for every one. Returns the requests that ended."""
         aborts = aborts or {}
+        self.num_deaths += 1
         retry: list[Request] = []
         ended: list[Request] = []
         for request in held:

@@ -148,7 +148,7 @@ class ServedCluster(ServedEngine):
             restarts = [getattr(replica, "num_restarts", 0) for replica in self.cluster.replicas]
             for index, count in enumerate(restarts):
                 table[str(index)]["restarts"] = count
-            extras["faults"] = faults_summary(records, restarts)
+            extras["faults"] = faults_summary(records, restarts, getattr(self.cluster, "num_deaths", 0))
         num_prefill = getattr(self.cluster, "num_prefill", 0)
         if num_prefill:
             extras["disaggregation"] = disaggregation_summary(records, table, num_prefill,
@@ -222,12 +222,13 @@ def disaggregation_summary(records: Sequence[RequestRecord], table: Mapping[str,
     }
 
 
-def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int]) -> dict[str, Any]:
-    """What ``metrics.json`` says of replica deaths (``RayCluster``): requests that resumed on another replica,
-    their retries and the tokens recomputed for them, requests that failed because their replica died, and
-    each replica's restarts."""
+def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int], deaths: int = 0) -> dict[str, Any]:
+    """What ``metrics.json`` says of replica deaths (``RayCluster``, or a simulated cluster's ``cluster.faults``):
+    the deaths, requests that resumed on another replica, their retries and the tokens recomputed for them,
+    requests that failed because their replica died or no replica was left, failed K/V transfers, and the
+    replicas' restarts."""
     retried = [r for r in records if r.get("num_retries")]
-    return {"retried_requests": len(retried), "retries": sum(r["num_retries"] for r in retried),
+    return {"replica_deaths": deaths, "retried_requests": len(retried), "retries": sum(r["num_retries"] for r in retried),
             "retry_recomputed_tokens": sum(r["retry_recomputed_tokens"] for r in retried),
             "failed_replica_died": sum(bool(r["error"] and " died: " in r["error"]) for r in records),
             "failed_no_replica": sum(bool(r["error"] and "no live" in r["error"]) for r in records),
@@ -302,8 +303,10 @@ def format_per_replica(summary: Mapping[str, Any]) -> str:
                       f"{format_value(split['prefill_pool_busy'], '.2f')} / decode "
                       f"{format_value(split['decode_pool_busy'], '.2f')}")
     faults = summary.get("faults")
-    if faults and (faults["retries"] or faults["failed_replica_died"] or faults["replica_restarts"]):
-        imbalance += (f"\nreplica deaths: {faults['retried_requests']} requests resumed elsewhere "
+    if faults and (faults["retries"] or faults["failed_replica_died"] or faults["replica_restarts"]
+                   or faults.get("replica_deaths")):
+        imbalance += (f"\nreplica deaths: {faults.get('replica_deaths', 0)}; {faults['retried_requests']} requests "
+                      f"resumed elsewhere "
                       f"({faults['retries']} retries, {faults['retry_recomputed_tokens']} tokens recomputed), "
                       f"{faults['failed_replica_died']} failed, {faults['replica_restarts']} restarts")
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], imbalance])

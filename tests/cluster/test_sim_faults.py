@@ -75,7 +75,7 @@ def test_a_replicas_death_resumes_its_requests_on_the_others_with_every_token_an
     faults = result.summary["faults"]
     assert faults["retried_requests"] == len(retried) and faults["retries"] == sum(r["num_retries"] for r in retried)
     assert faults["retry_recomputed_tokens"] == sum(r["retry_recomputed_tokens"] for r in retried)
-    assert faults["failed_replica_died"] == 0 and faults["replica_restarts"] == 0
+    assert faults["failed_replica_died"] == 0 and faults["replica_restarts"] == 0 and faults["replica_deaths"] == 2
     assert "replica deaths:" in format_per_replica(result.summary)
 
 
