@@ -181,15 +181,22 @@ class ReplicaActor:
         if self.transfer is None:
             return f"replica {self.replica.index} is not a decode replica (no kv_transfer)"
         started = time.perf_counter()
-        try:
-            data = self.transfer.receive(moved["handle"])
-        except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
-            return f"kv transfer ({self.transfer.registered_name}) failed to receive: {exc}"
+        data, failed = None, bool(moved.get("failed"))
+        if not failed:
+            try:
+                data = self.transfer.receive(moved["handle"])
+            except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
+                # The K/V are lost, the request is not: this replica computes its prompt (and first token) itself.
+                logging.getLogger(__name__).warning(
+                    "request %s: kv transfer (%s) failed to receive (%s); recomputing its prompt here",
+                    request.request_id, self.transfer.registered_name, exc)
+                failed = True
         _restore(request, spec)
         request.handoff = KVHandoff(prefill_replica=moved["prefill_replica"], num_tokens=moved["num_tokens"],
                                     num_bytes=moved["num_bytes"], data=data,
                                     prefill_end_time=moved["prefill_end_time"],
-                                    transfer_time=moved["transfer_time"] + time.perf_counter() - started)
+                                    transfer_time=moved["transfer_time"] + time.perf_counter() - started,
+                                    failed=failed)
         request.replica = self.replica.index
         self.replica.add_handed_off(request)
         self._sent[request.request_id] = request.num_output_tokens   # the driver has the first token already
@@ -258,7 +265,8 @@ def _handoff_plain(handoff: Any) -> dict[str, Any] | None:
     if handoff is None:
         return None
     return {key: getattr(handoff, key) for key in ("prefill_replica", "num_tokens", "num_bytes", "prefill_end_time",
-                                                   "transfer_time", "arrival_time", "decode_start_time", "loaded")}
+                                                   "transfer_time", "arrival_time", "decode_start_time", "loaded",
+                                                   "failed")}
 
 
 class _Frontend:
@@ -359,7 +367,8 @@ def _plain(request: Request, error: str | None, offset: float, resume: bool = Fa
                            "num_recomputed_tokens": request.num_recomputed_tokens, "max_computed_tokens": 0,
                            "logprobs": request.logprobs}
     elif handoff is not None and not handoff.loaded:   # to a decode replica: the request so far and its K/V
-        plain["handoff"] = {"handle": handoff.data, "prefill_replica": handoff.prefill_replica,
+        plain["handoff"] = {"handle": handoff.data, "failed": handoff.failed,
+                            "prefill_replica": handoff.prefill_replica,
                             "num_tokens": handoff.num_tokens, "num_bytes": handoff.num_bytes,
                             "transfer_time": handoff.transfer_time,
                             "prefill_end_time": _shift(handoff.prefill_end_time, offset)}
@@ -563,9 +572,10 @@ class RayCluster(ClusterBase):
                                     prefill_end_time=_shift(moved["prefill_end_time"], -prefill.offset),
                                     transfer_time=moved["transfer_time"], sampler_state=plain["generator_state"])
         self._ask("on_finish", request, prefill.view_index, now)
-        if plain["send_error"] is not None:
-            request.status, request.error, request.finish_time = RequestStatus.FAILED, plain["send_error"], now
-            return request
+        if plain["send_error"] is not None:   # nothing was sent: the decode replica computes the prompt itself
+            logging.getLogger(__name__).warning("request %s: %s; its decode replica recomputes the prompt",
+                                                request.request_id, plain["send_error"])
+            request.handoff.failed, request.handoff.data = True, None
         pool = self.replicas[self.num_prefill:]
         if not any(replica.alive for replica in pool):
             if self.transfer is not None and plain["handle"] is not None:
@@ -821,6 +831,7 @@ def _finish(request: Request, plain: Mapping[str, Any], offset: float) -> None:
     if moved is not None and request.handoff is not None:   # decoded here after a hand-off: its figures
         handoff = request.handoff
         handoff.transfer_time, handoff.loaded, handoff.data = moved["transfer_time"], moved["loaded"], None
+        handoff.failed = moved["failed"]
         handoff.arrival_time, handoff.decode_start_time = back(moved["arrival_time"]), back(moved["decode_start_time"])
 
 
