@@ -39,6 +39,9 @@ class KVHandoff:
     arrival_time: float | None = None     # when it joined the decode replica's waiting queue
     decode_start_time: float | None = None  # its first step on the decode replica
     loaded: bool = False                  # the decode replica's cache holds it (set at admission)
+    # The transfer failed (or its decode replica died before loading it): nothing to load, the decode replica
+    # computes the prompt itself.
+    failed: bool = False
     sampler_state: Any = None             # a seeded request's generator state, between processes
 
 
@@ -91,16 +94,16 @@ class Request:
     num_drafts: int = field(default=0, init=False)            # steps that verified proposals of this request
     num_draft_tokens: int = field(default=0, init=False)      # tokens proposed and verified
     num_accepted_tokens: int = field(default=0, init=False)   # of those, the ones the target agreed with
-    # Cluster faults (``RayCluster``): the replicas this request was on when they died, in order (it resumed on
-    # another each time, its prompt and generated tokens recomputed there), and how many tokens those replicas
-    # had computed that were computed again.
+    # Cluster faults (``RayCluster``; a simulated cluster's ``cluster.faults``): the replicas this request was on
+    # when they died, in order (it resumed on another each time, its prompt and generated tokens recomputed
+    # there), and how many tokens those replicas had computed that were computed again.
     retried_from: list[int] = field(default_factory=list, init=False)
     retry_recomputed_tokens: int = field(default=0, init=False)
 
     @property
     def awaits_kv(self) -> bool:
         """True while a handed-off request's K/V wait to be loaded on its decode replica (at admission)."""
-        return self.handoff is not None and not self.handoff.loaded
+        return self.handoff is not None and not self.handoff.loaded and not self.handoff.failed
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

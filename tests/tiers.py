@@ -85,6 +85,12 @@ SLOW = {
     "test_ray_cluster.py": "starts Ray and real replicas (Ray actors that load the model), and python -m nanovllm.run",
     "test_ray_disaggregated.py": "starts Ray and a prefill and a decode replica (Ray actors that load the model)",
     "test_ray_faults.py": "starts Ray and real replicas, kills and relaunches their actors (each loads the model)",
+    "test_ray_hang.py": "python -m nanovllm.run on Ray, a replica hangs and is killed",
+    "test_server_faults.py::test_a_request_past_its_timeout_is_aborted_with_a_408_error_object_and_its_blocks_freed":
+        "a server over the real model",
+    "test_server_faults.py::test_a_bad_timeout_is_a_400_naming_the_field": "a server over the real model",
+    "test_server_faults.py::test_a_stopping_server_drains_its_requests_in_flight_then_aborts_what_is_left":
+        "servers over the real model",
     "test_tensor_parallel.py::test_a_script_without_the_main_guard_gets_one_error_naming_it":
         "a script that starts tensor-parallel workers, in a subprocess",
     # a browser

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import heapq
 import threading
-from typing import Any, Sequence
+from collections import deque
+from typing import Any, Callable, Mapping, Sequence
 
+from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import EngineClient, StepOutput
-from nanovllm.request import Request
+from nanovllm.request import Request, RequestStatus
 from nanovllm.router import Router, RouterError, StepTimeEstimate, check_route
 from nanovllm.sampling import SamplingParams
 
@@ -56,6 +58,14 @@ class ClusterBase(EngineClient):
     router: Router
     imbalance: list[float]             # max / mean outstanding requests over replicas, at each arrival
     _validators: Sequence[Any]
+    replicas: Sequence[Any]            # LocalReplica or RemoteReplica: index, view_index, alive
+    # Prefill/decode disaggregation (0 / None: colocated replicas): the first ``num_prefill`` replicas prefill,
+    # the others decode behind ``decode_router``.
+    num_prefill: int = 0
+    decode_router: Router | None = None
+    decode_imbalance: list[float]
+    max_retries: int = 3               # resumes a request may have after its replica died (cluster.max_retries)
+    num_deaths: int = 0                # replica deaths so far (each one's requests went through _recover)
 
     def make_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                      **fields: Any) -> Request:
@@ -89,6 +99,77 @@ class ClusterBase(EngineClient):
         total = sum(loads)
         imbalance.append(max(loads) * len(loads) / total if total else 1.0)
 
+    # -- recovery: what every cluster does when a replica dies (simulated or a Ray actor) -----------------------
+    def _recover(self, dead: Any, held: Sequence[Request], reason: str, now: float,
+                 aborts: Mapping[str, str] | None = None, abort_all: str | None = None) -> list[Request]:
+        """``dead`` is gone with ``held``, its unfinished requests: each resumes on a live replica of its pool
+        (``_retry``), or ends: aborted when an abort was on its way to it (``aborts``: id -> reason, or
+        ``abort_all``), failed with ``reason`` when it was retried ``max_retries`` times or no replica of its pool
+        is alive. ``dead``'s router hears ``on_finish`` for every one. Returns the requests that ended."""
+        aborts = aborts or {}
+        self.num_deaths += 1
+        retry: list[Request] = []
+        ended: list[Request] = []
+        for request in held:
+            abort = aborts.get(request.request_id, abort_all)
+            if abort is not None:   # the client gave up on it already: no reason to resume it
+                request.status, request.error, request.finish_reason = RequestStatus.ABORTED, abort, "abort"
+                request.finish_time = now
+                ended.append(request)
+            elif request.num_retries >= self.max_retries:
+                request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
+                if self.max_retries:
+                    request.error += f" (retried {request.num_retries} times: cluster.max_retries)"
+                ended.append(request)
+            else:
+                retry.append(request)
+        router = self._pool(dead.index)[1]
+        for request in held:   # its replica's router hears every one end there, retried or not
+            self._ask("on_finish", request, dead.view_index, now, router=router)
+        for request in retry:
+            if not self._retry(request, dead, now):
+                request.status, request.finish_time = RequestStatus.FAILED, now
+                request.error = f"{reason} (no live replica is left to retry it on)"
+                ended.append(request)
+        return ended
+
+    def _pool(self, index: int) -> tuple[Sequence[Any], Router, list[float]]:
+        """Replica ``index``'s pool (its replicas, router and load-imbalance list): with disaggregation the
+        prefill or the decode pool, else every replica."""
+        if self.num_prefill and index >= self.num_prefill:
+            assert self.decode_router is not None   # a disaggregated cluster is built with one
+            return self.replicas[self.num_prefill:], self.decode_router, self.decode_imbalance
+        pool = self.replicas[:self.num_prefill] if self.num_prefill else self.replicas
+        return pool, self.router, self.imbalance
+
+    def _retry(self, request: Request, dead: Any, now: float) -> bool:
+        """Route ``request``, held by ``dead``, to a live replica of the same pool (a decode replica's to a decode
+        replica: it recomputes the prompt and the tokens generated so far, no K/V moved) and queue it to resume
+        there (``_resume_on``). False when no replica of the pool is alive."""
+        pool, router, imbalance = self._pool(dead.index)
+        if not any(replica.alive for replica in pool):
+            return False
+        if self.num_prefill and dead.index >= self.num_prefill:
+            request.hand_off_after_prefill = False   # it decodes where it goes
+        request.retried_from.append(dead.index)
+        if request.num_output_tokens:   # the dead replica had computed all but the newest token
+            request.retry_recomputed_tokens += request.num_tokens - 1
+        views = self._retry_views(pool, request, now)
+        local = self._choose(request, views, now, router, imbalance)
+        target = pool[local]
+        request.replica = target.index
+        self._resume_on(target, request, now)
+        self._ask("on_arrival", request, local, now, router=router)
+        return True
+
+    def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
+        """The views of ``pool`` a retried ``request`` is routed on."""
+        return [replica.view(request, now) for replica in pool]
+
+    def _resume_on(self, target: Any, request: Request, now: float) -> None:
+        """Queue ``request`` on ``target`` to resume from its prompt and generated tokens (each cluster's own)."""
+        raise RuntimeError(f"{type(self).__name__} cannot resume a request on another replica")
+
     def _ask(self, method: str, *args: Any, router: Router | None = None) -> None:
         router = self.router if router is None else router
         try:
@@ -105,8 +186,16 @@ class Cluster(ClusterBase):
     (each one's ``max_model_len`` and KV cache), since the router may send it to any.
     """
 
+    replicas: list[LocalReplica]
+
     def __init__(self, engines: Sequence[LLMEngine], router: Router,
-                 step_time: StepTimeEstimate | None = None) -> None:
+                 step_time: StepTimeEstimate | None = None, *, faults: FaultsConfig | None = None,
+                 max_retries: int = 3, max_restarts: int = 0, step_timeout: float | None = None,
+                 replica_factory: Callable[[int], LLMEngine] | None = None) -> None:
+        """``faults``: the faults to inject (``cluster.faults``), recovered as ``RayCluster`` recovers a dead
+        actor: ``max_retries`` resumes per request, ``max_restarts`` engines built anew per replica by
+        ``replica_factory(index)`` (needed when ``max_restarts`` > 0) ``faults.restart_delay`` seconds after a
+        death; ``step_timeout``: a replica with work and no step for that long is dead (a hang)."""
         if not engines:
             raise ValueError("cluster.replicas must be >= 1")
         self.replicas = [LocalReplica(index, engine) for index, engine in enumerate(engines)]
@@ -129,50 +218,102 @@ class Cluster(ClusterBase):
         self.num_kv_blocks = min(engine.num_kv_blocks for engine in engines)
         self.warmup_time = sum(engine.warmup_time for engine in engines)
         self.warmup_steps = sum(engine.warmup_steps for engine in engines)
+        self.decode_imbalance = []
+        self.max_retries, self.max_restarts, self.step_timeout = max_retries, max_restarts, step_timeout
+        if max_restarts and replica_factory is None:
+            raise ValueError("a simulated cluster restarts a dead replica with a fresh engine: cluster.max_restarts "
+                             "> 0 needs a replica_factory")
+        self._replica_factory = replica_factory
+        self.faults = faults if faults is not None else FaultsConfig()
+        if self.faults.hangs and step_timeout is None:
+            raise ValueError("cluster.faults.hangs need cluster.step_timeout: a hung replica is found dead only "
+                             "when it has not stepped for that long")
+        self._detections: dict[int, float] = {}   # hung replica with work -> when it is found dead
+        self._reports: deque[StepOutput] = deque()   # what deaths ended, reported by the next steps
+        # Fault times count from where the replicas' clocks start (the run's start for a simulated cluster).
+        start = min(engine.clock() for engine in engines)
+        self._injector = FaultInjector(self.faults, len(engines), start) if self.faults.active else None
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request: Request, error: str | None = None) -> None:
         """Route ``request`` at its arrival time and queue it on the chosen replica (a refused one, with
         ``error``, is routed too and ends failed there at its next step)."""
         now = request.arrival_time
+        self._advance(now)   # the faults due by its arrival happen first
+        pool = self._pool(0)[0]
+        if not any(replica.alive for replica in pool):   # every replica is dead: it ends failed, with the reason
+            request.status, request.finish_time = RequestStatus.FAILED, now
+            request.error = "no live replica is left to route it to (every replica died)"
+            self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+            return
         index = self._route(request, now)
-        replica = self.replicas[index]
         request.replica = index
-        if not replica.has_unfinished():
+        self._queue(self.replicas[index], request, now, error)
+        self._ask("on_arrival", request, index, now)
+
+    def _queue(self, replica: LocalReplica, request: Request, now: float, error: str | None = None) -> None:
+        if not replica.engine.has_unfinished():
             replica.wake(now)
         replica.add(request, error=error)
-        self._ask("on_arrival", request, index, now)
-        self._mark_ready(index)
+        self._watch(replica, now)
+        self._mark_ready(replica.index)
+
+    def _resume_on(self, target: Any, request: Request, now: float) -> None:
+        """A dead replica's request resumes on ``target`` (``ClusterBase._retry``): queued like an arrival, its
+        prompt and generated tokens computed there."""
+        self._queue(target, request, now)
 
     def has_unfinished(self) -> bool:
-        return bool(self._ready)
+        return bool(self._ready or self._reports or self._detections)
 
     def queue_lengths(self) -> tuple[int, int]:
-        """(running, waiting) requests over every replica."""
-        lengths = [engine.queue_lengths() for engine in self.engines]
+        """(running, waiting) requests over every live replica."""
+        lengths = [replica.engine.queue_lengths() for replica in self.replicas if replica.alive]
         return sum(r for r, _ in lengths), sum(w for _, w in lengths)
 
     def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort ``request_id`` on the replica that holds it (its next step reports it); False if none does."""
         for replica in self.replicas:
-            if replica.holds(request_id):
-                return replica.engine.abort_request(request_id, reason)
+            if replica.alive and replica.holds(request_id):
+                aborted = replica.engine.abort_request(request_id, reason)
+                self._mark_ready(replica.index)
+                return aborted
         return False
 
     def abort_all(self, reason: str = "aborted") -> list[str]:
-        """Abort every request on every replica (each replica reports them at its next ``step``)."""
+        """Abort every request on every live replica (each replica reports them at its next ``step``; a hung
+        one, at once)."""
         ids: list[str] = []
         for replica in self.replicas:
-            ids += replica.engine.abort_all(reason)
+            if replica.alive:
+                ids += replica.engine.abort_all(reason)
+                if replica.hung:   # it will never step: what it held is reported now, as its death's
+                    self._kill(replica.index, replica.engine.clock(), reason)
+                self._mark_ready(replica.index)
         return ids
 
     # -- the step ------------------------------------------------------------------------------------------------
     def next_ready_time(self) -> float | None:
-        """When the next step starts: the earliest clock among replicas with work (None: none has work)."""
-        return self._ready[0][0] if self._ready else None
+        """When the next step starts: the earliest clock among replicas with work, or when a hung replica is
+        found dead if that comes first (None: nothing to do)."""
+        times = [self._ready[0][0]] if self._ready else []
+        if self._detections:
+            times.append(min(self._detections.values()))
+        return min(times) if times else None
 
     def step(self) -> StepOutput:
-        """Run one step of the replica whose clock is earliest; its record says which replica (``replica``)."""
+        """Run one step of the replica whose clock is earliest; its record says which replica (``replica``).
+        The faults due before it happen first; what a death ended is reported as a step of its own."""
+        while True:
+            horizon = self.next_ready_time()
+            if horizon is None and not self._reports:
+                raise RuntimeError("Cluster.step() called with no replica holding a request")
+            if horizon is not None:
+                self._advance(horizon)
+            if self._reports:
+                return self._reports.popleft()
+            if self._ready and horizon is not None and self._ready[0][0] <= horizon:
+                break
         _, index = heapq.heappop(self._ready)
         self._in_ready[index] = False
         replica = self.replicas[index]
@@ -194,7 +335,94 @@ class Cluster(ClusterBase):
 
     def _mark_ready(self, index: int) -> None:
         replica = self.replicas[index]
-        if not self._in_ready[index] and replica.has_unfinished():
+        if not self._in_ready[index] and not replica.hung and replica.has_unfinished():
             heapq.heappush(self._ready, (replica.engine.clock(), index))
             self._in_ready[index] = True
+
+    def _unready(self, index: int) -> None:
+        if self._in_ready[index]:
+            self._ready = [entry for entry in self._ready if entry[1] != index]
+            heapq.heapify(self._ready)
+            self._in_ready[index] = False
+
+    # -- faults (``cluster.faults``) -------------------------------------------------------------------------
+    def _advance(self, until: float) -> None:
+        """Let happen, in time order, what is due by ``until``: the injected faults and a hung replica's
+        detection (and, disaggregated, K/V transfers arriving: ``_next_delivery``)."""
+        while True:
+            fault = self._injector.next_time() if self._injector is not None else None
+            delivery = self._next_delivery()
+            if delivery is not None and delivery <= until and (fault is None or delivery <= fault):
+                self._deliver_next()
+            elif fault is not None and fault <= until:
+                assert self._injector is not None   # a fault time comes from it
+                event = self._injector.pop_due(until)
+                assert event is not None
+                self._fault(*event)
+            else:
+                return
+
+    def _next_delivery(self) -> float | None:
+        """When the next K/V transfer arrives (a disaggregated cluster's; None here)."""
+        return None
+
+    def _deliver_next(self) -> None:
+        """Deliver the next K/V transfer (a disaggregated cluster's)."""
+
+    def _fault(self, t: float, kind: str, index: int) -> None:
+        replica = self.replicas[index]
+        if kind == RESTART:
+            assert self._replica_factory is not None   # restarts are queued only with one
+            engine = self._replica_factory(index)
+            self.engines[index] = engine
+            replica.restart(engine, t)
+            return
+        if not replica.alive:   # a death or hang of a replica that is dead already: void
+            return
+        if replica.engine.clock() > t:   # mid-step: the fault lands when the step in progress ends
+            assert self._injector is not None   # events come from it
+            self._injector.push(replica.engine.clock(), kind, index)
+            return
+        if kind == DEATH:
+            self._kill(index, t, f"replica {index} died: fault injected (cluster.faults)")
+        elif kind == HANG:
+            replica.hung = True
+            self._unready(index)
+            self._watch(replica, t)
+        else:   # the hang detection: no step within cluster.step_timeout while it had work
+            if self._detections.get(index) == t:
+                self._kill(index, t, f"replica {index} died: no step within cluster.step_timeout="
+                                     f"{self.step_timeout:g} s")
+
+    def _watch(self, replica: LocalReplica, now: float) -> None:
+        """A hung replica that has work is found dead ``step_timeout`` seconds after the work was there."""
+        if replica.hung and replica.index not in self._detections and replica.engine.has_unfinished():
+            assert self._injector is not None and self.step_timeout is not None   # hangs need both
+            at = max(now, replica.engine.clock()) + self.step_timeout
+            self._detections[replica.index] = at
+            self._injector.push(at, _DETECT, replica.index)
+
+    def _kill(self, index: int, now: float, reason: str) -> None:
+        """Replica ``index`` dies at ``now``: each request it held resumes on a live replica or ends with
+        ``reason`` (``ClusterBase._recover``, as for a real actor); a restart is queued if any remain. What
+        ended is reported by the next ``step`` with a model-free record of this replica."""
+        replica = self.replicas[index]
+        num_blocks = replica.engine.num_kv_blocks
+        self._unready(index)
+        self._detections.pop(index, None)
+        held, ended = replica.die()
+        held += self._take_incoming(index)
+        ended += self._recover(replica, held, reason, now)
+        if replica.num_restarts < self.max_restarts:
+            replica.num_restarts += 1
+            assert self._injector is not None   # a simulated death comes from it
+            self._injector.push(now + self.faults.restart_delay, RESTART, index)
+        self._reports.append(StepOutput(ended, death_record(index, now, num_blocks)))
+
+    def _take_incoming(self, index: int) -> list[Request]:
+        """Requests on their way to replica ``index`` (K/V in transit; a disaggregated cluster's), taken back."""
+        return []
+
+
+_DETECT = "detect"   # a hung replica's detection (no step within cluster.step_timeout)
 

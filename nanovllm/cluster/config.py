@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from nanovllm.cluster.faults import FaultsConfig
 from nanovllm.config import EngineConfig
 
 
@@ -27,7 +28,10 @@ class ClusterConfig:
     replica of its pool (its prompt and generated tokens recomputed there), at most ``max_retries`` times per
     request (0: a dead replica's requests fail, as they did before retries); ``max_restarts``: how many times a
     dead replica's actor is relaunched (same index and settings; it rejoins the router once it answers), per
-    replica (0: never)."""
+    replica (0: never). ``step_timeout``: seconds a replica with work may go without a step before it is treated
+    as dead (a hang; null: never). ``faults``: faults injected into a simulated cluster (``runner=sim``; a
+    ``FaultsConfig``: replica deaths at times or at a rate, hangs, restart delay, K/V transfer failures),
+    recovered by the same code as a real replica's death."""
 
     replicas: int = 1
     replica_overrides: Any = field(default_factory=dict)
@@ -37,6 +41,8 @@ class ClusterConfig:
     kv_transfer: Any = "shared_memory"
     max_retries: int = 3
     max_restarts: int = 0
+    step_timeout: float | None = None
+    faults: Any = field(default_factory=dict)
 
     @property
     def disaggregated(self) -> bool:
@@ -47,6 +53,13 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"cluster.{name} must be an integer >= 0, got {value!r}")
+        if self.step_timeout is not None and (isinstance(self.step_timeout, bool) or not isinstance(
+                self.step_timeout, (int, float)) or not self.step_timeout > 0):
+            raise ValueError(f"cluster.step_timeout must be seconds > 0 or null, got {self.step_timeout!r}")
+        self.faults = FaultsConfig.from_spec(self.faults)
+        if self.faults.hangs and self.step_timeout is None:
+            raise ValueError("cluster.faults.hangs need cluster.step_timeout: a hung replica is found dead only "
+                             "when it has not stepped for that long")
         if (self.prefill_replicas > 0) != (self.decode_replicas > 0):
             raise ValueError("prefill/decode disaggregation needs both pools: cluster.prefill_replicas and "
                              f"cluster.decode_replicas >= 1 (got {self.prefill_replicas} and "
@@ -82,6 +95,7 @@ class ClusterConfig:
                 raise ValueError(f"cluster.replica_overrides.{key}: unknown engine field(s) {', '.join(unknown)}")
             overrides[index] = dict(settings)
         self.replica_overrides = overrides
+        self.faults.check_replicas(self.replicas)
 
     def engine_config(self, base: EngineConfig, index: int) -> EngineConfig:
         """Replica ``index``'s engine settings: ``base`` with its overrides (validated as ``EngineConfig``)."""

@@ -35,24 +35,26 @@ from nanovllm.cluster.kv_transfer import KVTransfer, LocalTransfer
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import StepOutput
-from nanovllm.request import Request
+from nanovllm.request import Request, RequestStatus
 from nanovllm.router import ROUTERS, Router, StepTimeEstimate
 
 
 class DisaggregatedCluster(Cluster):
     """``prefill`` engines behind ``prefill_router``, ``decode`` engines behind ``decode_router``, K/V moved by
-    ``transfer`` (its ``modelled_time`` when the engines are simulated). See the module docstring."""
+    ``transfer`` (its ``modelled_time`` when the engines are simulated); ``faults``: ``Cluster``'s keyword
+    arguments (``faults``, ``max_retries``, ``max_restarts``, ``step_timeout``, ``replica_factory``). See the
+    module docstring."""
 
     def __init__(self, prefill: Sequence[LLMEngine], decode: Sequence[LLMEngine], prefill_router: Router,
                  decode_router: Router, transfer: KVTransfer | None = None,
-                 step_time: StepTimeEstimate | None = None) -> None:
+                 step_time: StepTimeEstimate | None = None, **faults: Any) -> None:
         if not prefill or not decode:
             raise ValueError("a disaggregated cluster needs cluster.prefill_replicas >= 1 and "
                              f"cluster.decode_replicas >= 1, got {len(prefill)} and {len(decode)}")
         if prefill_router is decode_router:
             raise ValueError("the prefill and decode pools need a router instance each (router.prefill and "
                              "router.decode build one per pool)")
-        super().__init__([*prefill, *decode], prefill_router, step_time)
+        super().__init__([*prefill, *decode], prefill_router, step_time, **faults)
         self.num_prefill = len(prefill)
         self.replicas = [LocalReplica(index, engine, view_index=index if index < self.num_prefill
                                       else index - self.num_prefill)
@@ -92,7 +94,7 @@ class DisaggregatedCluster(Cluster):
         return self._choose(request, [replica.view(request, now) for replica in self.prefill_replicas], now)
 
     def has_unfinished(self) -> bool:
-        return bool(self._ready or self._transit)
+        return super().has_unfinished() or bool(self._transit)
 
     def abort_all(self, reason: str = "aborted") -> list[str]:
         """Abort every request, those whose K/V are on the way too (delivered now, then aborted there)."""
@@ -112,16 +114,31 @@ class DisaggregatedCluster(Cluster):
 
     # -- the step ----------------------------------------------------------------------------------------------
     def next_ready_time(self) -> float | None:
-        times = [queue[0][0] for queue in (self._ready, self._transit) if queue]
+        times = [t for t in (super().next_ready_time(), self._next_delivery()) if t is not None]
         return min(times) if times else None
 
-    def step(self) -> StepOutput:
-        """Deliver the transfers due before the next step, then run the replica whose clock is earliest: its
-        finished requests are reported; its handed-off ones go to a decode replica."""
-        while self._transit and (not self._ready or self._transit[0][0] <= self._ready[0][0]):
-            t, _, request, index = heapq.heappop(self._transit)
-            self._deliver(request, index, t)
-        return super().step()
+    def _next_delivery(self) -> float | None:
+        return self._transit[0][0] if self._transit else None
+
+    def _deliver_next(self) -> None:
+        """The transfers due before the next step are delivered (``Cluster._advance``, in time order with the
+        faults); the step then runs the replica whose clock is earliest."""
+        t, _, request, index = heapq.heappop(self._transit)
+        self._deliver(request, index, t)
+
+    def _take_incoming(self, index: int) -> list[Request]:
+        """The requests whose K/V were on their way to dead decode replica ``index``: lost with it, so each
+        resumes on another decode replica that computes its prompt (``ClusterBase._recover``)."""
+        taken = [entry for entry in self._transit if entry[3] == index]
+        if not taken:
+            return []
+        self._transit = [entry for entry in self._transit if entry[3] != index]
+        heapq.heapify(self._transit)
+        for _, _, request, _ in taken:
+            request.status = RequestStatus.WAITING
+            assert request.handoff is not None   # only handed-off requests are in transit
+            request.handoff.failed, request.handoff.data = True, None
+        return [request for _, _, request, _ in taken]
 
     def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
         """Each pool's router hears of the requests that ended on its replicas; a prefill replica's handed-off
@@ -131,10 +148,17 @@ class DisaggregatedCluster(Cluster):
             self._ask("on_finish", request, replica.view_index, now, router=router)
         for request in output.handed_off:
             self._ask("on_finish", request, replica.view_index, now)
-            self._hand_off(request, replica.index, now)
+            if not self._hand_off(request, replica.index, now):
+                output.finished.append(request)
 
-    def _hand_off(self, request: Request, prefill_index: int, now: float) -> None:
-        """Route a prefilled request to a decode replica and start moving its K/V there."""
+    def _hand_off(self, request: Request, prefill_index: int, now: float) -> bool:
+        """Route a prefilled request to a decode replica and start moving its K/V there (with
+        ``cluster.faults.kv_transfer_failure``, the move may fail: the decode replica then computes the prompt).
+        False when no decode replica is alive: the request ends failed, with the reason."""
+        if not any(replica.alive for replica in self.decode_replicas):
+            request.status, request.finish_time = RequestStatus.FAILED, now
+            request.error = "no live decode replica is left to hand the request off to"
+            return False
         views = [replica.view(request, now) for replica in self.decode_replicas]
         local = self._choose(request, views, now, self.decode_router, self.decode_imbalance)
         index = self.num_prefill + local
@@ -145,21 +169,25 @@ class DisaggregatedCluster(Cluster):
             done = start + self.transfer.modelled_time(handoff.num_bytes)
             self._link_free[prefill_index] = done
             handoff.transfer_time = done - now   # waiting for the link included
+            if self._injector is not None and self._injector.transfer_fails():
+                handoff.failed = True   # found when it should have arrived: nothing to load there
         else:   # real engines in this process: the tensor is handed over (the read and write are timed)
             handoff.data = self.transfer.receive(self.transfer.send(request.request_id, handoff.data))
             done = now
         self.replicas[index].expect()
         self._ask("on_arrival", request, local, now, router=self.decode_router)
         heapq.heappush(self._transit, (done, next(self._order), request, index))
+        return True
 
     def _deliver(self, request: Request, index: int, t: float) -> None:
         replica = self.replicas[index]
-        if not replica.has_unfinished():
+        if not replica.engine.has_unfinished():
             replica.wake(t)
         request.replica = index
         replica.add_handed_off(request)
         assert request.handoff is not None   # only handed-off requests are in transit
         request.handoff.arrival_time = t   # (a simulated replica may be mid-step)
+        self._watch(replica, t)
         self._mark_ready(index)
 
 

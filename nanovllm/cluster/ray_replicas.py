@@ -62,6 +62,7 @@ from typing import Any, Mapping, Sequence, cast
 from nanovllm.allocator import prefix_block_keys
 from nanovllm.cluster.cluster import ClusterBase
 from nanovllm.cluster.config import ClusterConfig
+from nanovllm.cluster.faults import death_record
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.config import EngineConfig
@@ -180,15 +181,22 @@ class ReplicaActor:
         if self.transfer is None:
             return f"replica {self.replica.index} is not a decode replica (no kv_transfer)"
         started = time.perf_counter()
-        try:
-            data = self.transfer.receive(moved["handle"])
-        except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
-            return f"kv transfer ({self.transfer.registered_name}) failed to receive: {exc}"
+        data, failed = None, bool(moved.get("failed"))
+        if not failed:
+            try:
+                data = self.transfer.receive(moved["handle"])
+            except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
+                # The K/V are lost, the request is not: this replica computes its prompt (and first token) itself.
+                logging.getLogger(__name__).warning(
+                    "request %s: kv transfer (%s) failed to receive (%s); recomputing its prompt here",
+                    request.request_id, self.transfer.registered_name, exc)
+                failed = True
         _restore(request, spec)
         request.handoff = KVHandoff(prefill_replica=moved["prefill_replica"], num_tokens=moved["num_tokens"],
                                     num_bytes=moved["num_bytes"], data=data,
                                     prefill_end_time=moved["prefill_end_time"],
-                                    transfer_time=moved["transfer_time"] + time.perf_counter() - started)
+                                    transfer_time=moved["transfer_time"] + time.perf_counter() - started,
+                                    failed=failed)
         request.replica = self.replica.index
         self.replica.add_handed_off(request)
         self._sent[request.request_id] = request.num_output_tokens   # the driver has the first token already
@@ -257,7 +265,8 @@ def _handoff_plain(handoff: Any) -> dict[str, Any] | None:
     if handoff is None:
         return None
     return {key: getattr(handoff, key) for key in ("prefill_replica", "num_tokens", "num_bytes", "prefill_end_time",
-                                                   "transfer_time", "arrival_time", "decode_start_time", "loaded")}
+                                                   "transfer_time", "arrival_time", "decode_start_time", "loaded",
+                                                   "failed")}
 
 
 class _Frontend:
@@ -297,6 +306,7 @@ class RemoteReplica:
         self.unsent: list[tuple[Request, str | None]] = []
         self.sending: list[Request] = []                # the (accepted) requests of the call in flight
         self.in_flight: Any = None                      # its ObjectRef
+        self.sent_at = 0.0                              # when it was sent (time.monotonic; cluster.step_timeout)
         self.abort: str | None = None
         self.aborts: list[tuple[str, str]] = []         # (request id, reason) for the next call
         # The aborts the call in flight carries: if the actor dies with it, those requests end aborted.
@@ -334,6 +344,7 @@ class RemoteReplica:
         self.sending = [request for request, error in self.unsent if error is None]
         self.unsent, self.resumes = [], set()
         self.in_flight = self.actor.run.remote(new, self.abort, self.aborts)
+        self.sent_at = time.monotonic()
         self.aborting = (self.abort, self.aborts)
         self.abort, self.aborts = None, []
 
@@ -356,7 +367,8 @@ def _plain(request: Request, error: str | None, offset: float, resume: bool = Fa
                            "num_recomputed_tokens": request.num_recomputed_tokens, "max_computed_tokens": 0,
                            "logprobs": request.logprobs}
     elif handoff is not None and not handoff.loaded:   # to a decode replica: the request so far and its K/V
-        plain["handoff"] = {"handle": handoff.data, "prefill_replica": handoff.prefill_replica,
+        plain["handoff"] = {"handle": handoff.data, "failed": handoff.failed,
+                            "prefill_replica": handoff.prefill_replica,
                             "num_tokens": handoff.num_tokens, "num_bytes": handoff.num_bytes,
                             "transfer_time": handoff.transfer_time,
                             "prefill_end_time": _shift(handoff.prefill_end_time, offset)}
@@ -414,6 +426,7 @@ class RayCluster(ClusterBase):
         self._reports: deque[StepOutput] = deque()
         self._last_keys: tuple[Request | None, list[int]] = (None, [])
         self.max_retries, self.max_restarts = cluster.max_retries, cluster.max_restarts
+        self.step_timeout = cluster.step_timeout
         self._started = _start_ray(cluster.address, cluster.replicas)
         actors: list[Any] = []   # every actor started, relaunched ones included (the finalizer stops them)
         self._actors = actors
@@ -465,10 +478,7 @@ class RayCluster(ClusterBase):
 
     def _router_of(self, replica: RemoteReplica) -> Router:
         """The router of ``replica``'s pool (the cluster's one router when replicas are colocated)."""
-        if self.pool_of(replica.index) == "decode":
-            assert self.decode_router is not None   # a disaggregated cluster is built with one
-            return self.decode_router
-        return self.router
+        return self._pool(replica.index)[1]
 
     def pool_of(self, index: int) -> str | None:
         """"prefill" or "decode" (None: colocated replicas)."""
@@ -562,9 +572,10 @@ class RayCluster(ClusterBase):
                                     prefill_end_time=_shift(moved["prefill_end_time"], -prefill.offset),
                                     transfer_time=moved["transfer_time"], sampler_state=plain["generator_state"])
         self._ask("on_finish", request, prefill.view_index, now)
-        if plain["send_error"] is not None:
-            request.status, request.error, request.finish_time = RequestStatus.FAILED, plain["send_error"], now
-            return request
+        if plain["send_error"] is not None:   # nothing was sent: the decode replica computes the prompt itself
+            logging.getLogger(__name__).warning("request %s: %s; its decode replica recomputes the prompt",
+                                                request.request_id, plain["send_error"])
+            request.handoff.failed, request.handoff.data = True, None
         pool = self.replicas[self.num_prefill:]
         if not any(replica.alive for replica in pool):
             if self.transfer is not None and plain["handle"] is not None:
@@ -601,9 +612,17 @@ class RayCluster(ClusterBase):
             if not flights:
                 raise RuntimeError("RayCluster: waited for a step with no replica holding a request")
             starting = {replica.starting: replica for replica in self.replicas if replica.starting is not None}
-            ready, _ = ray.wait(list(flights) + list(starting), num_returns=1, timeout=timeout)
+            wait = timeout
+            if self.step_timeout is not None:   # wake up when the oldest call in flight is overdue
+                overdue_in = min(r.sent_at for r in flights.values()) + self.step_timeout - time.monotonic()
+                wait = max(0.0, overdue_in) if wait is None else min(wait, max(0.0, overdue_in))
+            ready, _ = ray.wait(list(flights) + list(starting), num_returns=1, timeout=wait)
             if not ready:
-                return False
+                if self._kill_hung(flights.values()):
+                    continue
+                if wait == timeout:
+                    return False
+                continue
             if ready[0] in starting:   # a relaunched replica answered: it takes requests from now on
                 self._rejoin(starting[ready[0]])
                 continue
@@ -683,76 +702,50 @@ class RayCluster(ClusterBase):
         abort_all = replica.abort or replica.aborting[0]
         aborted = dict(replica.aborting[1] + replica.aborts)
         replica.abort, replica.aborts, replica.aborting = None, [], (None, [])
-        retry: list[Request] = []
-        failed: list[Request] = []
         for request in held:
             handoff = request.handoff
             if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
                 self.transfer.discard(handoff.data)   # K/V sent to it and never received: free them
                 handoff.data = None
-            abort = aborted.get(request.request_id, abort_all)
-            if abort is not None:   # the client gave up on it already: no reason to resume it
-                request.status, request.error, request.finish_reason = RequestStatus.ABORTED, abort, "abort"
-                request.finish_time = now
-                failed.append(request)
-            elif request.num_retries >= self.max_retries:
-                request.status, request.error, request.finish_time = RequestStatus.FAILED, reason, now
-                if self.max_retries:
-                    request.error += f" (retried {request.num_retries} times: cluster.max_retries)"
-                failed.append(request)
-            else:
-                retry.append(request)
-        router = self._router_of(replica)
-        for request in held:   # its replica's router hears every one end there, retried or not
-            self._ask("on_finish", request, replica.view_index, now, router=router)
-        for request in retry:
-            if not self._retry(request, replica, now):
-                request.status, request.finish_time = RequestStatus.FAILED, now
-                request.error = f"{reason} (no live replica is left to retry it on)"
-                failed.append(request)
+        # What every cluster does with a dead replica's requests (the simulated one too): ClusterBase._recover.
+        failed = self._recover(replica, held, reason, now, aborted, abort_all)
         if replica.num_restarts < self.max_restarts:
             self._relaunch(replica)
-        state = replica.state
-        record = StepRecord(
-            step=0, start_time=now, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0,
-            num_decode_seqs=0, num_running=0, num_waiting=0, num_preempted=0, kv_blocks_used=0,
-            kv_blocks_cached=0, kv_blocks_free=state["num_total_blocks"], kv_blocks_total=state["num_total_blocks"],
-            context_tokens=0, attn_pairs=0, num_sampled=0, prefix_hit_tokens=0, recomputed_tokens=0,
-            num_evictions=0, kv_slots_unused=0, spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-            spec_decode_num_accepted_tokens=0)
-        record["replica"] = replica.index
+        record = death_record(replica.index, now, replica.state["num_total_blocks"])
         self._reports.append(StepOutput(failed, record))
 
-    def _retry(self, request: Request, dead: RemoteReplica, now: float) -> bool:
-        """Route ``request``, held by ``dead``, to a live replica of the same pool (a decode replica's to a decode
-        replica: it recomputes the prompt and the tokens generated so far, no K/V moved) and queue it to resume
-        there. False when no replica of the pool is alive."""
-        pool_name = self.pool_of(dead.index)
-        if pool_name == "decode":
-            pool, router, imbalance = self.replicas[self.num_prefill:], self.decode_router, self.decode_imbalance
-            request.hand_off_after_prefill = False   # it decodes where it goes
-        else:
-            pool = self.replicas[:self.num_prefill] if pool_name == "prefill" else self.replicas
-            router, imbalance = self.router, self.imbalance
-        if not any(replica.alive for replica in pool):
+    def _kill_hung(self, replicas: Any) -> bool:
+        """Treat every replica whose call has been in flight longer than ``cluster.step_timeout`` as dead: its
+        actor is killed (a hung process may never answer) and its requests resume elsewhere (``_died``).
+        True when one was."""
+        import ray
+
+        if self.step_timeout is None:
             return False
-        request.retried_from.append(dead.index)
-        if request.num_output_tokens:   # the dead replica had computed all but the newest token
-            request.retry_recomputed_tokens += request.num_tokens - 1
+        now, killed = time.monotonic(), False
+        for replica in list(replicas):
+            if replica.in_flight is not None and now - replica.sent_at >= self.step_timeout:
+                replica.in_flight = None
+                with contextlib.suppress(Exception):   # already gone
+                    ray.kill(replica.actor, no_restart=True)
+                self._died(replica, TimeoutError(f"no step within cluster.step_timeout={self.step_timeout:g} s"))
+                killed = True
+        return killed
+
+    def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
         self._last_keys = (None, [])   # its tokens grew since it was routed: hash them again
-        views = [replica.view(request, self._prefix_match) for replica in pool]
-        local = self._choose(request, views, now, router, imbalance)
-        target = pool[local]
-        request.replica = target.index
+        return [replica.view(request, self._prefix_match) for replica in pool]
+
+    def _resume_on(self, target: Any, request: Request, now: float) -> None:
+        """Queue a dead replica's ``request`` on ``target``: it goes with the target's next call, as far as the
+        driver has followed it (prompt and generated tokens, recomputed there; no K/V)."""
         target.num_routed += 1
         target.held[request.request_id] = request
         target.unsent.append((request, None))
         target.resumes.add(request.request_id)
         target._view = None
-        self._ask("on_arrival", request, local, now, router=router)
         if target.in_flight is None:
             target.send()
-        return True
 
     def _relaunch(self, replica: RemoteReplica) -> None:
         """Start a new actor for dead ``replica`` (same index and settings); it rejoins once its ``info``
@@ -838,6 +831,7 @@ def _finish(request: Request, plain: Mapping[str, Any], offset: float) -> None:
     if moved is not None and request.handoff is not None:   # decoded here after a hand-off: its figures
         handoff = request.handoff
         handoff.transfer_time, handoff.loaded, handoff.data = moved["transfer_time"], moved["loaded"], None
+        handoff.failed = moved["failed"]
         handoff.arrival_time, handoff.decode_start_time = back(moved["arrival_time"]), back(moved["decode_start_time"])
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import StepOutput
-from nanovllm.request import Request
+from nanovllm.request import Request, RequestStatus
 from nanovllm.router import ReplicaView
 
 RECENT_REQUESTS = 16   # the finished requests whose TTFT and inter-token latency a view reports (their mean)
@@ -43,6 +43,10 @@ class LocalReplica:
         self._since: list[Request] = []
         self._recent: deque[tuple[float, float | None]] = deque(maxlen=RECENT_REQUESTS)  # (TTFT, ITL) seconds
         self.num_incoming = 0   # handed-off requests routed here whose K/V are still on the way (disaggregation)
+        # Faults (a simulated cluster's ``cluster.faults``): a hung replica holds its requests and never steps;
+        # restarts count the engines built anew for it after a death.
+        self.hung = False
+        self.num_restarts = 0
 
     # -- what the cluster does to it -----------------------------------------------------------------------------
     def add(self, request: Request, error: str | None = None) -> None:
@@ -101,12 +105,29 @@ class LocalReplica:
         self.num_decoding = sum(1 for r in self.engine.scheduler.running if r.num_output_tokens > 0)
         return output
 
+    def die(self) -> tuple[list[Request], list[Request]]:
+        """The replica is gone (a simulated fault): routers see it dead, its engine is dropped with its cache.
+        Returns (its unfinished requests, each reset to resume elsewhere from its prompt and generated tokens,
+        recomputed there; the requests that had ended in it and were not reported yet)."""
+        unfinished, ended = self.engine.scheduler.drain()
+        for request in unfinished:
+            _reset_for_resume(request)
+        self.alive, self.hung, self._view, self._reported, self._since = False, False, None, None, []
+        self._queued.clear()
+        self.num_queued_tokens = self.num_decoding = self.num_incoming = 0
+        return unfinished, ended
+
+    def restart(self, engine: LLMEngine, t: float) -> None:
+        """Serve again at ``t`` with ``engine``, a fresh one (empty queues and cache) built for this replica."""
+        self.engine, self.alive, self._view = engine, True, None
+        self.wake(t)
+
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` is unfinished here (for an abort: a scan, as aborts are rare)."""
         return any(request.request_id == request_id for request in self._queued)
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.alive and self.engine.has_unfinished()
 
     # -- what a router sees --------------------------------------------------------------------------------------
     def view(self, request: Request, now: float | None = None) -> ReplicaView:
@@ -167,6 +188,21 @@ class LocalReplica:
 
     def _forget(self, request: Request) -> None:
         self.num_queued_tokens -= self._queued.pop(request, 0)
+
+
+def _reset_for_resume(request: Request) -> None:
+    """``request`` as another replica takes it after its replica died: nothing of it is in any cache (its
+    prompt and generated tokens are recomputed, as after a preemption), and K/V on their way to the dead replica
+    are lost (``handoff.failed``). ``max_computed_tokens`` restarts at 0, as a real resume's does, so the
+    recompute is counted as the retry's (``retry_recomputed_tokens``), not as a preemption's."""
+    request.status = RequestStatus.WAITING
+    request.num_computed_tokens = 0
+    request.block_table = []
+    request.max_computed_tokens = 0
+    request.spec_token_ids = []
+    if request.awaits_kv:
+        assert request.handoff is not None   # awaits_kv says so
+        request.handoff.failed, request.handoff.data = True, None
 
 
 def _tokens_to_compute(request: Request) -> int:

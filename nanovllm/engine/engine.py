@@ -228,12 +228,15 @@ class LLMEngine(EngineClient):
         """Prefill/decode disaggregation: queue ``request``, prefilled on another engine and carrying its K/V in
         ``request.handoff``, to decode here. It waits like any request; at admission the scheduler allocates its
         blocks (prefix-cache hits first) and the step loads the K/V into them instead of computing the prompt.
-        K/V of another geometry (model, dtype, block size) fail the request with the reason; the others go on."""
+        K/V of another geometry (model, dtype, block size) fail the request with the reason; the others go on.
+        A failed transfer (``handoff.failed``) brings no K/V: the request computes its prompt here."""
         handoff = request.handoff
         error = None
         if handoff is None or handoff.loaded:
             raise ValueError(f"request {request.request_id}: add_handed_off needs a request with K/V to load")
-        if not 0 < handoff.num_tokens < request.num_tokens:
+        if handoff.failed:   # the transfer failed: no K/V to check or load, the prompt is computed here
+            handoff.data = None
+        elif not 0 < handoff.num_tokens < request.num_tokens:
             error = (f"kv transfer: {handoff.num_tokens} tokens of K/V for a request of {request.num_tokens} "
                      "tokens (expected its prompt)")
         else:

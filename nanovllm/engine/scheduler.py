@@ -135,6 +135,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._rejected)
 
+    def drain(self) -> tuple[list[Request], list[Request]]:
+        """Empty this scheduler as its replica dies (a simulated cluster fault; the engine is not used again, so
+        no block is freed and the policy hears nothing): returns (its unfinished requests, running then waiting;
+        the requests that ended and were not reported yet: rejected or aborted)."""
+        unfinished = [*self.running, *self.waiting]
+        for request in list(self.waiting):
+            self.waiting.remove(request)
+        ended, self._rejected, self.running = self._rejected, [], []
+        return unfinished, ended
+
     def update_from_output(self, out: SchedulerOutput, next_tokens: Sequence[int | None], now: float,
                            max_model_len: int, next_logprobs: Sequence[dict | None] | None = None) -> list[Request]:
         """The step ran: the scheduled tokens are in the cache and ``next_tokens`` (one per scheduled request,

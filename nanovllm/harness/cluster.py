@@ -8,8 +8,9 @@ per replica, and the summary's cluster figures (``summary_extras``):
 * ``per_replica``: per replica, requests routed and completed, prefix-cache hit rate, preemptions, mean and
   peak KV usage, busy fraction (its steps' time over the run's) and mean outstanding requests (real replicas:
   and ``restarts``);
-* ``faults`` (real replicas): requests resumed after their replica died, retries, tokens recomputed for them,
-  requests failed by a death, restarts (``faults_summary``).
+* ``faults`` (real replicas, and simulated ones with ``cluster.faults``): requests resumed after their replica
+  died, retries, tokens recomputed for them, requests failed by a death or for lack of a live replica, K/V
+  transfers that failed, restarts (``faults_summary``).
 
 Simulated (``runner=sim cluster.replicas=N``): every replica is a ``Simulation`` (the real scheduler, policy
 instance and allocator of its own) on its own virtual clock, and the cluster runs them as one discrete-event
@@ -62,14 +63,20 @@ class ServedCluster(ServedEngine):
         model = simulations[0].model
         step_time = lambda features: float(model.predict(features, 0.0))  # noqa: E731
         engines = [sim.engine for sim in simulations]
+
+        def restarted(index: int) -> Any:   # a dead replica comes back as a fresh engine: empty queues and cache
+            return first.replica(cluster.engine_config(config, index), **plugins).engine
+
+        faults = dict(faults=cluster.faults, max_retries=cluster.max_retries, max_restarts=cluster.max_restarts,
+                      step_timeout=cluster.step_timeout, replica_factory=restarted)
         if cluster.disaggregated:
             prefill_router, decode_router = pool_routers(router)
             transfer = simulated_transfer(cluster.kv_transfer, hardware)
             engine: Cluster = DisaggregatedCluster(engines[:cluster.prefill_replicas],
                                                    engines[cluster.prefill_replicas:], prefill_router,
-                                                   decode_router, transfer, step_time=step_time)
+                                                   decode_router, transfer, step_time=step_time, **faults)
         else:
-            engine = Cluster(engines, ROUTERS.build(_colocated(router)), step_time=step_time)
+            engine = Cluster(engines, ROUTERS.build(_colocated(router)), step_time=step_time, **faults)
         return cls(engine, engine.clock, simulations[0].cost, simulations)
 
     @classmethod
@@ -79,6 +86,9 @@ class ServedCluster(ServedEngine):
         on the wall clock; the cost model is the HF config's (the driver loads no weights)."""
         from nanovllm.cluster.ray_replicas import RayCluster  # Ray: imported only for real replicas
 
+        if cluster.faults.active:
+            raise ValueError("cluster.faults are injected into a simulated cluster (runner=sim); real replicas die "
+                             "for real (RayCluster.kill_replica kills one as a crash would)")
         if cluster.disaggregated:
             prefill_router, decode_router = pool_routers(router)
         else:
@@ -134,11 +144,11 @@ class ServedCluster(ServedEngine):
             "load_imbalance_max": max(imbalance) if imbalance else None,
             "per_replica": table,
         }
-        if not self.simulations:   # real replicas: what their deaths cost
+        if not self.simulations or self.cluster.faults.active:   # what replica deaths cost
             restarts = [getattr(replica, "num_restarts", 0) for replica in self.cluster.replicas]
             for index, count in enumerate(restarts):
                 table[str(index)]["restarts"] = count
-            extras["faults"] = faults_summary(records, restarts)
+            extras["faults"] = faults_summary(records, restarts, getattr(self.cluster, "num_deaths", 0))
         num_prefill = getattr(self.cluster, "num_prefill", 0)
         if num_prefill:
             extras["disaggregation"] = disaggregation_summary(records, table, num_prefill,
@@ -212,14 +222,17 @@ def disaggregation_summary(records: Sequence[RequestRecord], table: Mapping[str,
     }
 
 
-def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int]) -> dict[str, Any]:
-    """What ``metrics.json`` says of replica deaths (``RayCluster``): requests that resumed on another replica,
-    their retries and the tokens recomputed for them, requests that failed because their replica died, and
-    each replica's restarts."""
+def faults_summary(records: Sequence[RequestRecord], restarts: Sequence[int], deaths: int = 0) -> dict[str, Any]:
+    """What ``metrics.json`` says of replica deaths (``RayCluster``, or a simulated cluster's ``cluster.faults``):
+    the deaths, requests that resumed on another replica, their retries and the tokens recomputed for them,
+    requests that failed because their replica died or no replica was left, failed K/V transfers, and the
+    replicas' restarts."""
     retried = [r for r in records if r.get("num_retries")]
-    return {"retried_requests": len(retried), "retries": sum(r["num_retries"] for r in retried),
+    return {"replica_deaths": deaths, "retried_requests": len(retried), "retries": sum(r["num_retries"] for r in retried),
             "retry_recomputed_tokens": sum(r["retry_recomputed_tokens"] for r in retried),
             "failed_replica_died": sum(bool(r["error"] and " died: " in r["error"]) for r in records),
+            "failed_no_replica": sum(bool(r["error"] and "no live" in r["error"]) for r in records),
+            "kv_transfer_failures": sum(bool(r.get("kv_transfer_failed")) for r in records),
             "replica_restarts": sum(restarts)}
 
 
@@ -290,8 +303,10 @@ def format_per_replica(summary: Mapping[str, Any]) -> str:
                       f"{format_value(split['prefill_pool_busy'], '.2f')} / decode "
                       f"{format_value(split['decode_pool_busy'], '.2f')}")
     faults = summary.get("faults")
-    if faults and (faults["retries"] or faults["failed_replica_died"] or faults["replica_restarts"]):
-        imbalance += (f"\nreplica deaths: {faults['retried_requests']} requests resumed elsewhere "
+    if faults and (faults["retries"] or faults["failed_replica_died"] or faults["replica_restarts"]
+                   or faults.get("replica_deaths")):
+        imbalance += (f"\nreplica deaths: {faults.get('replica_deaths', 0)}; {faults['retried_requests']} requests "
+                      f"resumed elsewhere "
                       f"({faults['retries']} retries, {faults['retry_recomputed_tokens']} tokens recomputed), "
                       f"{faults['failed_replica_died']} failed, {faults['replica_restarts']} restarts")
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], imbalance])

@@ -282,7 +282,8 @@ class _StreamState:
             slo_ttft=None if self.w.ttft_slo_ms is None else self.w.ttft_slo_ms / 1000.0,
             slo_e2el=None if self.w.e2el_slo_ms is None else self.w.e2el_slo_ms / 1000.0,
             session_id=self.w.session_id, replica=None, prefill_replica=None, kv_transfer_bytes=None,
-            kv_transfer_time=None, kv_arrival_time=None, decode_start_time=None, num_retries=0, retried_from=[],
+            kv_transfer_time=None, kv_arrival_time=None, decode_start_time=None, kv_transfer_failed=False,
+            num_retries=0, retried_from=[],
             retry_recomputed_tokens=0,
         )
 

@@ -91,10 +91,11 @@ class ServerState:
             self.engine_loop.start()
 
     async def stop(self) -> None:
-        """End every request in flight (aborted, reason ``interrupted``) and stop the engine loop; their streams
-        get their final chunks. Called before the HTTP server waits for its connections to close."""
+        """Let the requests in flight run for ``server.drain_timeout`` seconds at most, end those still in flight
+        (aborted, reason ``interrupted``) and stop the engine loop; their streams get their final chunks. Called
+        before the HTTP server waits for its connections to close."""
         if self.engine_loop is not None:
-            await asyncio.to_thread(self.engine_loop.stop)
+            await asyncio.to_thread(self.engine_loop.stop, None, self.config.drain_timeout)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -119,6 +120,9 @@ def create_app(state: ServerState) -> FastAPI:
         if loop is None or loop.fault is not None or loop.stopping:
             reason = "starting" if loop is None else loop.fault or "shutting down"
             return OpenAIError(503, f"not serving: {reason}", headers=state.retry_after).response()
+        replicas = getattr(state.engine, "replicas", None)
+        if replicas is not None and not any(replica.alive for replica in replicas):
+            return OpenAIError(503, "not serving: no replica is alive", headers=state.retry_after).response()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -233,11 +237,11 @@ class _Exchange:
         self._closed = False
         self._watcher: asyncio.Task | None = None
 
-    def submit(self, stop: Sequence[str], retry_after: dict[str, str]) -> None:
+    def submit(self, stop: Sequence[str], retry_after: dict[str, str], timeout: float | None = None) -> None:
         submitted = []
         try:
             for index, request in enumerate(self.requests):
-                self.loop.submit(request, self.queue, index, stop)
+                self.loop.submit(request, self.queue, index, stop, timeout)
                 submitted.append(request)
         except (QueueFull, ShuttingDown, DuplicateRequestId) as exc:
             for request in submitted:  # all or nothing: a batch half queued is no answer
@@ -279,7 +283,8 @@ class _Exchange:
 async def _answer(state: ServerState, http: Request, body: GenerationRequest, requests: list[EngineRequest],
                   fmt: ResponseFormat) -> Response:
     exchange = _Exchange(state, http, requests)
-    exchange.submit(body.stop_strings, state.retry_after)
+    timeout = body.timeout if body.timeout is not None else state.config.request_timeout
+    exchange.submit(body.stop_strings, state.retry_after, timeout)
     headers = {"x-request-id": fmt.id}
     if body.stream:
         return StreamingResponse(_sse(exchange, body, fmt), media_type="text/event-stream", headers=headers)
@@ -290,6 +295,8 @@ async def _answer(state: ServerState, http: Request, body: GenerationRequest, re
         exchange.close()
     failed = [c.last for c in exchange.choices if c.last is not None and c.last.error is not None]
     if failed:
+        if failed[0].timed_out:
+            raise OpenAIError(408, f"the request {failed[0].error}", param="timeout", code="timeout")
         raise OpenAIError(500, f"the request failed: {failed[0].error}")
     return JSONResponse(fmt.response(exchange.choices), headers=headers)
 
@@ -304,7 +311,8 @@ async def _sse(exchange: _Exchange, body: GenerationRequest, fmt: ResponseFormat
         while not exchange.done:
             index, delta = await exchange.next()
             if delta.error is not None:
-                yield _event(errors.error_body(500, f"the request failed: {delta.error}"))
+                yield _event(errors.error_body(408, f"the request {delta.error}", "timeout", "timeout")
+                             if delta.timed_out else errors.error_body(500, f"the request failed: {delta.error}"))
                 continue
             chunk = fmt.chunk(index, delta, offsets[index])
             if chunk is None:

@@ -17,8 +17,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import heapq
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -68,6 +70,7 @@ class Delta:
     cached_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    timed_out: bool = False   # it failed because its deadline passed (HTTP 408)
 
     @property
     def final(self) -> bool:
@@ -84,6 +87,9 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     num_sent: int = 0                      # output tokens already handed out
     stop_string_hit: bool = False
+    deadline: float | None = None          # time.monotonic() past which it is aborted (its timeout)
+    timeout: float | None = None
+    timed_out: bool = False
 
 
 @dataclass
@@ -138,7 +144,9 @@ class EngineLoop:
         self._inbox = _Inbox()
         self._in_flight: set[str] = set()      # request ids submitted and not yet ended (under the lock)
         self._stopping = False
+        self._draining = False                 # stopping: no new request, those in flight run on for a while
         self._tracked: dict[str, _Tracked] = {}
+        self._deadlines: list[tuple[float, str]] = []   # (deadline, request id) of tracked requests: a heap
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
 
     # -- the asyncio side ----------------------------------------------------------------------------------------
@@ -167,13 +175,17 @@ class EngineLoop:
         engine thread: ``EngineClient.make_request`` reads nothing a step changes."""
         return self.engine.make_request(prompt, params, **fields)
 
-    def submit(self, request: Request, queue: asyncio.Queue, index: int = 0, stop: Sequence[str] = ()) -> None:
+    def submit(self, request: Request, queue: asyncio.Queue, index: int = 0, stop: Sequence[str] = (),
+               timeout: float | None = None) -> None:
         """Queue ``request`` (made and validated by ``engine.make_request``) for the next step; its ``Delta``s
-        arrive on ``queue`` as ``(index, delta)``. Raises ``QueueFull`` past ``max_waiting``, ``ShuttingDown``
-        once stopping, ``DuplicateRequestId`` for an id in flight; nothing is queued then."""
-        tracked = _Tracked(request, queue, index, IncrementalDetokenizer(self._tokenizer, stop))
+        arrive on ``queue`` as ``(index, delta)``. With ``timeout``, it is aborted (its blocks freed) if it has
+        not ended ``timeout`` seconds from now: its last delta has ``timed_out``. Raises ``QueueFull`` past
+        ``max_waiting``, ``ShuttingDown`` once stopping or draining, ``DuplicateRequestId`` for an id in flight;
+        nothing is queued then."""
+        tracked = _Tracked(request, queue, index, IncrementalDetokenizer(self._tokenizer, stop),
+                           deadline=None if timeout is None else time.monotonic() + timeout, timeout=timeout)
         with self._cond:
-            if self._stopping or self.fault is not None:
+            if self._stopping or self._draining or self.fault is not None:
                 raise ShuttingDown(self.fault or "the server is shutting down")
             if request.request_id in self._in_flight:
                 raise DuplicateRequestId(f"request id {request.request_id!r} is already in flight")
@@ -206,18 +218,23 @@ class EngineLoop:
                 self._cond.notify()
         return await asyncio.wrap_future(future)
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Take no new request, abort every one in flight (reason ``interrupted``), deliver their final deltas
-        and let the thread end. Blocks until it has; safe to call more than once."""
+    def stop(self, timeout: float | None = None, drain: float = 0.0) -> None:
+        """Take no new request; let the requests in flight run for at most ``drain`` seconds, then abort every
+        one still in flight (reason ``interrupted``), deliver their final deltas and let the thread end. Blocks
+        until it has; safe to call more than once."""
         with self._cond:
+            self._draining = True
+            if drain > 0 and self._thread.is_alive():
+                self._cond.wait_for(lambda: not self._in_flight or self.fault is not None, timeout=drain)
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
+        """Draining or stopped: no new request is taken (``/health`` is not ready)."""
+        return self._stopping or self._draining
 
     def write_summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Compute the summary (plus ``extra``) and hand it to every logger (``metrics.json`` through the jsonl
@@ -263,8 +280,11 @@ class EngineLoop:
             for tracked in inbox.submitted:  # under the lock, so that num_waiting() never misses one
                 self._tracked[tracked.request.request_id] = tracked
                 self.engine.add_request(tracked.request)
+                if tracked.deadline is not None:
+                    heapq.heappush(self._deadlines, (tracked.deadline, tracked.request.request_id))
         for request_id, reason in inbox.aborts:
             self.engine.abort_request(request_id, reason)
+        self._expire()
         for fn, future in inbox.calls:
             try:
                 future.set_result(fn())
@@ -275,6 +295,17 @@ class EngineLoop:
             if not self.engine.has_unfinished():
                 return False
         return True
+
+    def _expire(self) -> None:
+        """Abort every request whose deadline has passed (its blocks are freed now; the next step reports it)."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and not tracked.timed_out and not tracked.stop_string_hit:
+                tracked.timed_out = True
+                self.engine.abort_request(request_id, f"timed out: not done within its timeout of "
+                                                      f"{tracked.timeout:g} s")
 
     def _step(self) -> None:
         # On a cluster of real replicas, wait for the next step a little at a time, so that a request that arrives
@@ -311,6 +342,8 @@ class EngineLoop:
         tracked = self._tracked.pop(request.request_id, None)
         with self._cond:
             self._in_flight.discard(request.request_id)
+            if not self._in_flight:
+                self._cond.notify_all()   # a draining stop waits for this
         if tracked is None:
             return
         # After a stop string ended it in an earlier step, nothing more is output: tokens that step appended past
@@ -330,12 +363,13 @@ class EngineLoop:
             if kept:
                 record["finish_time"] = record["token_times"][kept - 1]
             record["token_times"] = record["token_times"][:kept]
-        failed = request.status is RequestStatus.FAILED or self._failing is not None
+        timed_out = tracked.timed_out and request.status is RequestStatus.ABORTED
+        failed = request.status is RequestStatus.FAILED or self._failing is not None or timed_out
         self._final.append((tracked, Delta(
             list(new), text.text + tracked.detokenizer.finish(), logprobs, request.num_prompt_tokens,
             tracked.num_sent, request.num_cached_tokens,
             finish_reason=None if failed else record["finish_reason"],
-            error=(record["error"] or self._failing) if failed else None)))
+            error=(record["error"] or self._failing) if failed else None, timed_out=timed_out)))
 
     def _fail_all(self, reason: str) -> None:
         """After a fault: every tracked request ends (aborted, with ``reason``) and is recorded and told."""

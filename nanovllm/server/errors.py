@@ -19,7 +19,8 @@ from nanovllm.server.protocol import FIELD_HINTS
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 408: "timeout_error", 500: "internal_server_error",
+          503: "service_unavailable"}
 # A ValueError of the engine or SamplingParams starts with the field it is about ("max_tokens must be ...").
 _FIELD_AT_START = re.compile(r"^(?:prompts\[\d+\]: )?([a-z_]+)\b")
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|[A-Z]\w*)$")  # "list[int]", "TextPart", ...

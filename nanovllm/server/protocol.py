@@ -52,6 +52,7 @@ class GenerationRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    timeout: float | None = Field(default=None, gt=0)   # seconds until it is aborted (408); server.request_timeout
 
     @model_validator(mode="after")
     def _supported(self) -> "GenerationRequest":

@@ -55,6 +55,7 @@ class RequestRecord(TypedDict):
     kv_transfer_time: float | None
     kv_arrival_time: float | None
     decode_start_time: float | None
+    kv_transfer_failed: bool            # its K/V transfer failed: the decode replica computed the prompt itself
     # Cluster faults: times it resumed on another replica after its replica died, the replicas it was on then
     # (in order), and the tokens those had computed that were computed again (prompt + generated tokens).
     num_retries: int
@@ -94,6 +95,7 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         kv_transfer_time=handoff.transfer_time if handoff is not None else None,
         kv_arrival_time=rel(handoff.arrival_time) if handoff is not None else None,
         decode_start_time=rel(handoff.decode_start_time) if handoff is not None else None,
+        kv_transfer_failed=handoff is not None and handoff.failed,
         num_retries=request.num_retries,
         retried_from=list(request.retried_from),
         retry_recomputed_tokens=request.retry_recomputed_tokens,
