@@ -69,6 +69,6 @@ class SharedTier(DiskTier):
     def close(self) -> None:
         super().close()
         store = (self.store, self.context.namespace)
-        if not self.context.payload or _SIMULATED_STORES.get(store):
+        if self.context.payload or _SIMULATED_STORES.get(store):
             return
         _SIMULATED_STORES.pop(store, None)   # the last replica of a simulated run closed: the store is empty
