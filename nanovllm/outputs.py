@@ -45,7 +45,7 @@ class StepRecord(TypedDict):
     # tier (by name) hit_tokens, blocks_written, blocks_loaded, bytes_written, bytes_loaded, failures this step,
     # and blocks / bytes held after it.
     swapped_tokens: NotRequired[int]
-    kv_tiers: NotRequired[dict[str, dict[str, int]]]
+    kv_tiers: NotRequired[dict[str, dict[str, float]]]
     replica: NotRequired[int]           # on a cluster: the replica that ran the step
 
 

@@ -72,6 +72,9 @@ class Request:
     num_cached_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
     num_recomputed_tokens: int = field(default=0, init=False)  # tokens computed again after a preemption
+    # With KV tiers: num_cached_tokens at (last) admission split by where they came from (``primary``, then
+    # each tier by name); None without tiers.
+    num_cached_tokens_by_tier: dict[str, int] | None = field(default=None, init=False)
     num_swapped_tokens: int = field(default=0, init=False)  # tokens loaded back after a preemption by swap
     max_computed_tokens: int = field(default=0, init=False)    # high-water mark of num_computed_tokens
     first_scheduled_time: float | None = field(default=None, init=False)

@@ -94,11 +94,27 @@ class ReplicaView:
     @property
     def prefix_match_tokens(self) -> int:
         """How many leading tokens of the request being routed this replica's prefix cache holds now (0 for an
-        allocator without a prefix cache, and for a dead replica)."""
+        allocator without a prefix cache, and for a dead replica), its KV tiers included (a ``CachedPrefix``
+        where the replica has tiers: ``prefix_match_by_tier`` splits it)."""
         if self._prefix_match is None:
             lookup, request = self._prefix_lookup, self._request
             self._prefix_match = lookup(request) if lookup is not None and request is not None and self.alive else 0
         return self._prefix_match
+
+    @property
+    def prefix_match_by_tier(self) -> dict[str, int]:
+        """``prefix_match_tokens`` split by where the blocks are: ``primary`` (the replica's pool), then each KV
+        tier below it by name (``host``, ``disk``, ``shared``: docs/kv_tiers.md); ``{"primary": n}`` for a
+        replica without tiers."""
+        match = self.prefix_match_tokens
+        by_tier = getattr(match, "by_tier", None)
+        return dict(by_tier) if by_tier is not None else {"primary": int(match)}
+
+    @property
+    def prefix_match_local_tokens(self) -> int:
+        """The part of the match only this replica has: all of it but what the cluster's ``shared`` store holds
+        (which any replica would load just as well)."""
+        return int(self.prefix_match_tokens) - self.prefix_match_by_tier.get("shared", 0)
 
     def __repr__(self) -> str:
         return (f"ReplicaView(index={self.index}, alive={self.alive}, running={self.num_running}, "

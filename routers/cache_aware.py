@@ -8,7 +8,12 @@
   loaded replica, whatever the caches hold, so a hot prefix cannot pile every request onto one replica.
 
 SGLang keeps an approximate radix tree of what it routed per worker; here the router reads each replica's real
-prefix cache through ``ReplicaView.prefix_match_tokens`` (no reference taken, no recency changed)."""
+prefix cache through ``ReplicaView.prefix_match_tokens`` (no reference taken, no recency changed).
+
+With KV tiers (``kv_offload``, docs/kv_tiers.md) and ``tier_aware`` (the default), the match that counts is the
+replica's own (``prefix_match_local_tokens``: its pool, then its host and disk tiers), and among replicas the
+one whose primary pool holds most of it wins: what a ``shared`` store holds every replica can load, so it is no
+reason to send the request anywhere in particular, and the request then goes by load (most free blocks)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from nanovllm import ReplicaView, Request, Router, live_replicas, register_route
 @register_router("cache_aware")
 class CacheAware(Router):
     def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.5) -> None:
+                 balance_rel_threshold: float = 1.5, tier_aware: bool = True) -> None:
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"router.cache_threshold must be in [0, 1], got {cache_threshold!r}")
         if not isinstance(balance_abs_threshold, int) or balance_abs_threshold < 0:
@@ -30,6 +35,7 @@ class CacheAware(Router):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
+        self.tier_aware = tier_aware
 
     def imbalanced(self, alive: Sequence[ReplicaView]) -> bool:
         loads = [view.num_outstanding for view in alive]
@@ -40,7 +46,13 @@ class CacheAware(Router):
         alive = live_replicas(replicas)
         if self.imbalanced(alive):
             return min(alive, key=lambda view: (view.num_outstanding, view.index)).index
-        best = max(alive, key=lambda view: (view.prefix_match_tokens, -view.num_outstanding, -view.index))
-        if best.prefix_match_tokens > self.cache_threshold * request.num_prompt_tokens:
+        if self.tier_aware:
+            best = max(alive, key=lambda view: (view.prefix_match_by_tier["primary"], view.prefix_match_local_tokens,
+                                                -view.num_outstanding, -view.index))
+            matched = best.prefix_match_local_tokens
+        else:
+            best = max(alive, key=lambda view: (view.prefix_match_tokens, -view.num_outstanding, -view.index))
+            matched = best.prefix_match_tokens
+        if matched > self.cache_threshold * request.num_prompt_tokens:
             return best.index
         return max(alive, key=lambda view: (view.num_free_blocks, -view.num_outstanding, -view.index)).index

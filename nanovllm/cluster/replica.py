@@ -163,7 +163,7 @@ class LocalReplica:
             num_decoding=self.num_decoding,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             recent_ttft=self.recent_ttft, recent_itl=self.recent_itl,
-            num_routed=self.num_routed, prefix_lookup=allocator.cached_prefix_len,
+            num_routed=self.num_routed, prefix_lookup=scheduler.cached_prefix_len,   # tiers included
         )
 
     def describe(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from nanovllm.allocator import ALLOCATORS, BlockAllocator
 from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolve_attention
+from nanovllm.attention.kv_quant import row_elements, storage_dtype
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
@@ -119,7 +120,11 @@ class LLMEngine(EngineClient):
                              GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
 
     def _build_offload(self, loads_model: bool) -> KVOffload | None:
-        """The KV tiers of ``config.kv_offload`` (None when off), told of the allocator's evictions."""
+        """The KV tiers of ``config.kv_offload`` (None when off), told of the allocator's evictions. With the
+        real runner blocks are copied out of and into its cache; with the simulated one (``sim``) the same tier
+        and offload-policy classes run payload-free (``TierContext.payload``) on ``meta`` tensors of the
+        cache's block geometry, and the runner charges each step the time the moves take
+        (``Runner.bind_kv_offload``)."""
         config = self.config
         if check_kv_offload(config.kv_offload) is None:
             if config.preemption_mode == "swap":
@@ -127,15 +132,34 @@ class LLMEngine(EngineClient):
                                  "(e.g. kv_offload='host')")
             return None
         runner = self.runner
-        if not loads_model or runner.registered_name != "real":
+        simulated = not loads_model and runner.registered_name == "sim"
+        if not simulated and (not loads_model or runner.registered_name != "real"):
             raise ValueError(f"kv_offload copies K/V between the cache and its tiers in this process: it needs "
-                             f"runner real, not {runner.registered_name!r}")
-        cache_dtype = runner.read_kv([0]).dtype
+                             f"runner real or sim, not {runner.registered_name!r}")
         namespace = kv_namespace(self.model_dir, config.dtype, config.kv_cache_dtype, config.block_size,
                                  runner.num_layers, runner.num_kv_heads, runner.head_dim, config.fast_path)
-        offload = KVOffload(config.kv_offload, TierContext(namespace, cache_dtype), config.block_size,
-                            runner.read_kv, lambda ids, data: runner.write_kv(ids, data, 0))
+        read_blocks: Callable[[list[int]], torch.Tensor]
+        write_blocks: Callable[[list[int], torch.Tensor], None]
+        if simulated:
+            cache_dtype = storage_dtype(config.kv_cache_dtype, runner.dtype)
+            row = row_elements(runner.head_dim, config.kv_cache_dtype)
+            geometry = (runner.num_layers, 2, config.block_size, runner.num_kv_heads, row)
+
+            def read_blocks(ids: list[int]) -> torch.Tensor:   # a shape and a dtype: what the bytes count from
+                return torch.empty(geometry[:2] + (len(ids),) + geometry[2:], dtype=cache_dtype, device="meta")
+
+            def write_blocks(ids: list[int], data: torch.Tensor) -> None:
+                """Nothing to write: the allocator's block ids are the simulated cache."""
+        else:
+            cache_dtype = runner.read_kv([0]).dtype
+            read_blocks = runner.read_kv
+
+            def write_blocks(ids: list[int], data: torch.Tensor) -> None:
+                runner.write_kv(ids, data, 0)
+        offload = KVOffload(config.kv_offload, TierContext(namespace, cache_dtype, payload=not simulated),
+                            config.block_size, read_blocks, write_blocks)
         self.allocator.evict_listener = offload.on_evicted
+        runner.bind_kv_offload(offload)
         return offload
 
     def close(self) -> None:

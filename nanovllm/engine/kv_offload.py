@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,8 +62,9 @@ class TierStats:
     bytes_written: int = 0
     bytes_loaded: int = 0
     failures: int = 0          # blocks it could not store or return (full, missing, corrupt)
+    load_seconds: float = 0.0  # time spent reading blocks out of it (wall; simulated: its link's time)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
@@ -100,6 +102,21 @@ def check_kv_offload(spec: Any) -> list[dict[str, Any]] | None:
     return chain
 
 
+def with_shared_store(spec: Any, store: str) -> Any:
+    """``spec`` with every ``shared`` tier that names no ``store`` given ``store``: a simulated cluster gives
+    each run a store of its own, so runs in one process never see each other's blocks."""
+    if isinstance(spec, str):
+        return {"name": spec, "store": store} if spec == "shared" else spec
+    if not isinstance(spec, Mapping):
+        return spec
+    node = dict(spec)
+    if node.get("name") == "shared":
+        node.setdefault("store", store)
+    if node.get("below") is not None:
+        node["below"] = with_shared_store(node["below"], store)
+    return node
+
+
 def kv_namespace(*geometry: Any) -> str:
     """A short fingerprint of the model and K/V geometry: a disk tier's subdirectory."""
     return hashlib.sha256("|".join(map(str, geometry)).encode()).hexdigest()[:16]
@@ -125,7 +142,7 @@ class KVOffload:
         self._read, self._write = read_blocks, write_blocks
         self.stats = {name: TierStats() for name in self.names}
         self.swapped_tokens = 0
-        self._seen: dict[str, dict[str, int]] = {name: TierStats().as_dict() for name in self.names}
+        self._seen: dict[str, dict[str, float]] = {name: TierStats().as_dict() for name in self.names}
         self._swapped_seen = 0
         self._written_through: set[str] = set()
         self._swap_keys: dict[str, tuple[int, int]] = {}   # request_id -> (swap key, tokens)
@@ -194,6 +211,15 @@ class KVOffload:
         self._written_through.discard(request.request_id)
 
     # -- up ----------------------------------------------------------------------------------------------------
+    def _get(self, index: int, key: int, tokens: Tokens | None) -> torch.Tensor | None:
+        """``tiers[index].get``, its wall time counted as that tier's load time (payload-free tiers cost
+        nothing here: the simulated runner charges their link's time instead)."""
+        start = time.perf_counter()
+        data = self.tiers[index].get(key, tokens)
+        if data is not None and not data.is_meta:
+            self.stats[self.names[index]].load_seconds += time.perf_counter() - start
+        return data
+
     def _tier_of(self, key: int) -> int | None:
         return next((i for i, tier in enumerate(self.tiers) if tier.contains(key)), None)
 
@@ -231,19 +257,21 @@ class KVOffload:
         """Tokens ``load`` would cover."""
         return load.swap_tokens if load.swap else len(load.tiers) * self.block_size
 
-    def load(self, request: Request, load: Load) -> int:
+    def load(self, request: Request, load: Load) -> CachedPrefix:
         """Copy the planned blocks into ``request.block_table[load.first_block:]`` (allocated by now); return
-        how many tokens were loaded. A block that cannot be read ends the load there (computed instead)."""
+        how many tokens were loaded, split by the tier each came from (a swap-in: none split). A block that
+        cannot be read ends the load there (computed instead)."""
         if load.swap:
-            return self._swap_in(request, load)
+            return CachedPrefix({self.names[0]: self._swap_in(request, load)})
         keys = prefix_block_keys(request.token_ids, self.block_size)
         blocks: list[torch.Tensor] = []
+        by_tier = {name: 0 for name in self.names}
         for j, planned in enumerate(load.tiers):
             i = load.first_block + j
             # Looked up again: the allocation that made room may have pushed it a tier down since the plan.
             found = self._tier_of(keys[i])
             index = planned if found is None else found
-            data = None if found is None else self.tiers[index].get(keys[i], self._tokens(request, i))
+            data = None if found is None else self._get(index, keys[i], self._tokens(request, i))
             if data is None:
                 self.stats[self.names[index]].failures += 1
                 logger.warning("kv tiers: block %d of request %s is gone from %s; recomputing from there", i,
@@ -252,17 +280,18 @@ class KVOffload:
             stats = self.stats[self.names[index]]
             stats.blocks_loaded += 1
             stats.hit_tokens += self.block_size
+            by_tier[self.names[index]] += self.block_size
             stats.bytes_loaded += data.numel() * data.element_size()
             blocks.append(data)
         if blocks:
             self._write(request.block_table[load.first_block:load.first_block + len(blocks)],
                         torch.cat(blocks, dim=2))
-        return len(blocks) * self.block_size
+        return CachedPrefix(by_tier)
 
     def _swap_in(self, request: Request, load: Load) -> int:
         key, num_tokens = self._swap_keys.pop(request.request_id)
         tier = self.tiers[0]
-        data = tier.get(key, tuple(request.token_ids[:num_tokens]))
+        data = self._get(0, key, tuple(request.token_ids[:num_tokens]))
         tier.discard(key)
         if not load.swap_tokens:   # the primary pool's prefix match already covers what was swapped
             return 0
@@ -289,7 +318,7 @@ class KVOffload:
             for i, index in enumerate(self._below(request, 0)):
                 if index == 0:
                     continue
-                data = self.tiers[index].get(keys[i], self._tokens(request, i))
+                data = self._get(index, keys[i], self._tokens(request, i))
                 if data is None:
                     self.stats[self.names[index]].failures += 1
                     break
@@ -299,7 +328,7 @@ class KVOffload:
                 self._put(0, keys[i], self._tokens(request, i), data)
 
     # -- records -----------------------------------------------------------------------------------------------
-    def take_step_stats(self) -> tuple[int, dict[str, dict[str, int]]]:
+    def take_step_stats(self) -> tuple[int, dict[str, dict[str, float]]]:
         """(swapped tokens, per tier counters plus ``blocks`` and ``bytes`` held) since the last call."""
         per_tier = {}
         for name, tier in zip(self.names, self.tiers):

@@ -55,6 +55,7 @@ from nanovllm.registry import Registry
 
 if TYPE_CHECKING:
     from nanovllm.attention.base import AttentionBackend
+    from nanovllm.engine.kv_offload import KVOffload
     from nanovllm.outputs import Logprob
     from nanovllm.request import Request
 
@@ -99,6 +100,11 @@ class Runner(abc.ABC):
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (worker processes, connections); idempotent."""
+
+    def bind_kv_offload(self, offload: "KVOffload") -> None:
+        """The engine built KV tiers below the pool (``kv_offload``): called once, in ``LLMEngine.__init__``,
+        before the first step. Default: nothing (the real runner's copies take the time they take); the
+        simulated runner charges each step the simulated time of what moved between the tiers."""
 
     # -- prefill/decode disaggregation: the K/V of a request's blocks, out of one engine and into another ------
     def read_kv(self, block_ids: list[int]) -> Any:

@@ -455,8 +455,10 @@ class Scheduler:
             request.num_swapped_tokens += loaded
             out.num_swapped_tokens += loaded
             request.num_cached_tokens = start   # swapped tokens were this request's own, not a cache hit
+            request.num_cached_tokens_by_tier = {"primary": start}
         else:
             request.num_cached_tokens = start + loaded
+            request.num_cached_tokens_by_tier = {"primary": start, **loaded.by_tier}
         self.allocator.on_tokens_computed(request)   # loaded blocks join the pool's prefix cache
 
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:

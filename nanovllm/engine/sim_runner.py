@@ -10,6 +10,14 @@ are the real ones, so prefix caching sees what it would see in a real run.
 The step-time model is any callable from a batch's features (``batch_features``: the keys of a ``StepRecord``)
 and the step's start time to seconds; the harness (``nanovllm.harness.sim``) provides calibrated, analytical,
 replay and token-cost models (``StepTimeModel.predict``).
+
+KV tiers (``kv_offload``): the engine runs the same tier and offload-policy classes payload-free, and this
+runner charges each step the time of the K/V that moved between the pool and each tier since the last step,
+on that tier's link (``kv_links``: ``hardware.kv_tier_links``, host over PCIe, disk over NVMe, the shared
+store over RDMA/Ethernet): ``latency + bytes / bandwidth`` per tier that moved anything, added to the step's
+compute time. The real engine copies blocks synchronously inside the step (admission loads, swap-ins and
+-outs, write-through, prefetch promotions), before or after the forward pass, never during it; the simulated
+step does the same, so no move overlaps compute here either.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from nanovllm.models.loader import resolve_model
 from nanovllm.request import Request
 
 if TYPE_CHECKING:
+    from nanovllm.engine.kv_offload import KVOffload
     from nanovllm.outputs import Logprob
 
 StepTimeFn = Callable[[Mapping[str, int], float], float]   # (batch features, step start) -> seconds
@@ -61,9 +70,12 @@ class SimulatedRunner(Runner):
     clock: VirtualClock  # a VirtualClock of its own, set in __init__
 
     def __init__(self, context: RunnerContext, step_time: StepTimeFn,
-                 target_len: Callable[[Request], int] | None = None) -> None:
+                 target_len: Callable[[Request], int] | None = None,
+                 kv_links: Mapping[str, Mapping[str, float]] | None = None) -> None:
         """``step_time(features, now)``: the seconds a step with these batch features, starting at ``now``,
-        takes. ``target_len(request)``: the output length at which the request ends (default ``max_tokens``)."""
+        takes. ``target_len(request)``: the output length at which the request ends (default ``max_tokens``).
+        ``kv_links``: tier name -> ``{bandwidth, latency}`` (``hardware.kv_tier_links``); None: moves between
+        KV tiers take no simulated time."""
         hf_config, config = context.hf_config, context.config
         self.hf_config = hf_config
         self.dtype = torch_dtype(config.dtype)
@@ -78,6 +90,9 @@ class SimulatedRunner(Runner):
         self.target_len = target_len or (lambda request: request.max_tokens)
         self.num_blocks = 0
         self.block_size = 0
+        self.kv_links = {name: dict(link) for name, link in (kv_links or {}).items()}
+        self.offload: KVOffload | None = None
+        self._moved_seen: dict[str, tuple[float, float]] = {}   # tier -> (bytes loaded, bytes written) charged
 
     def init_kv_cache(self, num_blocks: int, block_size: int, backend: Any, graphs: Any = None) -> None:
         """Only the geometry: the allocator manages block ids; there is no tensor to fill."""
@@ -90,12 +105,43 @@ class SimulatedRunner(Runner):
     def write_kv(self, block_ids: list[int], data: Any, first_block: int) -> None:
         """Nothing to write (the allocator's block ids are the simulated cache)."""
 
+    def bind_kv_offload(self, offload: KVOffload) -> None:
+        """Charge the moves of ``offload``'s tiers to the steps; every tier needs a link when any is given."""
+        missing = sorted({tier.name for tier in offload.tiers} - set(self.kv_links))
+        if self.kv_links and missing:
+            raise ValueError(f"hardware.kv_tier_links has no link for KV tier(s) {', '.join(missing)} (has: "
+                             f"{', '.join(sorted(self.kv_links))}); add {{bandwidth, latency}} for each")
+        self.offload = offload
+
+    def tier_seconds(self) -> float:
+        """Simulated seconds of what moved between the pool and the tiers since the last call, each tier on its
+        link; each tier's share of reading blocks out is added to its ``load_seconds``."""
+        offload = self.offload
+        if offload is None or not self.kv_links:
+            return 0.0
+        total = 0.0
+        for name, tier in zip(offload.names, offload.tiers):
+            stats = offload.stats[name]
+            seen_loaded, seen_written = self._moved_seen.get(name, (0, 0))
+            loaded, written = stats.bytes_loaded - seen_loaded, stats.bytes_written - seen_written
+            self._moved_seen[name] = (stats.bytes_loaded, stats.bytes_written)
+            if loaded + written == 0:
+                continue
+            link = self.kv_links[tier.name]
+            # One latency per tier and step: the step's blocks for one tier go as one batched transfer.
+            seconds = link["latency"] + (loaded + written) / link["bandwidth"]
+            stats.load_seconds += seconds * loaded / (loaded + written)
+            total += seconds
+        return total
+
     def execute(
         self, scheduled: list[tuple[Request, int]]
     ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
-        """Advance the clock by the predicted step time; a stand-in token for every row that samples (and no
-        logprobs: there is no distribution to report), as ``ModelRunner.execute`` returns them."""
-        self.clock.advance(float(self.step_time(batch_features(scheduled), self.clock.time)))
+        """Advance the clock by the predicted step time (plus the KV tiers' moves: ``tier_seconds``); a
+        stand-in token for every row that samples (and no logprobs: there is no distribution to report), as
+        ``ModelRunner.execute`` returns them."""
+        compute = float(self.step_time(batch_features(scheduled), self.clock.time))
+        self.clock.advance(compute + self.tier_seconds())
         tokens = [self._token(request) if request.num_computed_tokens + n == request.num_tokens else None
                   for request, n in scheduled]
         return tokens, [None] * len(tokens)
@@ -116,13 +162,13 @@ class SimulatedRunner(Runner):
 def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: PluginSpec = "fcfs",
                      allocator: PluginSpec = "paged", attention: PluginSpec = "torch",
                      target_len: Callable[[Request], int] | None = None, tokenizer: Any = None,
-                     hf_config: Any = None) -> LLMEngine:
+                     hf_config: Any = None, kv_links: Mapping[str, Mapping[str, float]] | None = None) -> LLMEngine:
     """An ``LLMEngine`` with the real scheduler, policy and allocator on a ``SimulatedRunner`` (its virtual
     clock is ``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
     ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
     directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
     default model's tokenizer. ``tokenizer``, ``hf_config``: use these instead of loading them (replicas of a
-    simulated cluster share them)."""
+    simulated cluster share them). ``kv_links``: the KV tiers' links (``hardware.kv_tier_links``)."""
     from transformers import AutoTokenizer
 
     if tokenizer is None:
@@ -131,6 +177,6 @@ def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: 
                                                                      "tokenizer.model"))
         # None: LLMEngine loads the model directory's own.
         tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
-    runner = {"name": "sim", "step_time": step_time, "target_len": target_len}
+    runner = {"name": "sim", "step_time": step_time, "target_len": target_len, "kv_links": kv_links}
     return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
                      tokenizer=tokenizer, hf_config=hf_config)

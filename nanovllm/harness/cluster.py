@@ -23,7 +23,9 @@ calibrated step-time profile when there is one for the model (the shipped or ``-
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -33,6 +35,7 @@ from nanovllm.cluster.disaggregated import DisaggregatedCluster, pool_router_spe
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
 from nanovllm.config import EngineConfig, torch_dtype
 from nanovllm.engine.engine import PluginSpec
+from nanovllm.engine.kv_offload import with_shared_store
 from nanovllm.harness.serving import ServedEngine, WallClock
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.simulate import Simulation
@@ -57,6 +60,9 @@ class ServedCluster(ServedEngine):
         """``cluster.replicas`` simulated replicas (``Simulation.from_config`` each, with its overrides) behind
         ``router`` (a registered name, ``{"name": ..., **options}`` or a ``Router``); the router predicts with
         their shared step-time model (``Simulation.replica``: one tokenizer, HF config and model for all)."""
+        # A ``shared`` KV tier: one store for this run's replicas, apart from other runs in this process.
+        config = dataclasses.replace(config, kv_offload=with_shared_store(config.kv_offload,
+                                                                           f"sim-{uuid.uuid4().hex[:12]}"))
         first = Simulation.from_config(runner, hardware, cluster.engine_config(config, 0), **plugins)
         simulations = [first] + [first.replica(cluster.engine_config(config, index), **plugins)
                                  for index in range(1, cluster.replicas)]

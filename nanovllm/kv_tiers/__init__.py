@@ -45,10 +45,14 @@ Tokens = tuple[int, ...]
 class TierContext:
     """What the engine tells each tier it builds: ``namespace`` fingerprints the model and the KV geometry and
     format (entries of another model, dtype or block size never match: a disk tier keeps them apart), and
-    ``dtype`` is the primary cache's storage dtype, what ``get`` returns."""
+    ``dtype`` is the primary cache's storage dtype, what ``get`` returns. ``payload`` False: the simulator's
+    payload-free mode (``runner=sim``): blocks arrive as ``meta`` tensors (a shape and a dtype, no data), and a
+    tier keeps the same bookkeeping (capacity in bytes, eviction order, keys and tokens) without storing data,
+    so the simulated engine runs the same tier and offload-policy classes as the real one."""
 
     namespace: str
     dtype: torch.dtype
+    payload: bool = True
 
 
 @dataclass
@@ -205,7 +209,10 @@ class KVTier(abc.ABC):
 
     def _encode(self, data: torch.Tensor) -> torch.Tensor:
         if self.kv_dtype == "int8" and data.is_floating_point():
-            return quantize(data.cpu(), FORMATS["int8"])
+            # A meta tensor quantizes to a meta tensor of the packed shape: the bytes an 8-bit entry takes.
+            return quantize(data if data.is_meta else data.cpu(), FORMATS["int8"])
+        if data.is_meta:   # payload-free (simulated): nothing to copy
+            return data
         return data.detach().to("cpu", copy=True).contiguous()
 
     def _decode(self, data: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,10 @@ renamed into place (atomic on POSIX), so two processes sharing the directory nev
 files; each process bounds what it writes and adopts (another process may delete a file this one indexed: a
 miss). A restarted engine on the same model finds the files and starts warm. Temporary files of processes that
 died are removed when a tier opens the directory; ``persist=False`` also removes this process's blocks at close.
+
+Payload-free (the simulator, ``TierContext.payload`` False): no directory and no files; the blocks' shapes and
+tokens sit in a dict (``_ghosts``) with the same capacity and eviction bookkeeping, and the time a real disk
+would take is the simulated runner's (``hardware.kv_tier_links.disk``).
 """
 
 from __future__ import annotations
@@ -38,11 +42,14 @@ class DiskTier(KVTier):
     def __init__(self, context: TierContext, capacity: int = 8 << 30, eviction: str = "lru",
                  kv_dtype: str = "auto", path: str | None = None, persist: bool = True) -> None:
         super().__init__(context, capacity, eviction, kv_dtype)
-        root = Path(path) if path is not None else Path(tempfile.gettempdir()) / "nanovllm-kv"
+        root = Path(path) if path is not None else self.default_root()
         self.directory = root / context.namespace
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.persist = persist
         self._written: set[int] = set()
+        self._ghost_store: dict[int, tuple[Tokens, torch.Tensor]] = {}
+        if not context.payload:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_dead_writers_files()
         # Warm start: what an earlier run left, oldest first, so the eviction order starts from their age.
         for file in sorted(self.directory.glob("*.kv"), key=lambda f: f.stat().st_mtime):
@@ -51,10 +58,24 @@ class DiskTier(KVTier):
             except (ValueError, OSError):
                 continue
 
+    @classmethod
+    def default_root(cls) -> Path:
+        """Where blocks go when ``path`` is not given."""
+        return Path(tempfile.gettempdir()) / "nanovllm-kv"
+
+    def _ghosts(self) -> dict[int, tuple[Tokens, torch.Tensor]]:
+        """Payload-free mode's store: key -> (tokens, meta tensor). This tier's own; ``shared`` returns the one
+        every replica in the process sees."""
+        return self._ghost_store
+
     def _file(self, key: int) -> Path:
         return self.directory / f"{key & 0xFFFFFFFFFFFFFFFF:016x}.kv"
 
     def _write(self, key: int, tokens: Tokens, data: torch.Tensor) -> int:
+        if not self.context.payload:
+            self._ghosts()[key] = (tokens, data)
+            self._written.add(key)
+            return data.numel() * data.element_size()
         payload = data.contiguous().view(torch.uint8).numpy().tobytes()
         header = json.dumps({"tokens": list(tokens), "shape": list(data.shape), "dtype": str(data.dtype),
                              "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
@@ -70,6 +91,9 @@ class DiskTier(KVTier):
         return len(payload)
 
     def _read(self, key: int, tokens: Tokens | None) -> torch.Tensor | None:
+        if not self.context.payload:
+            stored = self._ghosts().get(key)
+            return None if stored is None or (tokens is not None and stored[0] != tokens) else stored[1]
         try:
             raw = self._file(key).read_bytes()
         except OSError as exc:
@@ -94,10 +118,17 @@ class DiskTier(KVTier):
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
 
     def _remove(self, key: int) -> None:
+        if not self.context.payload:
+            self._ghosts().pop(key, None)
+            self._written.discard(key)
+            return
         self._file(key).unlink(missing_ok=True)
         self._written.discard(key)
 
     def _adopt(self, key: int) -> int | None:
+        if not self.context.payload:
+            stored = self._ghosts().get(key)
+            return None if stored is None else stored[1].numel() * stored[1].element_size()
         try:
             with self._file(key).open("rb") as f:
                 head = f.read(len(MAGIC) + 4)

@@ -123,9 +123,16 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
-    """The finite numeric fields: W&B charts numbers, and ``None`` / NaN would only add gaps and warnings."""
-    return {key: value for key, value in record.items() if _is_number(value)}
+def _numeric(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The finite numeric fields: W&B charts numbers, and ``None`` / NaN would only add gaps and warnings.
+    Nested mappings (a step's ``kv_tiers``: per tier counters) become ``kv_tiers/host/hit_tokens``."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if _is_number(value):
+            out[prefix + key] = value
+        elif isinstance(value, Mapping):
+            out.update(_numeric(value, f"{prefix}{key}/"))
+    return out
 
 
 def _request_row(record: Mapping[str, Any], columns: list[str]) -> list[Any]:
@@ -188,6 +195,7 @@ class WandbLogger(JsonlLogger):
     def log_summary(self, summary: dict, breakdowns: dict[str, dict] | None = None) -> None:
         super().log_summary(summary, breakdowns)
         self.run.summary.update(summary)
+        self.run.summary.update(_numeric({"kv_tiers": summary.get("kv_tiers") or {}}))   # flat, as the steps
         if breakdowns:
             self.run.summary["breakdowns"] = breakdowns
         if self._requests_seen:

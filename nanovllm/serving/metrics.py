@@ -22,6 +22,7 @@ import numpy as np
 
 from nanovllm.serving.formatting import format_value
 from nanovllm.serving.records import RequestRecord
+from nanovllm.serving.step_records import TIER_LEVELS, merge_tier_counts
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 _LATENCY_STATS = ("mean", "median", "std", "p90", "p99")
@@ -201,18 +202,27 @@ def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]
     return out
 
 
-def _tier_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """KV tiers (runs with kv_offload): swapped tokens, and per tier its counters summed over the steps and
-    the blocks and bytes it held at the last step. Empty without tiers."""
+def _tier_stats(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """KV tiers (runs with kv_offload): swapped tokens, and per tier its counters summed over the steps
+    (``hit_tokens``, ``blocks_written``/``_loaded``, ``bytes_written``/``_loaded``, ``failures``,
+    ``load_seconds``), ``hit_rate`` (its hit tokens over all prompt tokens), and what it held at the end
+    (``blocks``, ``bytes``: each replica's last step, summed over replicas; for ``shared``, one store every
+    replica sees, the largest). Empty without tiers."""
     tiered = [s for s in steps if "kv_tiers" in s]
     if not tiered:
         return {}
-    per_tier: dict[str, dict[str, int]] = {}
+    per_tier: dict[str, dict[str, float]] = {}
+    held: dict[str, dict[Any, Mapping[str, float]]] = {}   # tier -> replica -> its last step's counts
     for step in tiered:
+        per_tier = merge_tier_counts(per_tier, step["kv_tiers"])
         for name, counts in step["kv_tiers"].items():
-            totals = per_tier.setdefault(name, {})
-            for key, value in counts.items():
-                totals[key] = value if key in ("blocks", "bytes") else totals.get(key, 0) + value
+            held.setdefault(name, {})[step.get("replica")] = counts
+    prompt_tokens = sum(r.get("num_prompt_tokens") or 0 for r in requests)
+    for name, totals in per_tier.items():
+        combine = max if name == "shared" else sum
+        for key in TIER_LEVELS:
+            totals[key] = combine(counts.get(key, 0) for counts in held[name].values())
+        totals["hit_rate"] = totals.get("hit_tokens", 0) / prompt_tokens if prompt_tokens else 0.0
     return {"swapped_tokens": sum(s.get("swapped_tokens", 0) for s in tiered), "kv_tiers": per_tier}
 
 
@@ -284,7 +294,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, An
     summary.update(_scheduling(requests, done))
     summary.update(_step_stats(steps))
     summary.update(_memory_stats(steps))
-    summary.update(_tier_stats(steps))
+    summary.update(_tier_stats(requests, steps))
     summary.update(_spec_decode_stats(steps))
     return summary
 

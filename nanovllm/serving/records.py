@@ -39,6 +39,8 @@ class RequestRecord(TypedDict):
     token_times: list[float]            # time of every output token, first token included
     num_prompt_tokens: int
     num_cached_tokens: int              # prompt tokens served from the prefix cache at (last) admission
+    cached_tokens_by_tier: dict[str, int] | None   # those split by where they were (KV tiers), else None
+    num_swapped_tokens: int             # tokens loaded back after preemptions by swap (not computed again)
     num_output_tokens: int
     num_preemptions: int
     num_recomputed_tokens: int          # tokens computed again after preemptions threw them away
@@ -81,6 +83,9 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         token_times=[t - t0 for t in request.token_times],
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        cached_tokens_by_tier=(dict(request.num_cached_tokens_by_tier)
+                               if request.num_cached_tokens_by_tier is not None else None),
+        num_swapped_tokens=request.num_swapped_tokens,
         num_output_tokens=request.num_output_tokens,
         num_preemptions=request.num_preemptions,
         num_recomputed_tokens=request.num_recomputed_tokens,

@@ -40,6 +40,8 @@ _MAXED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached", "k
 _MINNED = ("kv_blocks_free",)
 _FIRST = ("step", "start_time")
 _UTILISATION = ("mfu", "mbu")   # duration-weighted: the window's work over its time, as Monitor.overall does
+# ``kv_tiers`` (per tier counters of the step): summed, but for what a tier holds after the step (the last).
+TIER_LEVELS = ("blocks", "bytes")
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,8 @@ class StepKeeper:
             _merge(current, step)
             return []
         self._open[key] = {**step, "num_steps": 1, "_window": window, **_weighted(step)}
+        if "kv_tiers" in step:   # a copy: the window's sums must not change the step's own record
+            self._open[key]["kv_tiers"] = merge_tier_counts({}, step["kv_tiers"])
         return [] if current is None else [_finished(current)]
 
 
@@ -227,10 +231,24 @@ def _merge(record: dict[str, Any], step: Mapping[str, Any]) -> None:
             record[key] = max(record[key], value)
         elif key in _MINNED:
             record[key] = min(record[key], value)
+        elif key == "kv_tiers":
+            record[key] = merge_tier_counts(record.get(key) or {}, value)
         elif key not in _UTILISATION:
             record[key] = value
     for name, value in _weighted(step).items():
         record[name] = record.get(name, 0.0) + value
+
+
+def merge_tier_counts(total: Mapping[str, Mapping[str, float]],
+                      step: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """A new ``kv_tiers`` mapping: ``total``'s counters plus ``step``'s per tier, and what each tier holds
+    (``TIER_LEVELS``) as of ``step`` (the later one)."""
+    out = {name: dict(counts) for name, counts in total.items()}
+    for name, counts in step.items():
+        merged = out.setdefault(name, {})
+        for key, value in counts.items():
+            merged[key] = value if key in TIER_LEVELS else merged.get(key, 0) + value
+    return out
 
 
 def _finished(record: dict[str, Any]) -> dict[str, Any]:

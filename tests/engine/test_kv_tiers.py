@@ -219,3 +219,23 @@ def test_a_full_tier_corrupt_or_missing_blocks_fall_back_to_recompute(reference,
     long = SamplingParams(max_tokens=40, temperature=0.0)
     outs = full.generate(PROMPTS[:2], long, use_tqdm=False)
     assert all(o.finish_reason == "length" for o in outs) and full.engine.offload.swapped_tokens == 0
+
+
+@pytest.mark.slow
+def test_a_shared_store_makes_one_engines_prefix_a_hit_on_another(reference, tmp_path):
+    """Two replicas' engines on one shared directory (each its own tier, as in two processes: what one wrote
+    the other adopts from the files): the second computes nothing the first wrote through, with the right
+    tokens; a block removed behind its back is a miss, recomputed."""
+    spec = dict(name="shared", path=str(tmp_path), store="run", policy="write_through")
+    first, second = engine(num_kv_blocks=256, kv_offload=spec), engine(num_kv_blocks=256, kv_offload=spec)
+    assert run(first, PROMPTS[:2]) == reference[:2]
+    assert stats(first)["shared"]["blocks_written"] > 0 and stats(first)["shared"]["hit_tokens"] == 0
+    assert run(second, PROMPTS[:2]) == reference[:2]
+    full_blocks = sum((len(p) - 1) // 16 for p in PROMPTS[:2])
+    assert stats(second)["shared"]["hit_tokens"] == 16 * full_blocks           # every full block: loaded
+    for file in (tmp_path / "run").rglob("*.kv"):
+        file.unlink()
+    third = engine(num_kv_blocks=256, kv_offload=spec)
+    assert run(third, PROMPTS[:2]) == reference[:2] and stats(third)["shared"]["hit_tokens"] == 0
+    for llm in (first, second, third):
+        llm.close()

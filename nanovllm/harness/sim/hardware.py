@@ -4,6 +4,11 @@ A description gives peak FLOP/s per dtype (``int8``: operations a second, what q
 memory bandwidth and size, how much of the peaks real kernels reach, and a fixed per-step overhead (scheduling,
 launches, sampling). The KV cache gets what ``memory_fraction`` of
 memory leaves after the weights, as a serving engine sizes it on a GPU.
+
+``kv_tier_links``: the links K/V blocks cross to and from the KV tiers below the pool (``kv_offload``), by tier
+name: ``host`` (host memory over PCIe), ``disk`` (NVMe), ``shared`` (the cluster's shared store over RDMA or
+Ethernet); each ``{bandwidth: bytes/s, latency: s}``. The simulated runner charges every step the time of
+what moved (``nanovllm.engine.sim_runner.tier_seconds``).
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ class Hardware:
     # a simulated cluster uses it when kv_transfer names no bandwidth of its own.
     kv_link_bandwidth: float | None = None
     kv_link_latency: float | None = None
+    # KV tiers: tier name -> {bandwidth: bytes/s, latency: s} (see the module docstring).
+    kv_tier_links: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.kv_tier_links = check_kv_tier_links(self.kv_tier_links)
         for key in ("memory_bandwidth", "memory_bytes"):
             if not _positive(getattr(self, key)):
                 raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)!r}")
@@ -85,6 +93,26 @@ class Hardware:
                 f"(memory_bytes x memory_fraction) but the model's weights need {weight_bytes / 2**30:.1f} GiB"
             )
         return int(usable - weight_bytes)
+
+
+def check_kv_tier_links(links: Any) -> dict[str, dict[str, float]]:
+    """``hardware.kv_tier_links`` as ``{tier: {"bandwidth": bytes/s > 0, "latency": s >= 0}}``; an error naming
+    the entry otherwise."""
+    if links is None:
+        return {}
+    if not isinstance(links, Mapping):
+        raise ValueError(f"hardware.kv_tier_links must map tier names to {{bandwidth, latency}}, got {links!r}")
+    checked = {}
+    for tier, link in links.items():
+        if not isinstance(link, Mapping) or set(link) - {"bandwidth", "latency"}:
+            raise ValueError(f"hardware.kv_tier_links.{tier} must be {{bandwidth: bytes/s, latency: s}}, got {link!r}")
+        bandwidth, latency = link.get("bandwidth"), link.get("latency", 0.0)
+        if not _positive(bandwidth):
+            raise ValueError(f"hardware.kv_tier_links.{tier}.bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+        if not (isinstance(latency, (int, float)) and not isinstance(latency, bool) and latency >= 0):
+            raise ValueError(f"hardware.kv_tier_links.{tier}.latency must be >= 0 seconds, got {latency!r}")
+        checked[str(tier)] = {"bandwidth": float(bandwidth), "latency": float(latency)}
+    return checked
 
 
 def _positive(value: Any) -> bool:

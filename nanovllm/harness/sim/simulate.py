@@ -79,7 +79,8 @@ class Simulation(ServedEngine):
         if output_lengths is None and replay_run:
             output_lengths = output_lengths_of(replay_run)
         engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
-                                  attention=attention, target_len=_target_len(output_lengths))
+                                  attention=attention, target_len=_target_len(output_lengths),
+                                  kv_links=hardware.kv_tier_links if hardware is not None else None)
         return cls(engine, engine.runner.clock, cost, model, hardware)
 
     def replica(self, config: EngineConfig, **plugins: PluginSpec) -> "Simulation":
@@ -88,7 +89,9 @@ class Simulation(ServedEngine):
         replicas of a simulated cluster, which share this one's tokenizer, HF config and model."""
         engine = simulated_engine(_kv_sized(config, self.cost, self.hardware), self.model.predict,
                                   target_len=self.engine.runner.target_len, tokenizer=self.engine.tokenizer,
-                                  hf_config=self.engine.hf_config, **plugins)
+                                  hf_config=self.engine.hf_config,
+                                  kv_links=self.hardware.kv_tier_links if self.hardware is not None else None,
+                                  **plugins)
         return type(self)(engine, engine.runner.clock, self.cost, self.model, self.hardware)
 
     @classmethod

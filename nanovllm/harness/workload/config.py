@@ -103,6 +103,14 @@ class MultiTurnWorkloadConfig:
     sessions start by a gamma process (``burstiness``; 1 = Poisson) at ``request_rate / turns.mean`` sessions/s,
     ``inf`` starts every session at t=0. Turn k+1 arrives ``reply_len * reply_time_per_token_s`` (the time its
     reply is assumed to take) plus an exponential think time of mean ``think_time_s`` after turn k.
+
+    ``working_set_tokens`` (a controllable working set): the number of sessions becomes what holds about that
+    many tokens of conversation (``expected_session_tokens`` each, ``num_sessions`` is then ignored), and the
+    turns arrive as one process at ``request_rate``, each the next turn of a session drawn at random among those
+    with turns left: the same conversations are revisited whatever the rate, so the cache footprint is set by
+    this number alone. ``tool_output_len`` (agentic sessions, ``workload=agentic``): from the second turn on,
+    each turn appends a tool output of this length before its user message, the way an agent's context grows
+    by long tool results between short steps.
     """
 
     name: str = "multi_turn"
@@ -124,10 +132,19 @@ class MultiTurnWorkloadConfig:
     ttft_slo_ms: list[float] | None = None  # per-request TTFT target, one per entry of priority_classes
     e2el_slo_ms: list[float] | None = None  # per-request end-to-end target, one per entry of priority_classes
     ignore_eos: bool = True             # so each reply really has its sampled length
+    working_set_tokens: int | None = None   # set: sessions to hold about this many tokens, revisited at random
+    tool_output_len: LengthDist | None = None   # set: each later turn appends a tool output this long
     seed: int = 0
 
     def __post_init__(self) -> None:
         validate_workload_config(self)
+
+    def expected_session_tokens(self) -> float:
+        """Mean tokens of one whole session's last prompt: the system prompt, every user message and tool
+        output, every reply but the last."""
+        turns = float(self.turns.mean)
+        tool = float(self.tool_output_len.mean) if self.tool_output_len is not None else 0.0
+        return (self.system_len + turns * float(self.user_len.mean) + (turns - 1) * (float(self.reply_len.mean) + tool))
 
 
 @dataclass

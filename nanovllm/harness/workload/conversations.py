@@ -15,6 +15,11 @@ is the same length but not the same tokens, so the cached blocks a turn can hit 
 starts. Sending the real reply would need the serving loop to build a turn when the previous one finishes (a
 closed loop); that is not built.
 
+With ``working_set_tokens`` the session count follows from it (``expected_session_tokens`` each) and the
+turns arrive as one process at ``request_rate``, each going to a random session with turns left (its turns in
+order): a fixed set of conversations revisited, so the working set does not change with the rate. With
+``tool_output_len`` (agentic sessions) every turn after the first appends a tool output before its message.
+
 For the same reason the next turn's arrival is a model, not a measurement: turn k+1 arrives
 ``reply_len_k * reply_time_per_token_s`` (the time the reply is assumed to take) plus an exponential think
 time of mean ``think_time_s`` after turn k. A server slower than assumed sees the next turn before the previous
@@ -48,13 +53,18 @@ def _turn_gaps(cfg: Any, reply_lens: np.ndarray) -> np.ndarray:
 
 def multi_turn_requests(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
     """Every turn of every session of a ``multi_turn`` config, session by session, turns in order."""
-    n = cfg.num_sessions
+    working_set = getattr(cfg, "working_set_tokens", None)
+    n = cfg.num_sessions if working_set is None else max(1, round(working_set / cfg.expected_session_tokens()))
     turns = sample_lengths(cfg.turns, n, _rng(cfg.seed, "turns"))
     total = int(turns.sum())
     # One draw per turn, session by session: turn j of the flattened list is turn k of session s.
     user_lens = sample_lengths(cfg.user_len, total, _rng(cfg.seed, "input_len"))
     reply_lens = sample_lengths(cfg.reply_len, total, _rng(cfg.seed, "output_len"))
+    tool = getattr(cfg, "tool_output_len", None)
+    tool_lens = (sample_lengths(tool, total, _rng(cfg.seed, "tool_output_len")) if tool is not None
+                 else np.zeros(total, dtype=int))
     gaps = _turn_gaps(cfg, reply_lens)
+    revisits = _revisit_times(cfg, turns) if working_set is not None else None
     # request_rate counts requests: sessions start turns.mean times less often, so the long-run request rate is
     # request_rate whatever the number of turns (inf / anything is inf: every session at t=0).
     starts = sample_arrival_times(n, cfg.request_rate / float(cfg.turns.mean), cfg.burstiness,
@@ -72,9 +82,13 @@ def multi_turn_requests(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
         history: list[int] = list(systems[s])
         arrival = float(starts[s])
         for k in range(int(turns[s])):
-            if k > 0:
+            if revisits is not None:
+                arrival = revisits[s][k]
+            elif k > 0:
                 arrival += float(gaps[j - 1])
-            prompt = history + make(int(user_lens[j]), rng)
+            # An agent's later turns carry the tool's output (drawn as prompt tokens) before the next message.
+            tool_output = make(int(tool_lens[j]), rng) if k > 0 and tool_lens[j] > 0 else []
+            prompt = history + tool_output + make(int(user_lens[j]), rng)
             out.append(WorkloadRequest(
                 arrival_time=arrival, prompt=prompt, max_tokens=int(reply_lens[j]), priority=priorities[s],
                 client_id=clients[s], ignore_eos=bool(cfg.ignore_eos), request_id=f"{session}-turn{k}",
@@ -82,4 +96,20 @@ def multi_turn_requests(cfg: Any, tokenizer: Any) -> list[WorkloadRequest]:
             if k + 1 < turns[s]:  # the last reply is never re-sent: no tokens drawn for it
                 history = prompt + make(int(reply_lens[j]), rng)
             j += 1
+    if revisits is not None:
+        out.sort(key=lambda request: request.arrival_time)
     return out
+
+
+def _revisit_times(cfg: Any, turns: np.ndarray) -> list[list[float]]:
+    """``working_set_tokens``: per session, its turns' arrival times, when turns arrive at ``request_rate`` (one
+    gamma process, ``burstiness``) and each goes to a random session with turns left."""
+    times = sample_arrival_times(int(turns.sum()), cfg.request_rate, cfg.burstiness, _rng(cfg.seed, "arrivals"))
+    rng = _rng(cfg.seed, "revisits")
+    left = [int(t) for t in turns]
+    owners = [s for s, count in enumerate(left) for _ in range(count)]
+    rng.shuffle(owners)   # a random interleaving of every session's turns, each session's in order
+    per_session: list[list[float]] = [[] for _ in left]
+    for t, s in zip(times, owners):
+        per_session[s].append(float(t))
+    return per_session

@@ -16,7 +16,8 @@ LENGTH_KINDS = ("fixed", "uniform", "lognormal", "zipf")
 
 # One RNG stream per aspect of a workload (see the module docstring for why).
 _STREAMS = {"arrivals": 0, "input_len": 1, "output_len": 2, "prompts": 3, "prefix": 4, "priority": 5,
-            "client": 6, "chat_pick": 7, "turns": 8, "think_time": 9, "trace_blocks": 10}
+            "client": 6, "chat_pick": 7, "turns": 8, "think_time": 9, "trace_blocks": 10,
+            "tool_output_len": 11, "revisits": 12}
 
 
 def _rng(seed: int, stream: str, *keys: int) -> np.random.Generator:

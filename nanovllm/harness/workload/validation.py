@@ -137,6 +137,13 @@ def _validate_multi_turn(cfg: Any, check_files: bool) -> None:
     _check_length(cfg.reply_len, "reply_len")
     _check_seconds(cfg, "think_time_s")
     _check_seconds(cfg, "reply_time_per_token_s")
+    if getattr(cfg, "working_set_tokens", None) is not None:
+        _check_int(cfg, "working_set_tokens", 1)
+        if not math.isfinite(cfg.request_rate):
+            raise _bad("request_rate", cfg.request_rate, "must be finite with working_set_tokens (turns arrive "
+                       "at that rate)")
+    if getattr(cfg, "tool_output_len", None) is not None:
+        _check_length(cfg.tool_output_len, "tool_output_len")
     if cfg.prompt_kind not in PROMPT_KINDS:
         raise _bad("prompt_kind", cfg.prompt_kind, f"must be one of {', '.join(PROMPT_KINDS)}")
     _check_prefix_pair(cfg, "num_system_prompts", "system_len")
