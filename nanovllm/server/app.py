@@ -87,7 +87,8 @@ class ServerState:
         if self.engine_loop is None:
             self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), loggers=self.loggers,
                                           metrics=self.metrics, monitor=self.monitor,
-                                          max_waiting=self.config.max_waiting, slo=self.slo)
+                                          max_waiting=self.config.max_waiting, slo=self.slo,
+                                          window=self.config.records_window)
             self.engine_loop.start()
 
     async def stop(self) -> None:

@@ -17,7 +17,9 @@ class ServerConfig:
     request may take from its submission to its end unless it brings its own ``timeout`` (null: no limit); past
     it the request is aborted, its memory freed, and the client gets a 408 error object. ``drain_timeout``:
     seconds a stopping server (SIGTERM, Ctrl-C) lets its requests in flight run to their end before it aborts
-    the rest (0: abort at once)."""
+    the rest (0: abort at once). ``records_window``: how many of the latest request and step records the server
+    holds in memory (its run's files get every one, and the summary is kept in running aggregates), so its memory
+    stays bounded however long it runs."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -27,6 +29,7 @@ class ServerConfig:
     retry_after_s: int = 1
     request_timeout: float | None = None
     drain_timeout: float = 0.0
+    records_window: int = 1000
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -44,6 +47,8 @@ class ServerConfig:
             raise ValueError(f"server.request_timeout must be seconds > 0 or null, got {self.request_timeout!r}")
         if not _is_number(self.drain_timeout) or self.drain_timeout < 0:
             raise ValueError(f"server.drain_timeout must be seconds >= 0, got {self.drain_timeout!r}")
+        if not _is_int(self.records_window) or self.records_window < 1:
+            raise ValueError(f"server.records_window must be an integer >= 1, got {self.records_window!r}")
         if not _is_int(self.retry_after_s) or self.retry_after_s < 1:
             raise ValueError(f"server.retry_after_s must be an integer >= 1, got {self.retry_after_s!r}")
 

@@ -9,6 +9,10 @@ whose stop string appeared (before the next step, so no token is sampled past it
 ended request through the run's loggers (``records``: ``steps.jsonl``, ``requests.jsonl``, W&B, live views)
 and updates the Prometheus figures. Every request ends exactly once: finished, aborted (a client that went
 away, the server stopping) or failed, with its reason, and its stream always receives a final ``Delta``.
+
+Memory stays bounded however long the server runs: the files get every record, but the loop holds only the last
+``window`` request and step records (``server.records_window``), and the summary (``metrics.json``,
+``POST /run/summary``) comes from running aggregates (``serving.aggregates``, ``StepTotals``), not from records.
 """
 
 from __future__ import annotations
@@ -31,17 +35,20 @@ from nanovllm.request import Request, RequestStatus
 from nanovllm.sampling import SamplingParams
 from nanovllm.server.detokenizer import IncrementalDetokenizer
 from nanovllm.server.prometheus import ServerMetrics
+from nanovllm.serving.aggregates import GroupedAggregates, RequestAggregates
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.loop import StepLoop
-from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.serving.metrics import SLO
 from nanovllm.serving.monitor import Monitor
 from nanovllm.serving.records import RequestRecord
+from nanovllm.serving.step_records import StepTotals
 
 logger = logging.getLogger(__name__)
 
 STOP_STRING_REASON = "stop string"   # how the engine's abort is told apart from a real one
 INTERRUPTED_REASON = "interrupted"   # the server was stopped (SIGINT / SIGTERM) with the request in flight
 CLUSTER_POLL_S = 0.005               # how long a cluster's step waits before new requests are let in
+BREAKDOWN_FIELDS = ("priority", "client_id")   # metrics.json's breakdowns, as python -m nanovllm.run writes them
 
 
 class QueueFull(Exception):
@@ -114,6 +121,24 @@ class _PrometheusFigures(RunLogger):
         self.metrics.observe_request(record)
 
 
+class _RunningFigures(RunLogger):
+    """The run's summary figures, fed like a logger with every step and ended request and holding none of
+    them: request aggregates (overall and per breakdown field) and step totals."""
+
+    def __init__(self, slo: SLO | None) -> None:
+        self.requests = RequestAggregates(slo)
+        self.groups = {by: GroupedAggregates(by, slo) for by in BREAKDOWN_FIELDS}
+        self.steps = StepTotals()
+
+    def log_step(self, step: Mapping[str, Any]) -> None:
+        self.steps.add(step)
+
+    def log_request(self, record: Mapping[str, Any]) -> None:
+        self.requests.add(record)  # type: ignore[arg-type]  # a RequestRecord, as StepLoop logs it
+        for groups in self.groups.values():
+            groups.add(record)
+
+
 class EngineLoop:
     """Runs ``engine`` in a thread of its own for an asyncio server on ``loop``: the one way the HTTP handlers
     reach the engine.
@@ -121,19 +146,24 @@ class EngineLoop:
     ``make_request`` / ``submit`` / ``abort`` / ``call`` are called from the event loop; ``start`` once when the
     server starts and ``stop`` once when it shuts down (it ends every request in flight, aborted with reason
     ``interrupted``). ``loggers`` get every step and ended request as it happens (their ``start`` / ``finish``
-    are the caller's); the books are a ``StepLoop``'s, as every driver's are.
+    are the caller's); the books are a ``StepLoop``'s, as every driver's are. ``window``: how many of the
+    latest request and step records ``records`` and ``steps`` hold (None: all of them; a server passes
+    ``server.records_window`` so that its memory stays bounded); the summary covers every one either way.
     """
 
     def __init__(self, engine: EngineClient, loop: asyncio.AbstractEventLoop, *,
                  loggers: Sequence[RunLogger] = (), metrics: ServerMetrics | None = None,
-                 monitor: Monitor | None = None, max_waiting: int | None = None, slo: SLO | None = None) -> None:
+                 monitor: Monitor | None = None, max_waiting: int | None = None, slo: SLO | None = None,
+                 window: int | None = None) -> None:
         self.engine = engine
         self.loop = loop
         self.loggers = list(loggers)
         self.max_waiting = max_waiting
         self.slo = slo
         figures = [_PrometheusFigures(metrics, engine)] if metrics is not None else []
-        self.books = StepLoop(engine, loggers=[*self.loggers, *figures], monitor=monitor, on_ended=self._ended)
+        self.figures = _RunningFigures(slo)
+        self.books = StepLoop(engine, loggers=[*self.loggers, *figures, self.figures], monitor=monitor,
+                              on_ended=self._ended, window=window)
         self.fault: str | None = None          # set when a step raised: the engine is not to be trusted
         self._failing: str | None = None       # the reason every request in flight fails with, after a fault
         self._final: list[tuple[_Tracked, Delta]] = []   # the ended requests' last deltas, for this step
@@ -152,13 +182,18 @@ class EngineLoop:
     # -- the asyncio side ----------------------------------------------------------------------------------------
     @property
     def records(self) -> list[RequestRecord]:
-        """Every ended request's record, in the order they ended."""
-        return self.books.requests
+        """The ended requests' records held (the last ``window`` of them), in the order they ended."""
+        return list(self.books.requests)
 
     @property
     def steps(self) -> list[dict[str, Any]]:
-        """The run's step records."""
-        return self.books.steps
+        """The run's step records held (the last ``window`` of them)."""
+        return list(self.books.steps)
+
+    @property
+    def num_records_held(self) -> tuple[int, int]:
+        """(request records, step records) held in memory now: at most ``window`` each."""
+        return len(self.books.requests), len(self.books.steps)
 
     @property
     def limits(self) -> tuple[int, int, int]:
@@ -240,7 +275,8 @@ class EngineLoop:
         """Compute the summary (plus ``extra``) and hand it to every logger (``metrics.json`` through the jsonl
         logger); on the engine thread (``call``) while it runs, or after ``stop``."""
         summary = {**self.summary(), **(extra or {})}
-        breakdowns = {by: breakdown(self.records, by, slo=self.slo) for by in ("priority", "client_id")}
+        duration = self.figures.requests.duration   # every group shares the run's, as metrics.breakdown does
+        breakdowns = {by: groups.breakdown(duration) for by, groups in self.figures.groups.items()}
         for run_logger in self.loggers:
             run_logger.log_summary(summary, breakdowns)
         return summary
@@ -248,11 +284,13 @@ class EngineLoop:
     def summary(self) -> dict[str, Any]:
         """The run's serving summary so far (``metrics.summarize``), as ``metrics.json`` holds it. Call it on
         the engine thread (``call``) while it runs, or after ``stop``."""
-        summary = summarize(self.records, self.steps, slo=self.slo)
+        figures = self.figures
+        summary = figures.requests.summary()
+        summary.update(figures.steps.summary())
+        summary.update(figures.steps.spec_decode_summary())
         monitor = self.books.monitor
-        if monitor is not None and self.steps:
-            overall = monitor.overall(self.steps)
-            summary.update(mfu=overall["mfu"], mbu=overall["mbu"])
+        if monitor is not None and figures.steps.run.num_steps:
+            summary.update(figures.steps.utilisation(monitor.peak_flops, monitor.peak_bandwidth))
         summary.update(warmup_time_s=round(self.engine.warmup_time, 3), warmup_steps=self.engine.warmup_steps,
                        server=True)
         if self.fault is not None:
@@ -282,6 +320,11 @@ class EngineLoop:
                 self.engine.add_request(tracked.request)
                 if tracked.deadline is not None:
                     heapq.heappush(self._deadlines, (tracked.deadline, tracked.request.request_id))
+            if len(self._deadlines) > 2 * len(self._tracked) + 64:
+                # A request that ended before its deadline leaves its entry until the deadline passes; under a
+                # long server.request_timeout those would pile up, so drop them once they outnumber the live.
+                self._deadlines = [entry for entry in self._deadlines if entry[1] in self._tracked]
+                heapq.heapify(self._deadlines)
         for request_id, reason in inbox.aborts:
             self.engine.abort_request(request_id, reason)
         self._expire()

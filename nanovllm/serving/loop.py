@@ -34,20 +34,29 @@ class StepLoop:
     run directory); ``monitor`` annotates each step with its FLOPs, bytes, MFU and MBU; ``progress`` is moved
     after every step; ``on_ended`` may amend an ended request's record before it is kept (``RecordHook``).
     ``step_records`` says which step records are kept and logged (``StepRecords``: every one by default);
-    when fewer, ``totals`` holds the summary's step figures over all of them. The run's clock starts when the
-    loop is made, or at ``start()``.
+    when fewer, ``totals`` holds the summary's step figures over all of them. ``window``: hold only the last
+    ``window`` request and step records in ``requests`` and ``steps`` (a rolling window, for a server that runs
+    for days; the loggers still get every one, so the run's files hold them all); None: hold every one. The
+    run's clock starts when the loop is made, or at ``start()``.
     """
 
     def __init__(self, client: EngineClient, *, loggers: Sequence[RunLogger] = (), monitor: Monitor | None = None,
                  progress: RequestProgress | None = None, on_ended: RecordHook | None = None,
-                 step_records: StepRecords = StepRecords()) -> None:
+                 step_records: StepRecords = StepRecords(), window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"a record window holds at least one record, got {window}")
         self.client = client
         self.loggers = list(loggers)
         self.monitor = monitor
         self.progress = progress
         self.on_ended = on_ended
-        self.requests: list[RequestRecord] = []   # every ended request, in the order they ended
-        self.steps: list[dict[str, Any]] = []     # the step records kept (annotated when monitored)
+        # every ended request in the order they ended, and the step records kept (annotated when monitored); or
+        # only the last ``window`` of each. Plain lists either way (LLM reads them as they fill): dropping the
+        # oldest of a window of a few thousand is one short memmove, nothing next to a step.
+        self.window = window
+        self.requests: list[RequestRecord] = []
+        self.steps: list[dict[str, Any]] = []
+        self.num_ended = 0                        # requests ended so far (all of them, whichever are held)
         self.keeper = StepKeeper(step_records)
         self.output_tokens = 0
         self.t0 = client.clock()
@@ -68,7 +77,7 @@ class StepLoop:
             self.output_tokens += request.num_output_tokens
             self.ended(request, request_record(request, self.t0))
         if self.progress is not None:
-            self.progress.update(len(self.requests), self.output_tokens)
+            self.progress.update(self.num_ended, self.output_tokens)
         return output
 
     @property
@@ -94,6 +103,8 @@ class StepLoop:
     def _keep(self, records: list[dict[str, Any]]) -> None:
         for record in records:
             self.steps.append(record)
+            if self.window is not None and len(self.steps) > self.window:
+                del self.steps[0]
             for logger in self.loggers:
                 logger.log_step(record)
 
@@ -101,7 +112,10 @@ class StepLoop:
         """Keep and log the record of a request that ended (``step`` calls it for each one a step reports)."""
         if self.on_ended is not None:
             self.on_ended(request, record)
+        self.num_ended += 1
         self.requests.append(record)
+        if self.window is not None and len(self.requests) > self.window:
+            del self.requests[0]
         for logger in self.loggers:
             logger.log_request(record)
 

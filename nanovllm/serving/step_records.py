@@ -117,6 +117,8 @@ class StepTotals:
     kv_blocks_cached: int = 0
     flops: float = 0.0
     bytes: float = 0.0
+    # speculative decoding's counters, summed (None: the records carry none, as summarize checks)
+    spec_decode: dict[str, Any] | None = None
 
     def add(self, step: Mapping[str, Any]) -> None:
         """One step's (annotated) record; called by ``StepLoop`` for every step."""
@@ -132,6 +134,36 @@ class StepTotals:
             self.kv_blocks_cached += step["kv_blocks_cached"]
         self.flops += step.get("flops", 0.0)
         self.bytes += step.get("bytes", 0.0)
+        if "spec_decode_num_drafts" in step:
+            self._add_spec(step)
+
+    def _add_spec(self, step: Mapping[str, Any]) -> None:
+        spec = self.spec_decode
+        if spec is None:
+            spec = self.spec_decode = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+        spec["drafts"] += step["spec_decode_num_drafts"]
+        spec["draft_tokens"] += step["spec_decode_num_draft_tokens"]
+        spec["accepted"] += step["spec_decode_num_accepted_tokens"]
+        counts, per_pos = step.get("spec_decode_num_accepted_tokens_per_pos", []), spec["per_pos"]
+        per_pos.extend([0] * (len(counts) - len(per_pos)))
+        for position, count in enumerate(counts):
+            per_pos[position] += count
+
+    def spec_decode_summary(self) -> dict[str, Any]:
+        """``metrics.summarize``'s speculative-decoding figures over every step added ({} when the records
+        carry none), for a summary built from totals rather than records (the HTTP server's)."""
+        spec = self.spec_decode
+        if spec is None:
+            return {}
+        drafts, draft_tokens, accepted = spec["drafts"], spec["draft_tokens"], spec["accepted"]
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens > 0 else None,
+            "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts else None,
+            "spec_decode_num_accepted_tokens_per_pos": list(spec["per_pos"]),
+        }
 
     def summary(self) -> dict[str, Any]:
         """``peak_kv_usage``, ``mean_kv_usage``, ``num_steps``, ``mean_step_ms``, ``num_evictions``,
