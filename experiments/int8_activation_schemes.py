@@ -15,6 +15,7 @@ at each prompt's first divergence from the dense path, are both tokens in the ot
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -48,10 +49,21 @@ PLANS: dict[str, dict[str, str]] = {
                     ("o_proj", "gate_up_proj", "down_proj")]},
     "the model's (INT8_ACTIVATION_DIGITS)": {
         p: "one digit" if INT8_ACTIVATION_DIGITS.get(p, 2) == 1 else "two digits" for p in PROJECTIONS},
+    "the model's, and one digit on lm_head": {
+        p: "one digit" if INT8_ACTIVATION_DIGITS.get(p, 1 if p == "lm_head" else 2) == 1 else "two digits"
+        for p in PROJECTIONS},
 }
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plans", default=None,
+                        help=f"semicolon-separated plan names to run (default: all): {'; '.join(PLANS)}")
+    args = parser.parse_args()
+    chosen = list(PLANS) if args.plans is None else [p.strip() for p in args.plans.split(";")]
+    unknown = [p for p in chosen if p not in PLANS]
+    if unknown:
+        parser.error(f"--plans: no plan named {unknown[0]!r}; the plans are: {'; '.join(PLANS)}")
     torch.set_num_threads(2)
     plan: dict[str, str] = {}
     original_forward = QuantLinear.forward
@@ -93,8 +105,8 @@ def main() -> None:
             head._projection = "lm_head"
         QuantLinear.forward = emulated
         try:
-            for name, schemes in PLANS.items():
-                plan.update(schemes)
+            for name in chosen:
+                plan.update(PLANS[name])
                 ppl = sequence_perplexity(llm, ids)
                 close = sum(PromptAgreement("", tokens, ref, top, ref_top).close
                             for (tokens, top), (ref, ref_top) in zip(greedy(llm), reference))
