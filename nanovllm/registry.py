@@ -84,6 +84,10 @@ class Registry(Generic[T]):
             self.get(spec)
             return spec
         if not isinstance(spec, Mapping):
+            if self.base is not None and not isinstance(spec, self.base):  # e.g. a number from the command line
+                raise ValueError(f"{where} must be a registered {self.kind} name, a {{name: ...}} mapping or a "
+                                 f"{self.base.__name__} instance, got {spec!r}; registered {self.kind} names: "
+                                 f"{', '.join(self.names())}")
             return spec
         spec = dict(spec)
         name = spec.get("name")

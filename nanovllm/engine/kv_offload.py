@@ -30,8 +30,10 @@ from typing import Any, Callable
 import torch
 
 from nanovllm.allocator import EvictedBlock, prefix_block_keys
+from nanovllm.eviction import EVICTION_POLICIES
 from nanovllm.kv_tiers import KV_TIERS, KVTier, TierContext, Tokens
 from nanovllm.kv_tiers.offload import OFFLOAD_POLICIES, OffloadPolicy
+from nanovllm.registry import UnknownPluginError
 from nanovllm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,19 @@ class Load:
     swap_tokens: int = 0
 
 
+def _check_tier_values(node: Mapping[str, Any], where: str) -> None:
+    """The options every built-in tier takes, checked by value before anything is built, so a bad one is an
+    error naming its field (``where``: ``kv_offload``, ``kv_offload.below``, ...) at config time."""
+    capacity = node.get("capacity", 1)
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"{where}.capacity must be a number of bytes >= 1, got {capacity!r}")
+    if node.get("eviction", "lru") not in EVICTION_POLICIES:
+        raise ValueError(f"{where}.eviction must be one of {', '.join(EVICTION_POLICIES.names())}, "
+                         f"got {node['eviction']!r}")
+    if node.get("kv_dtype", "auto") not in ("auto", "int8"):
+        raise ValueError(f"{where}.kv_dtype must be auto or int8, got {node['kv_dtype']!r}")
+
+
 def check_kv_offload(spec: Any) -> list[dict[str, Any]] | None:
     """``kv_offload`` as a list of tier specs (top first), each ``{"name", **options}`` with ``policy`` kept on
     the first; None when off. Raises ``ValueError`` naming what is wrong (``LLM(...)`` and Hydra both check)."""
@@ -96,7 +111,11 @@ def check_kv_offload(spec: Any) -> list[dict[str, Any]] | None:
         if policy is not None and chain:
             raise ValueError("kv_offload: give the offload policy on the top tier, not on a tier below it")
         KV_TIERS.check(node, "kv_offload")
-        OFFLOAD_POLICIES.check(policy if policy is not None else "evict", "kv_offload.policy")
+        try:
+            OFFLOAD_POLICIES.check(policy if policy is not None else "evict", "kv_offload.policy")
+        except UnknownPluginError as exc:  # a bare name's error says what is registered, not which field
+            raise ValueError(f"kv_offload.policy: {exc}") from exc
+        _check_tier_values(node, "kv_offload" + ".below" * len(chain))
         chain.append({**node, "policy": policy} if not chain else node)
         node = below
     return chain
