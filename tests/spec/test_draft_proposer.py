@@ -12,7 +12,6 @@ import pytest
 
 from nanovllm import LLM, DraftModel, SamplingParams
 from nanovllm.config import EngineConfig
-from nanovllm.engine.engine import LLMEngine
 from nanovllm.proposer import check_speculative
 from nanovllm.request import Request
 
@@ -79,14 +78,16 @@ def test_a_draft_with_the_targets_own_weights_is_accepted_and_never_recomputes_t
 
 
 def test_layer_skip_runs_the_targets_first_layers_and_leaves_the_target_whole():
-    engine = LLMEngine(EngineConfig(**BASE, speculative=dict(method="layer_skip", num_speculative_tokens=2,
-                                                             num_layers=6)), attention="torch")
+    llm = LLM(**BASE, speculative=dict(method="layer_skip", num_speculative_tokens=2, num_layers=6))
+    engine = llm.engine
     target = engine.runner.model
     draft = engine.speculator.proposer.draft
     assert len(target.layers) == engine.hf_config.num_hidden_layers and len(draft.model.layers) == 6
     assert all(a is b for a, b in zip(draft.model.layers, target.layers))       # shared, not copied
     assert draft.model.lm_head is target.lm_head and draft.model.norm is target.norm
     assert draft.cache.shape[0] == 6                                            # a KV cache of those layers only
+    llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert draft.num_forwards > 0 and len(target.layers) == engine.hf_config.num_hidden_layers
 
 
 @pytest.mark.parametrize("spec, message", [
