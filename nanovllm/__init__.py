@@ -76,6 +76,7 @@ _EXPORTS = {
     "ProposerContext": "nanovllm.proposer",
     "register_proposer": "nanovllm.proposer",
     "PROPOSERS": "nanovllm.proposer",
+    "DraftModel": "nanovllm.engine.draft_model",
     "SpeculationPolicy": "nanovllm.spec_policy",
     "SpeculationState": "nanovllm.spec_policy",
     "StepCost": "nanovllm.spec_policy",
@@ -110,6 +111,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, register_attention
     from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer, register_kv_transfer
     from nanovllm.config import EngineConfig
+    from nanovllm.engine.draft_model import DraftModel
     from nanovllm.engine.engine import LLMEngine
     from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, register_runner
     from nanovllm.eviction import EVICTION_POLICIES, EvictionPolicy, EvictionTracker, register_eviction

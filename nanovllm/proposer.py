@@ -49,8 +49,9 @@ class Proposer:
 
     The constructor takes the ``ProposerContext`` and the options, checks the options and stays cheap: a
     throwaway instance (its context without the model: ``hf_config``, ``model_dir`` and ``runner`` None,
-    ``vocab_size`` 0) is built to check a config before the model loads, as policies are. A proposer that loads
-    a model of its own does so on its first ``propose``.
+    ``vocab_size`` 0) is built to check a config before the model loads, as policies are. A proposer that runs
+    a model of its own (``draft``, ``layer_skip``) loads or cuts it when built with the target's ``hf_config``
+    (the engine's instance, so no step pays for it), and the throwaway instance proposes nothing.
 
     When the engine calls it: ``propose`` once per engine step, before the scheduler plans the step, with the
     running requests that will decode (their newest token is the only one not yet in the cache) and how many

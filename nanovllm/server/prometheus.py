@@ -52,7 +52,7 @@ class ServerMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", model)
         self.preemptions = counter("vllm:num_preemptions", "Preemptions by the scheduler.", model)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.", model)
-        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens sampled.", model)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens emitted.", model)
         self._success = Counter("vllm:request_success", "Requests that ended, by finish reason.",
                                 [*model, "finished_reason"], registry=r)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", model, _TTFT_BUCKETS)
@@ -104,7 +104,9 @@ class ServerMetrics:
         self.kv_free.set(step["kv_blocks_free"])
         self.preemptions.inc(step["num_preempted"])
         self.prompt_tokens.inc(step["num_prefill_tokens"])
-        self.generation_tokens.inc(step["num_sampled"])
+        # Tokens emitted: one per sampled sequence, plus the proposals a verification accepted (a step that
+        # accepts k proposals of a request emits k + 1 tokens of it), as vLLM counts them.
+        self.generation_tokens.inc(step["num_sampled"] + step["spec_decode_num_accepted_tokens"])
         self.steps.inc()
         self.step_time.observe(step["duration"])
         self.prefix_hits.inc(step["prefix_hit_tokens"])

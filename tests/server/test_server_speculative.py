@@ -112,8 +112,11 @@ def _metric(text: str, name: str) -> float:
 
 def test_metrics_and_metrics_json_count_drafts_and_acceptance_under_vllm_names(spec_served):
     with httpx.Client(base_url=spec_served.url, timeout=120) as client:
-        client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        before = _metric(client.get("/metrics").text, "vllm:generation_tokens_total")
+        body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0}).json()
         text = client.get("/metrics").text
+    # Every emitted token counts, the accepted proposals too (not one per sequence and step).
+    assert _metric(text, "vllm:generation_tokens_total") - before == body["usage"]["completion_tokens"] == 16
     drafts = _metric(text, "vllm:spec_decode_num_drafts_total")
     draft_tokens = _metric(text, "vllm:spec_decode_num_draft_tokens_total")
     accepted = _metric(text, "vllm:spec_decode_num_accepted_tokens_total")

@@ -1,6 +1,7 @@
 """Speculative decoding on the real model, float32 with the torch reference attention: greedy output with
-``ngram`` speculation is identical to decoding without it, whatever the block size, chunking, cache pressure
-(preemption), allocator, stop condition or abort, while proposals really are accepted."""
+speculation (``ngram``, ``draft``: the default model's 4-bit GGUF, ``layer_skip``: the target's first layers) is
+identical to decoding without it, whatever the block size, chunking, cache pressure (preemption), allocator,
+stop condition or abort, while proposals really are accepted."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from nanovllm import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 NGRAM = dict(method="ngram", num_speculative_tokens=3)
+PROPOSERS = {
+    "ngram": NGRAM,
+    "draft": dict(method="draft", num_speculative_tokens=3),         # the default model's own 4-bit GGUF drafts
+    "layer_skip": dict(method="layer_skip", num_speculative_tokens=3),
+}
 BASE = dict(dtype="float32", attention="torch", max_model_len=1024, warmup=False)
 LIST = "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango"
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
@@ -28,18 +34,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
 
 @functools.cache
-def _llm(speculative: bool, **options) -> LLM:
-    """One engine per configuration for the module (the loader shares the weights between them)."""
-    return LLM(**BASE, **options, speculative=NGRAM if speculative else None)
+def _llm(speculative: bool | str, **options) -> LLM:
+    """One engine per configuration for the module (the loader shares the weights between them, the GGUF draft's
+    too). ``speculative``: False (off), True (``ngram``) or a proposer's name."""
+    method = "ngram" if speculative is True else speculative
+    return LLM(**BASE, **options, speculative=PROPOSERS[method] if method else None)
 
 
-def _generate(speculative: bool, prompts=PROMPTS, params=GREEDY, **options):
+def _generate(speculative: bool | str, prompts=PROMPTS, params=GREEDY, **options):
     return _llm(speculative, **options).generate(prompts, params, use_tqdm=False)
 
 
-def _assert_identical_and_accepted(options: dict, prompts=PROMPTS, params=GREEDY) -> list:
+def _assert_identical_and_accepted(options: dict, prompts=PROMPTS, params=GREEDY, method: str = "ngram") -> list:
     plain = _llm(False, **options).generate(prompts, params, use_tqdm=False)
-    spec_llm = _llm(True, **options)
+    spec_llm = _llm(method, **options)
     spec = spec_llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason, b.prompt
@@ -53,29 +61,38 @@ def _assert_identical_and_accepted(options: dict, prompts=PROMPTS, params=GREEDY
     assert sum(s["spec_decode_num_drafts"] for s in steps) == sum(o.metrics.spec_decode_num_drafts for o in spec)
     assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] <= spec_llm.engine.config.max_num_batched_tokens
                for s in steps)
+    draft = getattr(spec_llm.engine.speculator.proposer, "draft", None)
+    if draft is not None:
+        # Every request ended: the draft model's cache holds nothing and all its blocks are free again.
+        assert not draft.requests and len(draft.free) == draft.cache.shape[2]
     return spec
 
 
+@pytest.mark.parametrize("method", list(PROPOSERS))
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_greedy_output_is_identical_with_ngram_speculation_at_every_block_size(block_size):
-    spec = _assert_identical_and_accepted(dict(block_size=block_size, num_kv_blocks=4096 // block_size))
+def test_greedy_output_is_identical_with_speculation_at_every_block_size(block_size, method):
+    options = dict(block_size=block_size, num_kv_blocks=4096 // block_size)
+    spec = _assert_identical_and_accepted(options, method=method)
     copying = spec[0].metrics
-    assert copying.spec_decode_num_accepted_tokens >= 0.5 * copying.spec_decode_num_draft_tokens
+    if method != "layer_skip":   # SmolLM2's early layers were not trained to exit early: they agree less often
+        assert copying.spec_decode_num_accepted_tokens >= 0.5 * copying.spec_decode_num_draft_tokens
     # Alone, the copying prompt takes fewer steps than it has tokens: each accepted proposal saved one.
-    llm = _llm(True, block_size=block_size, num_kv_blocks=4096 // block_size)
+    llm = _llm(method, **options)
     alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
     decode_steps = [s for s in llm.last_steps if s["num_decode_seqs"]]
     assert len(decode_steps) == len(alone.token_ids) - 1 - alone.metrics.spec_decode_num_accepted_tokens
 
 
-def test_identical_under_chunked_prefill_with_proposals_squeezed_by_the_token_budget():
+@pytest.mark.parametrize("method", list(PROPOSERS))
+def test_identical_under_chunked_prefill_with_proposals_squeezed_by_the_token_budget(method):
     # 24 tokens a step: prompts arrive in chunks beside decodes, and proposals get what the decodes leave.
-    _assert_identical_and_accepted(dict(max_num_batched_tokens=24, num_kv_blocks=256))
+    _assert_identical_and_accepted(dict(max_num_batched_tokens=24, num_kv_blocks=256), method=method)
 
 
-def test_identical_when_a_small_cache_preempts_requests_and_no_accepted_token_is_lost():
+@pytest.mark.parametrize("method", list(PROPOSERS))
+def test_identical_when_a_small_cache_preempts_requests_and_no_accepted_token_is_lost(method):
     options = dict(num_kv_blocks=20, max_num_seqs=6)    # 320 slots for six requests of up to ~70 tokens
-    spec = _assert_identical_and_accepted(options)
+    spec = _assert_identical_and_accepted(options, method=method)
     assert sum(o.metrics.num_preemptions for o in spec) > 0
 
 
