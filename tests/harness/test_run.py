@@ -62,9 +62,9 @@ def test_default_config(compose_cfg) -> None:
     assert cfg.logger.name == "jsonl" and cfg.model.path is None and cfg.plugins == [] and cfg.progress
     assert cfg.workload.name == "chat" and list(cfg.workload.priority_classes) == [0, 1]
     assert cfg.workload.num_requests == 16
-    # The engine node has exactly EngineConfig's names (model and speculative come from their groups) and its
-    # defaults.
-    assert set(cfg.engine) == {f for f in EngineConfig.__dataclass_fields__} - {"model", "speculative"}
+    # The engine node has exactly EngineConfig's names (model, speculative and kv_offload come from their groups)
+    # and its defaults.
+    assert set(cfg.engine) == {f for f in EngineConfig.__dataclass_fields__} - {"model", "speculative", "kv_offload"}
     defaults = EngineConfig()
     assert all(cfg.engine[k] == getattr(defaults, k) for k in cfg.engine
                if k not in ("max_num_seqs", "dtype", "num_kv_blocks"))
