@@ -278,6 +278,7 @@ class _StreamState:
             num_prompt_tokens=prompt_tokens, num_cached_tokens=details.get("cached_tokens") or 0,
             num_output_tokens=usage.get("completion_tokens", len(self.token_times)),
             num_preemptions=0, num_recomputed_tokens=0,
+            cached_tokens_by_tier=None, num_swapped_tokens=0,   # not in the OpenAI response: the server's records
             finish_reason=self.finish_reason, error=self.error,
             slo_ttft=None if self.w.ttft_slo_ms is None else self.w.ttft_slo_ms / 1000.0,
             slo_e2el=None if self.w.e2el_slo_ms is None else self.w.e2el_slo_ms / 1000.0,
