@@ -11,7 +11,8 @@ simulation with that profile and acceptance model. The held-out runs are never u
 simulation takes only each request's output length from them (chat requests end at EOS, which only the model
 knows), as ``sim_accuracy.py`` does. Prints, and writes to ``experiments/results/sim_spec_accuracy_<dtype>.md``,
 output throughput and p50 TPOT real against simulated and the error (target: within 15%), with the acceptance
-rate of each. ``--rounds R`` repeats the held-out real runs R times and compares with their mean.
+rate of each. A second simulation replays each held-out request's own recorded acceptance
+(``runner.acceptance=replay``), which isolates the pricing from the acceptance model. ``--rounds R`` repeats the held-out real runs R times and compares with their mean.
 
 Every real run uses one torch thread and ``engine.max_num_seqs=8`` (``this_machine.run_engine``). Run files go
 under ``experiments/results/sim_runs/spec/<dtype>/`` (not tracked); finished runs (with a ``metrics.json``) are
@@ -51,12 +52,12 @@ def real(overrides: list[str], run_dir: Path, dtype: str) -> Path:
     return run_dir
 
 
-def simulate(overrides: list[str], run_dir: Path, dtype: str, profile: Path, acceptance_runs: list[Path],
+def simulate(overrides: list[str], run_dir: Path, dtype: str, profile: Path, acceptance: str, acceptance_run: Path,
              lengths_from: Path) -> Path:
-    """The simulation of one held-out workload: the calibrated profile, acceptance fitted on the calibration
-    runs (the first of them: ``runner.acceptance_run`` takes one run), output lengths from the real run."""
+    """The simulation of one held-out workload: the calibrated profile, ``runner.acceptance=acceptance`` of
+    ``acceptance_run``, output lengths from the real run."""
     command = [sys.executable, "-m", "nanovllm.run", *overrides, "runner=sim", f"runner.profile={profile}",
-               "runner.acceptance=fitted", f"runner.acceptance_run={acceptance_runs[0]}",
+               f"runner.acceptance={acceptance}", f"runner.acceptance_run={acceptance_run}",
                f"runner.output_lengths_from={lengths_from}", "engine.max_num_seqs=8", "progress=false",
                "monitor.calibrate=false", f"engine.dtype={dtype}", f"hydra.run.dir={run_dir}"]
     print("$", " ".join(command[1:]), flush=True)
@@ -105,23 +106,33 @@ def main() -> None:
             overrides = [*CHAT, *spec, *load, "workload.seed=0"]
             reals = [real(overrides, base / f"{method}_{name}_real_r{r}", args.dtype)
                      for r in range(1, args.rounds + 1)]
-            sim = simulate(overrides, base / f"{method}_{name}_sim", args.dtype, profile, [accept_run], reals[0])
-            rows.append((method, name, [metrics(r) for r in reals], metrics(sim)))
+            sim = simulate(overrides, base / f"{method}_{name}_sim", args.dtype, profile, "fitted", accept_run,
+                           reals[0])
+            # The pricing alone: each request's own recorded acceptance (the held-out run's), same profile.
+            replayed = simulate(overrides, base / f"{method}_{name}_sim_replay", args.dtype, profile, "replay",
+                                reals[0], reals[0])
+            rows.append((method, name, [metrics(r) for r in reals], metrics(sim), metrics(replayed)))
     lines = [f"dtype={args.dtype}, chat workload (max_tokens 48), max_num_seqs=8, K=3, policy fixed; held-out "
              f"real runs: workload seed 0, {args.rounds} round(s); calibration and acceptance: seed 1", "",
-             "| proposer | load | metric | real | simulated | error | acceptance real / sim |",
-             "|---|---|---|---|---|---|---|"]
-    worst = 0.0
-    for method, load, reals, sim in rows:
+             "| proposer | load | metric | real | simulated (fitted acceptance) | error | simulated (replayed "
+             "acceptance) | error | acceptance real / fitted / replayed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    worst = {"fitted": 0.0, "replayed": 0.0}
+    for method, load, reals, sim, replayed in rows:
         for label, key in METRICS:
             real_value = statistics.mean(m[key] for m in reals)
-            error = sim[key] / real_value - 1.0
-            worst = max(worst, abs(error))
+            error, error_replayed = sim[key] / real_value - 1.0, replayed[key] / real_value - 1.0
+            worst["fitted"] = max(worst["fitted"], abs(error))
+            worst["replayed"] = max(worst["replayed"], abs(error_replayed))
             accept = (f"{statistics.mean(m['spec_decode_acceptance_rate'] or 0 for m in reals):.2f} / "
-                      f"{sim['spec_decode_acceptance_rate'] or 0:.2f}")
+                      f"{sim['spec_decode_acceptance_rate'] or 0:.2f} / "
+                      f"{replayed['spec_decode_acceptance_rate'] or 0:.2f}")
             lines.append(f"| {method} | {load} | {label} | {real_value:,.1f} | {sim[key]:,.1f} | {error:+.1%} | "
-                         f"{accept} |")
-    lines += ["", f"largest error {worst:.1%} ({'within' if worst <= WITHIN else 'NOT within'} {WITHIN:.0%})"]
+                         f"{replayed[key]:,.1f} | {error_replayed:+.1%} | {accept} |")
+    lines.append("")
+    for kind, value in worst.items():
+        lines.append(f"largest error, {kind} acceptance: {value:.1%} "
+                     f"({'within' if value <= WITHIN else 'NOT within'} {WITHIN:.0%})")
     text = "\n".join(lines)
     print(text)
     (RESULTS / f"sim_spec_accuracy_{args.dtype}.md").write_text(text + "\n")

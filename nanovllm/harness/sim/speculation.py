@@ -23,8 +23,8 @@ with the request id, so a request's draws do not depend on the others):
 * a number in [0, 1]: every request proposes whenever allowed, and a proposal is accepted at that rate per token
   (each position continues the accepted run with one probability ``p``, ``RequestProfile``);
 * ``fitted``: each request draws one real request's profile (``runner.acceptance_run``, a real run with the same
-  proposer) from that run's records: how often it had a proposal when asked, how long its proposals were, and
-  its acceptance rate;
+  proposer) from that run's records, weighted by its decode steps: how often it had a proposal when asked, how
+  long its proposals were, and its acceptance rate;
 * ``replay``: each request takes the profile of the request with the same id in that run (the same workload
   and seed: the run's own requests).
 """
@@ -211,8 +211,9 @@ def continuation_for_rate(rate: float, length: float) -> float:
     return (lo + hi) / 2
 
 
-def request_profiles(run_dir: str | Path) -> dict[str, RequestProfile]:
-    """request_id -> ``RequestProfile`` of every request of a real run that decoded at least once, from its
+def request_profiles(run_dir: str | Path) -> tuple[dict[str, RequestProfile], dict[str, int]]:
+    """request_id -> ``RequestProfile`` of every request of a real run that decoded at least once, and
+    request_id -> its decode steps, from its
     ``requests.jsonl``: a request that emitted ``o`` tokens, ``a`` of them accepted proposals, decoded in
     ``o - 1 - a`` steps; it had proposals in ``num_drafts`` of them, ``num_draft_tokens / num_drafts`` long, and
     ``a / num_draft_tokens`` of its proposed tokens were accepted. ``ValueError`` naming
@@ -221,6 +222,7 @@ def request_profiles(run_dir: str | Path) -> dict[str, RequestProfile]:
     if data.metrics.get("simulated"):
         raise ValueError(f"runner.acceptance_run: {run_dir} is a simulated run; fit acceptance on a real one")
     profiles: dict[str, RequestProfile] = {}
+    decode_steps: dict[str, int] = {}
     for record in data.requests:
         drafts = int(record.get("spec_decode_num_drafts") or 0)
         tokens = int(record.get("spec_decode_num_draft_tokens") or 0)
@@ -232,10 +234,11 @@ def request_profiles(run_dir: str | Path) -> dict[str, RequestProfile]:
         length = tokens / drafts if drafts else None
         profiles[str(record["request_id"])] = RequestProfile(
             min(1.0, drafts / steps), length, continuation_for_rate(rate, length or 1.0))
+        decode_steps[str(record["request_id"])] = steps
     if not any(p.propose_rate > 0 for p in profiles.values()):
         raise ValueError(f"runner.acceptance_run: {run_dir} has no request with proposals (a real run with "
                          "speculative=<the simulated proposer> is needed)")
-    return profiles
+    return profiles, decode_steps
 
 
 def run_method(run_dir: str | Path) -> str | None:
@@ -310,7 +313,7 @@ def build_acceptance(acceptance: Any, run: str | Path | None, seed: Any, method:
     if recorded is not None and recorded != method:
         raise ValueError(f"runner.acceptance_run: {run} used speculative={recorded}, this run {method}; "
                          "acceptance is the proposer's own")
-    profiles = request_profiles(run)
+    profiles, steps = request_profiles(run)
     name = f"{acceptance}:{Path(str(run)).name}"
     if acceptance == "replay":
         def own(request: Request, rng: random.Random) -> RequestProfile:
@@ -320,4 +323,7 @@ def build_acceptance(acceptance: Any, run: str | Path | None, seed: Any, method:
             return profiles[request.request_id]
         return ProfileAcceptance(own, seed, name)
     pool: Sequence[RequestProfile] = [profiles[k] for k in sorted(profiles)]
-    return ProfileAcceptance(lambda request, rng: rng.choice(pool), seed, name)
+    # Weighted by decode steps, so that the simulated steps see the recorded steps' mix (drawn uniformly, a short
+    # request with a lucky rate would count as much as a long one).
+    weights = [steps[k] for k in sorted(profiles)]
+    return ProfileAcceptance(lambda request, rng: rng.choices(pool, weights)[0], seed, name)
