@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from nanovllm.attention.base import AttentionBackend
     from nanovllm.engine.kv_offload import KVOffload
     from nanovllm.outputs import Logprob
+    from nanovllm.proposer import Proposer, ProposerContext
     from nanovllm.request import Request
 
 
@@ -100,6 +101,13 @@ class Runner(abc.ABC):
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (worker processes, connections); idempotent."""
+
+    def stand_in_proposer(self, context: "ProposerContext") -> "Proposer | None":
+        """The proposer to use instead of ``EngineConfig.speculative``'s own, or None (the default: the engine
+        builds the configured one). Called once, in ``LLMEngine.__init__``, when speculation is on. The
+        simulated runner returns one that proposes stand-in tokens as its acceptance model says, so no draft
+        model loads and the speculation policy, the scheduler's budgets and the counters stay the engine's."""
+        return None
 
     def bind_kv_offload(self, offload: "KVOffload") -> None:
         """The engine built KV tiers below the pool (``kv_offload``): called once, in ``LLMEngine.__init__``,

@@ -11,6 +11,15 @@ The step-time model is any callable from a batch's features (``batch_features``:
 and the step's start time to seconds; the harness (``nanovllm.harness.sim``) provides calibrated, analytical,
 replay and token-cost models (``StepTimeModel.predict``).
 
+Speculative decoding (``EngineConfig.speculative``): the engine runs its own ``Speculator``, speculation
+policy and scheduler budgets; only the proposer and the verification are stand-ins. ``stand_in_proposer`` gives
+the engine a ``SimulatedProposer``, which proposes as many tokens as the ``AcceptanceModel`` says the configured
+proposer would (``num_proposed``: an ``ngram`` lookup can find nothing), the stand-in tokens this runner would
+emit one at a time; ``execute`` accepts as many of a row's proposals as the model says (``num_accepted``) and
+returns them with one token of its own, as ``ModelRunner.execute`` returns a verification. The step's features
+carry the proposals (``num_decode_tokens``, ``SPEC_FEATURES``) so the step-time model prices the verify forward
+and the proposer's own work (``nanovllm.harness.sim.speculation``).
+
 KV tiers (``kv_offload``): the engine runs the same tier and offload-policy classes payload-free, and this
 runner charges each step the time of the K/V that moved between the pool and each tier since the last step,
 on that tier's link (``kv_links``: ``hardware.kv_tier_links``, host over PCIe, disk over NVMe, the shared
@@ -22,6 +31,7 @@ step does the same, so no move overlaps compute here either.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
@@ -29,7 +39,9 @@ import torch
 from nanovllm.config import EngineConfig, head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine, PluginSpec, batch_features
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
+from nanovllm.engine.speculative import num_proposed
 from nanovllm.models.loader import resolve_model
+from nanovllm.proposer import Proposer, ProposerContext
 from nanovllm.request import Request
 
 if TYPE_CHECKING:
@@ -37,6 +49,58 @@ if TYPE_CHECKING:
     from nanovllm.outputs import Logprob
 
 StepTimeFn = Callable[[Mapping[str, int], float], float]   # (batch features, step start) -> seconds
+
+# What a simulated step's features add with speculation, under the names of the step record's counters (so a
+# profile fitted on real steps.jsonl reads them alike): rows that verified proposals, proposed tokens verified,
+# and the most proposed for one row (a draft model's forwards that step; a real record's length of
+# ``spec_decode_num_accepted_tokens_per_pos``).
+SPEC_FEATURES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_max_proposed")
+
+
+class AcceptanceModel(abc.ABC):
+    """How a simulated proposer and verification behave, per request: how many tokens the configured proposer
+    proposes when allowed ``num_tokens`` (``num_proposed``), and how many of ``num_proposed`` proposals the
+    target accepts (``num_accepted``, a prefix: 0..num_proposed). The harness's models (``runner.acceptance``:
+    a fixed rate, fitted to a real run's records, or replayed from them) live in
+    ``nanovllm.harness.sim.speculation``. Called by the simulated proposer and runner during each step;
+    ``on_finish`` when a request ends."""
+
+    def num_proposed(self, request: Request, num_tokens: int) -> int:
+        """Tokens proposed for ``request`` when up to ``num_tokens`` (>= 1) may be; the base: all of them."""
+        return num_tokens
+
+    @abc.abstractmethod
+    def num_accepted(self, request: Request, num_proposed: int) -> int:
+        """Of ``num_proposed`` (>= 1) proposals verified for ``request``, how many the target accepts."""
+
+    def on_finish(self, request: Request) -> None:
+        """``request`` ended; forget whatever was kept for it."""
+
+    def describe(self) -> str:
+        """What the run's ``metrics.json`` says under ``acceptance_model``."""
+        return type(self).__name__
+
+
+class SimulatedProposer(Proposer):
+    """The configured proposer's stand-in in a simulated run: proposes the tokens the simulated runner would emit
+    next, as many as the acceptance model says the real proposer would; its ``registered_name`` is the configured
+    method's, so errors and records name it."""
+
+    def __init__(self, context: ProposerContext, runner: "SimulatedRunner", acceptance: AcceptanceModel) -> None:
+        super().__init__(context)
+        assert context.config.speculative is not None
+        self.registered_name = str(context.config.speculative["method"])
+        self.runner, self.acceptance = runner, acceptance
+
+    def propose_one(self, request: Request, num_tokens: int) -> list[int]:
+        count = self.acceptance.num_proposed(request, num_tokens)
+        if not isinstance(count, int) or not 0 <= count <= num_tokens:
+            raise ValueError(f"acceptance model {self.acceptance.describe()}: num_proposed must be in "
+                             f"[0, {num_tokens}], got {count!r}")
+        return self.runner.stand_in_tokens(request, count)
+
+    def on_finish(self, request: Request) -> None:
+        self.acceptance.on_finish(request)
 
 
 class VirtualClock:
@@ -67,15 +131,18 @@ class SimulatedRunner(Runner):
     virtual (``VirtualClock``) and is the engine's."""
 
     loads_model = False
+    supports_speculation = True   # verification is simulated by the acceptance model (``acceptance``)
     clock: VirtualClock  # a VirtualClock of its own, set in __init__
 
     def __init__(self, context: RunnerContext, step_time: StepTimeFn,
                  target_len: Callable[[Request], int] | None = None,
-                 kv_links: Mapping[str, Mapping[str, float]] | None = None) -> None:
+                 kv_links: Mapping[str, Mapping[str, float]] | None = None,
+                 acceptance: AcceptanceModel | None = None) -> None:
         """``step_time(features, now)``: the seconds a step with these batch features, starting at ``now``,
         takes. ``target_len(request)``: the output length at which the request ends (default ``max_tokens``).
         ``kv_links``: tier name -> ``{bandwidth, latency}`` (``hardware.kv_tier_links``); None: moves between
-        KV tiers take no simulated time."""
+        KV tiers take no simulated time. ``acceptance``: how proposals are made and accepted (needed with
+        ``speculative``)."""
         hf_config, config = context.hf_config, context.config
         self.hf_config = hf_config
         self.dtype = torch_dtype(config.dtype)
@@ -92,7 +159,17 @@ class SimulatedRunner(Runner):
         self.block_size = 0
         self.kv_links = {name: dict(link) for name, link in (kv_links or {}).items()}
         self.offload: KVOffload | None = None
+        if acceptance is None and context.config.speculative is not None:
+            raise ValueError("runner.acceptance: simulating speculative decoding needs an acceptance model: "
+                             "runner.acceptance=fitted or replay (with runner.acceptance_run=RUN_DIR, a real run "
+                             "with the same proposer), or a per-token acceptance rate in [0, 1]")
+        self.acceptance = acceptance
         self._moved_seen: dict[str, tuple[float, float]] = {}   # tier -> (bytes loaded, bytes written) charged
+
+    def stand_in_proposer(self, context: ProposerContext) -> Proposer | None:
+        """The ``SimulatedProposer`` of the acceptance model: no draft model loads."""
+        assert self.acceptance is not None   # checked in __init__ when speculation is on
+        return SimulatedProposer(context, self, self.acceptance)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, backend: Any, graphs: Any = None) -> None:
         """Only the geometry: the allocator manages block ids; there is no tensor to fill."""
@@ -138,23 +215,67 @@ class SimulatedRunner(Runner):
         self, scheduled: list[tuple[Request, int]]
     ) -> tuple[list[int | None], list[dict[int, Logprob] | None]]:
         """Advance the clock by the predicted step time (plus the KV tiers' moves: ``tier_seconds``); a
-        stand-in token for every row that samples (and no logprobs: there is no distribution to report), as
-        ``ModelRunner.execute`` returns them."""
-        compute = float(self.step_time(batch_features(scheduled), self.clock.time))
+        stand-in token for every row that samples, or for a row that verified proposals the accepted ones and a
+        token of its own (and no logprobs: there is no distribution to report), as ``ModelRunner.execute``
+        returns them."""
+        features = batch_features(scheduled)
+        drafted = [num_proposed(request, n) for request, n in scheduled]
+        if self.acceptance is not None:
+            features["spec_decode_num_drafts"] = sum(k > 0 for k in drafted)
+            features["spec_decode_num_draft_tokens"] = sum(drafted)
+            features["spec_decode_max_proposed"] = max(drafted, default=0)
+        compute = float(self.step_time(features, self.clock.time))
         self.clock.advance(compute + self.tier_seconds())
-        tokens = [self._token(request) if request.num_computed_tokens + n == request.num_tokens else None
-                  for request, n in scheduled]
+        tokens: list = []
+        for (request, n), k in zip(scheduled, drafted):
+            if request.num_computed_tokens + n < request.num_tokens:
+                tokens.append(None)
+            elif k:
+                tokens.append(self._verify(request, k))
+            else:
+                tokens.append(self._token(request))
         return tokens, [None] * len(tokens)
 
-    def _token(self, request: Request) -> int:
-        # The token about to be appended is output number num_output_tokens + 1. A target below max_tokens
-        # ends with EOS ("stop"); at max_tokens the request ends by length, as a real one would.
+    def _verify(self, request: Request, k: int) -> list[int]:
+        """The tokens verifying ``request``'s first ``k`` proposals emits: the accepted ones, then the runner's
+        own next token (EOS where the request reaches its target length)."""
+        assert self.acceptance is not None
+        accepted = self.acceptance.num_accepted(request, k)
+        if not isinstance(accepted, int) or not 0 <= accepted <= k:
+            raise ValueError(f"acceptance model {self.acceptance.describe()}: num_accepted must be in [0, {k}], "
+                             f"got {accepted!r}")
         target = self.target_len(request)
-        if (request.num_output_tokens + 1 >= target and target < request.max_tokens and request.eos_token_ids
-                and not request.sampling_params.ignore_eos):
+        if target < request.max_tokens:   # the run ends at its target: no accepted token passes it
+            accepted = max(0, min(accepted, target - request.num_output_tokens - 1))
+        emitted = request.spec_token_ids[:accepted]
+        last = emitted[-1] if emitted else request.token_ids[-1]
+        return emitted + [self._token(request, last, accepted)]
+
+    def stand_in_tokens(self, request: Request, count: int) -> list[int]:
+        """The ``count`` tokens this runner would emit next for ``request``, one step at a time (what the
+        simulated proposer proposes, so an accepted run is the output decoding one at a time gives)."""
+        tokens: list[int] = []
+        last = request.token_ids[-1]
+        for j in range(count):
+            last = self._next(last, request.num_tokens + j, request.eos_token_ids)
+            tokens.append(last)
+        return tokens
+
+    def _token(self, request: Request, last: int | None = None, ahead: int = 0) -> int:
+        # The token about to be appended is output number num_output_tokens + ahead + 1 (``ahead``: accepted
+        # proposals appended before it). A target below max_tokens ends with EOS ("stop"); at max_tokens the
+        # request ends by length, as a real one would.
+        target = self.target_len(request)
+        if (request.num_output_tokens + ahead + 1 >= target and target < request.max_tokens
+                and request.eos_token_ids and not request.sampling_params.ignore_eos):
             return min(request.eos_token_ids)
-        token = (request.token_ids[-1] * 31 + request.num_tokens) % self.vocab_size
-        while token in request.eos_token_ids:
+        return self._next(request.token_ids[-1] if last is None else last, request.num_tokens + ahead,
+                          request.eos_token_ids)
+
+    def _next(self, last: int, num_tokens: int, eos_token_ids: Any) -> int:
+        """The deterministic stand-in token after ``last`` at a length of ``num_tokens``: never EOS."""
+        token = (last * 31 + num_tokens) % self.vocab_size
+        while token in eos_token_ids:
             token = (token + 1) % self.vocab_size
         return token
 
@@ -162,13 +283,15 @@ class SimulatedRunner(Runner):
 def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: PluginSpec = "fcfs",
                      allocator: PluginSpec = "paged", attention: PluginSpec = "torch",
                      target_len: Callable[[Request], int] | None = None, tokenizer: Any = None,
-                     hf_config: Any = None, kv_links: Mapping[str, Mapping[str, float]] | None = None) -> LLMEngine:
+                     hf_config: Any = None, kv_links: Mapping[str, Mapping[str, float]] | None = None,
+                     acceptance: AcceptanceModel | None = None) -> LLMEngine:
     """An ``LLMEngine`` with the real scheduler, policy and allocator on a ``SimulatedRunner`` (its virtual
     clock is ``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
     ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
     directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
     default model's tokenizer. ``tokenizer``, ``hf_config``: use these instead of loading them (replicas of a
-    simulated cluster share them). ``kv_links``: the KV tiers' links (``hardware.kv_tier_links``)."""
+    simulated cluster share them). ``kv_links``: the KV tiers' links (``hardware.kv_tier_links``).
+    ``acceptance``: how proposals are made and accepted, with ``config.speculative``."""
     from transformers import AutoTokenizer
 
     if tokenizer is None:
@@ -177,6 +300,7 @@ def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: 
                                                                      "tokenizer.model"))
         # None: LLMEngine loads the model directory's own.
         tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
-    runner = {"name": "sim", "step_time": step_time, "target_len": target_len, "kv_links": kv_links}
+    runner = {"name": "sim", "step_time": step_time, "target_len": target_len, "kv_links": kv_links,
+              "acceptance": acceptance}
     return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
                      tokenizer=tokenizer, hf_config=hf_config)

@@ -67,7 +67,11 @@ class Speculator:
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         assert config.speculative is not None
         self.num_tokens: int = config.speculative["num_speculative_tokens"]
-        self.proposer: Proposer = PROPOSERS.build(proposer_spec(config.speculative), context)
+        # A runner that simulates the model (runner=sim) proposes stand-in tokens instead (Runner.stand_in_proposer).
+        make_stand_in = getattr(context.runner, "stand_in_proposer", None)
+        stand_in = make_stand_in(context) if make_stand_in is not None else None
+        self.proposer: Proposer = stand_in if stand_in is not None else PROPOSERS.build(
+            proposer_spec(config.speculative), context)
         self.policy: SpeculationPolicy = SPEC_POLICIES.build(spec_policy_spec(config.speculative))
         self.vocab_size = context.vocab_size
         self.step_cost = StepCostFit()

@@ -286,6 +286,8 @@ class _StreamState:
             kv_transfer_time=None, kv_arrival_time=None, decode_start_time=None, kv_transfer_failed=False,
             num_retries=0, retried_from=[],
             retry_recomputed_tokens=0,
+            # Not in the OpenAI response either (the server's own records and /metrics carry them).
+            spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0,
         )
 
 

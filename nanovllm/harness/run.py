@@ -207,6 +207,11 @@ def check_config(cfg: DictConfig) -> _Checked:
     if engine.speculative is not None and not RUNNERS.get(runner["name"]).supports_speculation:
         raise ValueError(f"speculative={engine.speculative['method']} needs a runner that verifies proposals; "
                          f"runner={runner['name']} does not (use runner=real)")
+    if engine.speculative is not None and runner["name"] == "sim":   # the acceptance model, before anything loads
+        from nanovllm.harness.sim.speculation import build_acceptance
+
+        build_acceptance(runner.get("acceptance"), runner.get("acceptance_run"), runner.get("acceptance_seed", 0),
+                         str(engine.speculative["method"]), int(engine.speculative["num_speculative_tokens"]))
     if RUNNERS.get(runner["name"]).loads_model:  # a simulated run runs no model and no attention: any device
         _check_device(engine.device)
         check_attention_available(attention, engine.device)

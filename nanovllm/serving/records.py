@@ -63,6 +63,11 @@ class RequestRecord(TypedDict):
     num_retries: int
     retried_from: list[int]
     retry_recomputed_tokens: int
+    # Speculative decoding (0 without it; vLLM's names): steps that verified its proposals, the proposed tokens
+    # verified, and those accepted (what the simulator's acceptance model is fitted to: runner.acceptance).
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -104,6 +109,9 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         num_retries=request.num_retries,
         retried_from=list(request.retried_from),
         retry_recomputed_tokens=request.retry_recomputed_tokens,
+        spec_decode_num_drafts=request.num_drafts,
+        spec_decode_num_draft_tokens=request.num_draft_tokens,
+        spec_decode_num_accepted_tokens=request.num_accepted_tokens,
     )
 
 

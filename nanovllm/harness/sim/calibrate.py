@@ -61,6 +61,7 @@ from scipy.optimize import nnls
 from nanovllm.harness.sim import runs_archive as archives
 from nanovllm.harness.sim import this_machine
 from nanovllm.serving.records import read_config, read_run
+from nanovllm.harness.sim.speculation import SPEC_COST_FEATURES, run_method, spec_features, verify_features
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
     KERNEL_FEATURES,
@@ -75,13 +76,21 @@ KERNEL_SWITCH_CANDIDATES = range(1, 9)
 
 
 def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: dict | None = None,
-                gemv_max_rows: int | None = None, gaps: Sequence[float] = ()) -> dict:
+                gemv_max_rows: int | None = None, gaps: Sequence[float] = (),
+                speculation: str | None = None) -> dict:
     """The profile (a plain dict, as written to YAML) fitted on ``steps``; ``ValueError`` naming the problem.
     ``gemv_max_rows``: also fit ``KERNEL_FEATURES`` with that switch (None: not); ``gaps``: the seconds between
-    back-to-back steps (``step_gaps``), whose mean becomes ``step_gap``."""
+    back-to-back steps (``step_gaps``), whose mean becomes ``step_gap``. ``speculation``: the proposer of runs
+    with speculative decoding: each step is fitted on ``speculation.verify_features`` (proposals as prompt-like
+    rows) plus ``SPEC_COST_FEATURES`` (the proposer's own work), whose coefficients go to the profile's
+    ``speculation`` section."""
     if len(steps) < MIN_STEPS:
         raise ValueError(f"calibration needs at least {MIN_STEPS} steps, got {len(steps)} {source}".rstrip())
-    names = CALIBRATION_FEATURES + (KERNEL_FEATURES if gemv_max_rows is not None else ())
+    if speculation is not None:
+        steps = [{**verify_features(spec_features(s)), **{f: spec_features(s)[f] for f in SPEC_COST_FEATURES}}
+                 for s in steps]
+    names = (CALIBRATION_FEATURES + (KERNEL_FEATURES if gemv_max_rows is not None else ())
+             + (SPEC_COST_FEATURES if speculation is not None else ()))
     rows = [with_kernel_features(s, gemv_max_rows) for s in steps]
     features = np.array([[float(s[f]) for f in names] for s in rows])
     for j, name in enumerate(CALIBRATION_FEATURES):
@@ -103,6 +112,9 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
     residual = float(np.sum((durations - predicted) ** 2))
     total = float(np.sum((durations - durations.mean()) ** 2)) or 1.0
     kernel_split = {} if gemv_max_rows is None else {"gemv_max_rows": int(gemv_max_rows)}
+    fitted = {name: float(c) for name, c in zip(names, coefficients[1:])}
+    spec_section = {} if speculation is None else {"speculation": {
+        "method": speculation, "coefficients": {name: fitted.pop(name) for name in SPEC_COST_FEATURES}}}
     return {
         "step_time": "calibrated",
         **(metadata or {}),
@@ -110,7 +122,8 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
         **kernel_split,
         "step_gap": float(np.mean(gaps)) if len(gaps) else 0.0,
         "intercept": float(coefficients[0]),
-        "coefficients": {name: float(c) for name, c in zip(names, coefficients[1:])},
+        "coefficients": fitted,
+        **spec_section,
         "feature_range": {name: [float(features[:, j].min()), float(features[:, j].max())]
                           for j, name in enumerate(names)},
         "fit": {"r2": 1.0 - residual / total, "median_abs_rel_error": float(np.median(relative)),
@@ -174,7 +187,8 @@ def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
     return "fit"
 
 
-def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = ()) -> int | None:
+def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = (),
+                         speculation: str | None = None) -> int | None:
     """The row count up to which the steps' matmuls look like one kernel and above it another: the candidate
     (``KERNEL_SWITCH_CANDIDATES``) whose fit leaves the least squared error, or None when even that one does not
     beat the fit without a switch by the Bayesian information criterion (``n ln(RSS) + k ln(n)``: the switch
@@ -184,7 +198,8 @@ def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] 
     total = float(np.sum((durations - durations.mean()) ** 2))
 
     def squared_error(gemv_max_rows: int | None) -> float:
-        return (1.0 - fit_profile(steps, gemv_max_rows=gemv_max_rows, gaps=gaps)["fit"]["r2"]) * total
+        fit = fit_profile(steps, gemv_max_rows=gemv_max_rows, gaps=gaps, speculation=speculation)["fit"]
+        return (1.0 - fit["r2"]) * total
 
     without = squared_error(None)
     if without <= 1e-12 * total:  # already exact: nothing left for a switch to explain
@@ -239,13 +254,19 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     metadata.update(runs=runs, command=command or "")
     if runs_archive:
         metadata[archives.KEY] = {"file": runs_archive["file"], "sha256": runs_archive["sha256"]}
+    methods = sorted({str(run_method(run_dir)) for run_dir in run_dirs})
+    if len(methods) > 1:
+        raise ValueError(f"calibration: the runs use different speculative proposers ({', '.join(methods)}); a "
+                         "profile prices one, so calibrate each from its own runs")
+    speculation = None if methods == ["None"] else methods[0]
     if gemv_max_rows == "auto":
         gemv_max_rows = default_gemv_max_rows(setups, machines)
     if gemv_max_rows == "fit":
-        gemv_max_rows = fitted_kernel_switch(steps, gaps)
+        gemv_max_rows = fitted_kernel_switch(steps, gaps, speculation)
         metadata["kernel_switch"] = "fitted from the steps" if gemv_max_rows else "none (BIC)"
     profile = fit_profile(steps, source=f"in {len(run_dirs)} run(s)", metadata=metadata,
-                          gemv_max_rows=int(gemv_max_rows) if gemv_max_rows else None, gaps=gaps)
+                          gemv_max_rows=int(gemv_max_rows) if gemv_max_rows else None, gaps=gaps,
+                          speculation=speculation)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")
     return profile

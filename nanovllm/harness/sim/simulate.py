@@ -24,6 +24,13 @@ from nanovllm.engine.engine import PluginSpec
 from nanovllm.engine.sim_runner import simulated_engine
 from nanovllm.harness.serving import RunResult, ServedEngine
 from nanovllm.harness.sim.hardware import Hardware
+from nanovllm.harness.sim.speculation import (
+    ProposerCost,
+    SpeculativeStepTime,
+    analytical_cost,
+    build_acceptance,
+    calibrated_cost,
+)
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS, CalibratedStepTime, StepTimeModel
 from nanovllm.models.loader import resolve_model
 from nanovllm.request import Request
@@ -32,7 +39,10 @@ from nanovllm.serving.records import read_run
 
 # The runner keys of conf/runner/sim.yaml, and those only the token_cost step-time model reads.
 TOKEN_COST_KEYS = ("step_overhead", "time_per_token")
-SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", *TOKEN_COST_KEYS)
+# Simulated speculation (nanovllm.harness.sim.speculation): the acceptance model and its inputs.
+ACCEPTANCE_KEYS = ("acceptance", "acceptance_run", "acceptance_seed")
+SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", *TOKEN_COST_KEYS,
+                   *ACCEPTANCE_KEYS)
 
 
 def output_lengths_of(run_dir: str | Path) -> dict[str, int]:
@@ -52,14 +62,19 @@ class Simulation(ServedEngine):
     def build(cls, config: EngineConfig, step_time: str | Mapping[str, Any], *, scheduler: PluginSpec = "fcfs",
               allocator: PluginSpec = "paged", attention: PluginSpec = "torch", profile: str | None = None,
               replay_run: str | None = None, hardware: Hardware | None = None,
-              output_lengths: Mapping[str, int] | None = None) -> "Simulation":
+              output_lengths: Mapping[str, int] | None = None, acceptance: Any = None,
+              acceptance_run: str | None = None, acceptance_seed: int = 0) -> "Simulation":
         """Build the engine around the step-time model ``step_time``: a registered name (``STEP_TIME_MODELS``)
         or ``{"name": ..., **options}`` (``{"name": "token_cost", "step_overhead": 1, "time_per_token": 0}``
         counts engine steps). ``output_lengths``: request_id ->
         target output length (others stop at ``max_tokens``); a replay takes them from its run by default.
         With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``, the KV cache gets the memory the
         weights leave (an error naming ``hardware.memory_bytes`` when they do not fit). A ``calibrated`` profile
-        measured on another machine says so in one warning, logged (``machine_warning``)."""
+        measured on another machine says so in one warning, logged (``machine_warning``). With
+        ``config.speculative``: ``acceptance`` (a rate, ``fitted`` or ``replay``), ``acceptance_run`` and
+        ``acceptance_seed`` are ``runner.acceptance*`` (``speculation.build_acceptance``), and the step-time model
+        prices proposals and the proposer (``speculation.SpeculativeStepTime``; ``replay`` replays the recorded
+        steps, proposer included)."""
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
@@ -78,9 +93,16 @@ class Simulation(ServedEngine):
             logging.getLogger(__name__).warning(warning)
         if output_lengths is None and replay_run:
             output_lengths = output_lengths_of(replay_run)
+        accepting = None
+        if config.speculative is not None:
+            model = _speculative_model(model, options["name"], config, hf_config, cost, hardware)
+            accepting = build_acceptance(acceptance, acceptance_run, acceptance_seed,
+                                         str(config.speculative["method"]),
+                                         int(config.speculative["num_speculative_tokens"]))
         engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
                                   attention=attention, target_len=_target_len(output_lengths),
-                                  kv_links=hardware.kv_tier_links if hardware is not None else None)
+                                  kv_links=hardware.kv_tier_links if hardware is not None else None,
+                                  acceptance=accepting)
         return cls(engine, engine.runner.clock, cost, model, hardware)
 
     def replica(self, config: EngineConfig, **plugins: PluginSpec) -> "Simulation":
@@ -91,7 +113,7 @@ class Simulation(ServedEngine):
                                   target_len=self.engine.runner.target_len, tokenizer=self.engine.tokenizer,
                                   hf_config=self.engine.hf_config,
                                   kv_links=self.hardware.kv_tier_links if self.hardware is not None else None,
-                                  **plugins)
+                                  acceptance=self.engine.runner.acceptance, **plugins)
         return type(self)(engine, engine.runner.clock, self.cost, self.model, self.hardware)
 
     @classmethod
@@ -104,13 +126,18 @@ class Simulation(ServedEngine):
         return cls.build(
             config, step_time, profile=runner.get("profile"), replay_run=runner.get("replay_run"),
             hardware=Hardware.from_config(hardware) if hardware is not None else None,
-            output_lengths=output_lengths_of(lengths_run) if lengths_run else None, **plugins,
+            output_lengths=output_lengths_of(lengths_run) if lengths_run else None,
+            acceptance=runner.get("acceptance"), acceptance_run=runner.get("acceptance_run"),
+            acceptance_seed=runner.get("acceptance_seed") if runner.get("acceptance_seed") is not None else 0,
+            **plugins,
         )
 
     @property
     def annotations(self) -> dict[str, Any]:
         """What ``metrics.json`` gains: that the run was simulated, and with which step-time model."""
-        return {"simulated": True, "step_time_model": self.model.describe()}
+        acceptance = self.engine.runner.acceptance
+        return {"simulated": True, "step_time_model": self.model.describe(),
+                **({"acceptance_model": acceptance.describe()} if acceptance is not None else {})}
 
     def monitor_config(self, configured: MonitorConfig) -> MonitorConfig:
         """MFU/MBU peaks: the hardware's when simulating one; none for a step-time model whose seconds are no
@@ -137,6 +164,24 @@ def _kv_sized(config: EngineConfig, cost: ModelCost, hardware: Hardware | None) 
     if config.num_kv_blocks is None and config.kv_cache_memory is None:
         return dataclasses.replace(config, kv_cache_memory=kv_bytes)
     return config
+
+
+def _speculative_model(model: StepTimeModel, name: str, config: EngineConfig, hf_config: Any, cost: ModelCost,
+                       hardware: Hardware | None) -> StepTimeModel:
+    """``model`` made to price steps with proposals and the proposer's own work (``SpeculativeStepTime``): a
+    calibrated profile's ``speculation`` section, the analytical roofline of the draft model (or the target's
+    early layers) for ``analytical``/``profiled``, nothing for ``token_cost``; ``replay`` as it is (its recorded
+    steps took what they took, proposer included)."""
+    assert config.speculative is not None
+    if name == "replay":
+        return model
+    if isinstance(model, CalibratedStepTime):
+        proposer = calibrated_cost(model.profile, model.path, str(config.speculative["method"]))
+    elif name in ("analytical", "profiled"):
+        proposer = analytical_cost(config.speculative, hf_config, cost, hardware, config.dtype)
+    else:
+        proposer = ProposerCost()
+    return SpeculativeStepTime(model, proposer)
 
 
 def _target_len(output_lengths: Mapping[str, int] | None):
