@@ -96,6 +96,7 @@ SLOW = {
         "a script that starts tensor-parallel workers, in a subprocess",
     # a browser
     "test_live.py::test_watch_a_real_run_in_headless_chromium": "headless Chromium",
+    "test_live.py::test_watch_speculative_decoding_in_headless_chromium": "headless Chromium",
 }
 
 # Programs a fast test may start: the C++ toolchain that builds the kernels on a fresh machine, and fontconfig's

@@ -5,6 +5,7 @@ logger), and a real run with ``live=web`` watched in headless Chromium as a pers
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -20,12 +21,16 @@ from rich.console import Console
 from helpers import REPO, request_record
 from nanovllm.harness.live.config import LiveConfig
 from nanovllm.harness.live.feed import (
+    EngineSizes,
     NotARunError,
     RunFeed,
+    SpecTotals,
     block_map,
     check_run_dir,
     gantt_rows,
     latency_table,
+    spec_columns,
+    speculating,
     step_columns,
 )
 from nanovllm.harness.live.launch import LiveSession, NeverFails, _start_dashboard, free_port
@@ -140,6 +145,102 @@ def test_dashboard_scrubs_back_and_follows_again(run_dir: Path) -> None:
     (run_dir / "metrics.json").write_text("{}")
     view.update()
     assert "nv-state'>finished" in view.header.text and "steps.jsonl end with an incomplete line" in view.notice.text
+
+
+# -- speculative decoding's charts ---------------------------------------------------------------------------------
+
+def _spec_step(i: int, drafts: int, proposed: int, per_pos: list[int]) -> dict:
+    """A decode step of two requests that verified ``drafts`` proposals of ``proposed`` tokens in all,
+    ``per_pos[i]`` of them accepted at position i (accepted runs are prefixes, so the counts never grow)."""
+    return {**_step(i, running=2, waiting=0, used=4), "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": proposed, "spec_decode_num_accepted_tokens": sum(per_pos),
+            "spec_decode_num_accepted_tokens_per_pos": per_pos}
+
+
+def _spec_run(tmp_path: Path, steps: list[dict], k: int | None) -> Path:
+    writer = RunWriter(tmp_path / "run", {"engine": {"max_num_seqs": 4}, "workload": {"num_requests": 2},
+                                          "speculative": {"method": "ngram" if k else None, "num_tokens": k}})
+    for step in steps:
+        writer.write_step(step)
+    writer.close()
+    return tmp_path / "run"
+
+
+def test_spec_columns_roll_acceptance_over_the_window() -> None:
+    # 0.1 s steps: steps 0-4 accept everything (2 drafts of 3 tokens each), steps 5-9 accept nothing.
+    steps = [_spec_step(i, 2, 6, [2, 2, 2]) for i in range(5)] + [_spec_step(i, 2, 6, []) for i in range(5, 10)]
+    columns = spec_columns(steps, window=0.15)   # a row: the steps that ended in the last 0.15 s (two)
+    assert columns["proposed"] == [6] * 10 and columns["accepted"] == [6] * 5 + [0] * 5
+    assert columns["acceptance_rate"][:5] == [1.0] * 5 and columns["mean_accepted_length"][0] == 4.0
+    assert columns["acceptance_rate"][5] == pytest.approx(0.5)   # steps 4 and 5: 6 of 12
+    assert columns["acceptance_rate"][6:] == [0.0] * 4 and columns["mean_accepted_length"][9] == 1.0
+    # The same rows computed in two pieces, the first piece as history, as the dashboard streams them.
+    later = spec_columns(steps[6:], history=steps[:6], window=0.15)
+    assert later == {name: values[6:] for name, values in columns.items()}
+    # A window in which nothing was proposed is a gap (NaN), not a zero acceptance.
+    idle = spec_columns([_spec_step(0, 0, 0, []), _step(1, running=1, waiting=0, used=1)], window=0.05)
+    assert all(math.isnan(v) for v in idle["acceptance_rate"] + idle["mean_accepted_length"])
+
+
+def test_spec_totals_per_position_and_when_the_charts_show() -> None:
+    totals = SpecTotals()
+    totals.add([_spec_step(0, 2, 6, [2, 1]), _spec_step(1, 2, 6, [1]), _step(2, running=1, waiting=0, used=1)])
+    assert (totals.drafts, totals.proposed, totals.accepted) == (4, 12, 4)
+    assert totals.positions(3) == {"position": [1, 2, 3], "accepted": [3, 1, 0], "drafts": [4, 4, 4],
+                                   "rate": [0.75, 0.25, 0.0]}
+    assert totals.positions()["position"] == [1, 2]   # K unknown: the positions seen so far
+    assert SpecTotals().positions(2)["rate"] == [0.0, 0.0]
+    assert speculating([], EngineSizes(num_speculative_tokens=3))
+    assert speculating([_spec_step(0, 1, 3, [])], EngineSizes())   # proposals, even if none accepted
+    assert not speculating([_spec_step(0, 0, 0, []), _step(1, 1, 0, 1)], EngineSizes())
+
+
+def test_spec_sizes_come_from_the_run_config(tmp_path: Path) -> None:
+    assert EngineSizes.read(_spec_run(tmp_path / "on", [], k=4)).num_speculative_tokens == 4
+    assert EngineSizes.read(_spec_run(tmp_path / "off", [], k=None)).num_speculative_tokens is None
+
+
+def test_dashboard_shows_speculation_only_when_on_and_keeps_a_bounded_window(tmp_path: Path, monkeypatch) -> None:
+    from nanovllm.harness.live import web
+
+    off = web.RunDashboard(_spec_run(tmp_path / "off", [_spec_step(i, 0, 0, []) for i in range(5)], k=None))
+    off.layout()
+    off.update()
+    assert not off.spec_section.visible and off.spec_src.data["t"] == []
+
+    monkeypatch.setattr(web, "SPEC_ROLLOVER", 8)
+    steps = [_spec_step(i, 2, 6, [2, 1]) for i in range(12)]
+    run = _spec_run(tmp_path / "on", steps[:10], k=3)
+    view = web.RunDashboard(run)
+    view.layout()
+    view.update()
+    assert view.spec_section.visible
+    assert view.spec_src.data["step"] == list(range(2, 10))   # the latest 8 of 10 steps
+    assert view.position_src.data["rate"] == [1.0, 0.5, 0.0]   # over all 10 steps, whatever the window kept
+    assert "nv-proposed'>60<" in view.spec_header.text and "nv-acceptance'>0.50<" in view.spec_header.text
+    assert "nv-accepted-length'>2.50<" in view.spec_header.text and "(K = 3)" in view.spec_header.text
+    with open(run / "steps.jsonl", "a") as f:   # the run goes on: two more steps stream in, two scroll out
+        f.writelines(json.dumps(s) + "\n" for s in steps[10:])
+    view.update()
+    assert view.spec_src.data["step"] == list(range(4, 12)) and "nv-proposed'>72<" in view.spec_header.text
+    view._on_scrub("value_throttled", 1.2, 0.45)   # back to t = 0.45: steps 0-3
+    assert view.spec_src.data["step"] == [0, 1, 2, 3] and view.position_src.data["accepted"] == [8, 4, 0]
+    view._on_follow()
+    assert view.spec_src.data["step"][-1] == 11 and view.position_src.data["accepted"] == [24, 12, 0]
+
+    # A replayed run with no config: the rows appear with the first step that proposed something.
+    quiet = [_spec_step(i, 0, 0, []) for i in range(3)]
+    bare = tmp_path / "bare" / "run"
+    bare.mkdir(parents=True)
+    (bare / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in quiet))
+    view = web.RunDashboard(bare)
+    view.layout()
+    view.update()
+    assert not view.spec_section.visible
+    with open(bare / "steps.jsonl", "a") as f:
+        f.write(json.dumps(_spec_step(3, 1, 3, [1])) + "\n")
+    view.update()
+    assert view.spec_section.visible and view.spec_src.data["step"] == [0, 1, 2, 3]   # earlier steps drawn too
 
 
 def test_sweep_view_lists_jobs_and_their_cdfs(run_dir: Path, tmp_path: Path) -> None:
@@ -276,6 +377,7 @@ def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
             second = read()
             assert second[0] > first[0] and second[1] > first[1], (first, second)
             assert page.locator("canvas").count() >= 6  # the time series, the Gantt and the block map drew
+            assert not page.locator(".nv-proposed").is_visible()  # no speculation: no speculation charts
             assert page.locator(".bk-data-table").count() >= 1 or page.locator("text=p50 ttft").count() >= 1
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # kept in pytest's tmp dir
             browser.close()  # the browser goes away mid-run: the run must not care
@@ -284,6 +386,65 @@ def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
         metrics = json.loads((run_dir / "metrics.json").read_text())
         assert metrics["completed"] == 16
         assert (run_dir / "blocks.jsonl").stat().st_size > 0 and (tmp_path / "dashboard.png").stat().st_size > 10_000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (apt-get install -y chromium)")
+def test_watch_speculative_decoding_in_headless_chromium(tmp_path: Path) -> None:
+    """A real run with n-gram speculation: the speculation charts draw, and their counts grow while it runs."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # Readable text prompts give the n-gram proposer suffixes to match; arrivals spread over ~45 s, so the run
+    # (and its dashboard, which closes with it) is still going while the page loads and is read twice.
+    command = [sys.executable, "-m", "nanovllm.run", "live=web", "live.port=0", "speculative=ngram",
+               "workload=synthetic", "workload.num_requests=24", "workload.request_rate=0.5",
+               "workload.prompt_kind=text", "workload.input_len.kind=fixed", "workload.input_len.mean=48",
+               "workload.output_len.kind=fixed", "workload.output_len.mean=24", "engine.num_kv_blocks=32",
+               "engine.max_model_len=512", "monitor.calibrate=false", "progress=false", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            match = re.match(r"live dashboard: (http://\S+)", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url is not None, f"no dashboard URL printed; stderr:\n{proc.stderr.read()[-3000:]}"
+        with playwright.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 2000})
+            for _ in range(60):  # the dashboard process may still be importing bokeh
+                try:
+                    page.goto(url)
+                    break
+                except playwright.Error:
+                    time.sleep(1)
+            page.wait_for_selector(".nv-step", timeout=120_000)
+            page.wait_for_selector(".nv-proposed", state="visible", timeout=120_000)
+
+            def read() -> int:
+                return int(page.locator(".nv-proposed").inner_text())
+
+            first = read()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and read() <= first:
+                time.sleep(1)
+            assert read() > first, first
+            acceptance = page.locator(".nv-acceptance").inner_text()
+            assert 0.0 <= float(acceptance) <= 1.0
+            assert float(page.locator(".nv-accepted-length").inner_text()) >= 1.0
+            assert page.locator("canvas").count() >= 10  # the six run charts and the four speculation charts
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # kept in pytest's tmp dir
+            browser.close()
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert metrics["completed"] == 24 and metrics["spec_decode_num_draft_tokens"] > 0
+        assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     finally:
         if proc.poll() is None:
             proc.kill()

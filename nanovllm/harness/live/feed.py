@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,6 +64,7 @@ class EngineSizes:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_requests: int | None = None
+    num_speculative_tokens: int | None = None   # K when speculative decoding is on, else None
 
     @classmethod
     def read(cls, run_dir: Path) -> "EngineSizes":
@@ -75,7 +77,9 @@ class EngineSizes:
                 engine = data.get("engine") or {}
                 workload = data.get("workload") or {}
                 replicas = (data.get("cluster") or {}).get("replicas") or 1
-                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests")}
+                spec = data.get("speculative") or {}
+                data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests"),
+                        "num_speculative_tokens": spec.get("num_tokens") if spec.get("method") else None}
                 for key in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):  # a cluster's: totals
                     if isinstance(data.get(key), int):
                         data[key] *= replicas
@@ -218,6 +222,78 @@ def replica_columns(steps: Sequence[dict]) -> dict[int, dict[str, list]]:
                             ("kv_usage", s["kv_blocks_used"] / total if total else 0.0)):
             mine[name].append(value)
     return columns
+
+
+SPEC_COLUMNS = ("t", "step", "drafts", "proposed", "accepted", "acceptance_rate", "mean_accepted_length")
+
+
+def speculating(steps: Sequence[dict], sizes: EngineSizes) -> bool:
+    """Whether the run decodes speculatively: its sizes say so (``engine.json`` or ``config.json``), or a step
+    proposed something (a replayed run that has neither file)."""
+    return bool(sizes.num_speculative_tokens) or any(s.get("spec_decode_num_draft_tokens") for s in steps)
+
+
+def spec_columns(steps: Sequence[dict], history: Sequence[dict] = (), window: float = 5.0) -> dict[str, list]:
+    """One row per step for the speculation charts: the step's verifications (``drafts``), proposed and
+    accepted tokens, and over the last ``window`` seconds (``history``: the steps before these, as for
+    ``step_columns``) the acceptance rate (accepted / proposed tokens) and mean accepted length (1 + accepted /
+    drafts, vLLM's). NaN (a gap in the line) when nothing was proposed in the window. Steps recorded before the
+    counters existed count as proposing nothing."""
+    every = list(history) + list(steps)
+    ends = [step_end(s) for s in every]
+    sums = [(0, 0, 0)]   # cumulative (drafts, proposed, accepted)
+    for s in every:
+        d, p, a = sums[-1]
+        sums.append((d + s.get("spec_decode_num_drafts", 0), p + s.get("spec_decode_num_draft_tokens", 0),
+                     a + s.get("spec_decode_num_accepted_tokens", 0)))
+    columns: dict[str, list] = {name: [] for name in SPEC_COLUMNS}
+    for offset, s in enumerate(steps, start=len(history)):
+        t = ends[offset]
+        start = bisect.bisect_left(ends, t - window, 0, offset + 1)
+        drafts, proposed, accepted = (now - then for now, then in zip(sums[offset + 1], sums[start]))
+        row = {"t": t, "step": s["step"], "drafts": s.get("spec_decode_num_drafts", 0),
+               "proposed": s.get("spec_decode_num_draft_tokens", 0),
+               "accepted": s.get("spec_decode_num_accepted_tokens", 0),
+               "acceptance_rate": accepted / proposed if proposed else math.nan,
+               "mean_accepted_length": 1.0 + accepted / drafts if drafts else math.nan}
+        for name in SPEC_COLUMNS:
+            columns[name].append(row[name])
+    return columns
+
+
+POSITION_COLUMNS = ("position", "accepted", "drafts", "rate")
+
+
+@dataclass
+class SpecTotals:
+    """Speculation counts summed over the steps added so far (a few integers, whatever the run's length): what
+    the per-position chart draws. ``add`` takes steps in order; the dashboard adds new steps as they arrive
+    and starts a fresh one when the slider goes back."""
+
+    drafts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def add(self, steps: Sequence[dict]) -> None:
+        for s in steps:
+            self.drafts += s.get("spec_decode_num_drafts", 0)
+            self.proposed += s.get("spec_decode_num_draft_tokens", 0)
+            self.accepted += s.get("spec_decode_num_accepted_tokens", 0)
+            counts = s.get("spec_decode_num_accepted_tokens_per_pos", [])
+            self.per_pos.extend([0] * (len(counts) - len(self.per_pos)))
+            for position, count in enumerate(counts):
+                self.per_pos[position] += count
+
+    def positions(self, num_tokens: int | None = None) -> dict[str, list]:
+        """Per proposal position (1 = the first proposed token; ``num_tokens``: K, so positions never accepted
+        still show): accepted proposals and their rate per verification, vLLM's per-position acceptance
+        (accepted at i / drafts). With a policy that varies K, fewer drafts reach the later positions than
+        the rate's denominator counts."""
+        count = max(len(self.per_pos), num_tokens or 0)
+        accepted = self.per_pos + [0] * (count - len(self.per_pos))
+        return {"position": list(range(1, count + 1)), "accepted": accepted, "drafts": [self.drafts] * count,
+                "rate": [a / self.drafts if self.drafts else 0.0 for a in accepted]}
 
 
 GANTT_COLUMNS = ("row", "start", "end", "phase", "request_id", "priority", "client", "prompt_tokens",

@@ -74,6 +74,7 @@ def engine_info(engine: LLMEngine, num_requests: int) -> dict[str, Any]:
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_requests": num_requests,
+        "num_speculative_tokens": (config.speculative or {}).get("num_speculative_tokens"),  # None: off
     }
 
 
@@ -123,6 +124,7 @@ def cluster_info(cluster: Any, num_requests: int) -> dict[str, Any]:
         "max_num_seqs": sum(r["max_num_seqs"] for r in replicas),
         "max_num_batched_tokens": sum(r["max_num_batched_tokens"] for r in replicas),
         "num_requests": num_requests,
+        "num_speculative_tokens": (cluster.config.speculative or {}).get("num_speculative_tokens"),
         "replicas": replicas,
     }
 

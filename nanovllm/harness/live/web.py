@@ -11,6 +11,11 @@ block map, the Gantt rows and the latency table are recomputed for that time), a
 
 A cluster's run (steps that carry ``replica``) adds a row of per-replica charts: each replica's running
 requests and KV usage, one line a replica; the batch and KV charts above show the sums over replicas.
+
+A run that decodes speculatively (``speculative=...``) adds two rows: the acceptance rate and the mean accepted
+length over a rolling window, proposed and accepted tokens per step, and the acceptance per proposal position
+so far. Their per-step source keeps the last ``SPEC_ROLLOVER`` steps (older ones scroll out), so a long run
+costs the browser a bounded amount; the per-position counts are a few running sums.
 """
 
 from __future__ import annotations
@@ -46,20 +51,31 @@ from nanovllm.harness.live.feed import (
     GANTT_COLUMNS,
     LATENCY_COLUMNS,
     PHASES,
+    POSITION_COLUMNS,
     REPLICA_COLUMNS,
+    SPEC_COLUMNS,
     STEP_COLUMNS,
     RunFeed,
+    SpecTotals,
     block_map,
     check_run_dir,
     gantt_rows,
     latency_table,
     replica_columns,
+    spec_columns,
+    speculating,
     step_columns,
     sweep_runs,
 )
 
 PHASE_COLORS = ("#bbbbbb", "#e4572e", "#4c72b0", "#f2a900", "#59a14f", "#222222")
 WIDTH = 640
+#: Steps the speculation charts keep in the browser (and in their source): the latest, older ones scroll out.
+SPEC_ROLLOVER = 2000
+#: Seconds over which the acceptance rate and mean accepted length are computed, from at most the
+#: ``SPEC_HISTORY`` steps before the new ones (a window of very short steps is cut there).
+SPEC_WINDOW = 5.0
+SPEC_HISTORY = 2000
 
 
 def _empty(names: tuple[str, ...]) -> dict[str, list]:
@@ -92,6 +108,10 @@ class RunDashboard:
         self.follow_button = Button(label="follow live", width=120, button_type="primary")
         self.cursors: list[Span] = []
         self.replica_srcs: dict[int, ColumnDataSource] = {}   # a cluster's replicas, as their steps appear
+        self.spec_src = ColumnDataSource(_empty(SPEC_COLUMNS))
+        self.position_src = ColumnDataSource(_empty(POSITION_COLUMNS))
+        self.spec_totals = SpecTotals()   # over the steps shown: the per-position chart and the spec header
+        self.spec_header = Div(text="", width=2 * WIDTH)
         self._shown_steps = 0
         self._rows_key: tuple = ()
         self.moment = 0.0  # the time shown while not following
@@ -104,7 +124,7 @@ class RunDashboard:
         return column(
             self.header, self.notice, row(self.slider, self.follow_button),
             row(charts[0], charts[1]), row(charts[2], charts[3]),
-            self._replica_charts(),
+            self._replica_charts(), self._spec_charts(),
             row(self._gantt_chart(), column(self._block_chart(), self._latency_table())),
         )
 
@@ -116,6 +136,70 @@ class RunDashboard:
             self._cursor(fig)
         self.replica_row = row(self.replica_batch, self.replica_kv, visible=False)  # shown for a cluster
         return self.replica_row
+
+    def _spec_charts(self):
+        """The speculation rows, hidden until the run is known to speculate (``speculating``)."""
+        rate = _time_figure(f"speculation: acceptance rate ({SPEC_WINDOW:g} s window)", "accepted / proposed",
+                            y_range=(0, 1.05))
+        rate.line("t", "acceptance_rate", source=self.spec_src, color=PHASE_COLORS[4], line_width=2)
+        rate.add_tools(HoverTool(tooltips=[("t", "@t{0.00} s"), ("acceptance", "@acceptance_rate{0.00}")],
+                                 mode="vline"))
+        length = _time_figure(f"speculation: mean accepted length ({SPEC_WINDOW:g} s window)",
+                              "tokens / verification")
+        length.line("t", "mean_accepted_length", source=self.spec_src, color=PHASE_COLORS[2], line_width=2)
+        length.add_tools(HoverTool(tooltips=[("t", "@t{0.00} s"), ("mean accepted length",
+                                                                   "@mean_accepted_length{0.00}")], mode="vline"))
+        tokens = _time_figure("speculation: proposed vs accepted tokens per step", "tokens / step")
+        for name, color in (("proposed", PHASE_COLORS[0]), ("accepted", PHASE_COLORS[4])):
+            tokens.step("t", name, source=self.spec_src, mode="after", color=color, legend_label=name, line_width=2)
+        tokens.legend.location = "top_left"
+        tokens.legend.background_fill_alpha = 0.6
+        tokens.legend.click_policy = "hide"
+        tokens.add_tools(HoverTool(tooltips=[("step", "@step"), ("proposed", "@proposed"), ("accepted", "@accepted"),
+                                            ("verifications", "@drafts")], mode="vline",
+                                   renderers=tokens.renderers[:1]))
+        for fig in (rate, length, tokens):
+            self._cursor(fig)
+        positions = figure(title="speculation: acceptance per proposal position (so far)", height=230, width=WIDTH,
+                           x_axis_label="position in the proposal (1 = first)",
+                           y_axis_label="accepted / verifications", y_range=(0, 1.05), tools="reset,save",
+                           tooltips=[("position", "@position"), ("accepted", "@accepted of @drafts"),
+                                     ("rate", "@rate{0.00}")])
+        positions.toolbar.logo = None
+        positions.vbar(x="position", top="rate", width=0.7, source=self.position_src, color=PHASE_COLORS[2])
+        positions.xaxis.ticker.desired_num_ticks = 8
+        self.spec_section = column(self.spec_header, row(rate, length), row(tokens, positions), visible=False)
+        return self.spec_section
+
+    def _show_spec(self, steps: list[dict], history: list[dict], replace: bool) -> None:
+        """Stream (or, after a scrub, replace with) the speculation rows of ``steps``; reveal the charts once the
+        run is known to speculate."""
+        if not self.spec_section.visible:
+            # Only the steps not seen before need a look: had an earlier one proposed, the rows would be shown.
+            if not speculating(steps, self.feed.sizes):
+                return
+            self.spec_section.visible = True
+            if not replace:   # revealed while following: draw every step shown so far, not only the new ones
+                replace, steps = True, self.feed.steps[:self._shown_steps + len(steps)]
+        if replace:
+            self.spec_totals = SpecTotals()
+            self.spec_totals.add(steps)
+            cut = max(0, len(steps) - SPEC_ROLLOVER)
+            self.spec_src.data = spec_columns(steps[cut:], steps[max(0, cut - SPEC_HISTORY):cut], SPEC_WINDOW)
+        else:
+            self.spec_totals.add(steps)
+            self.spec_src.stream(spec_columns(steps, history, SPEC_WINDOW), rollover=SPEC_ROLLOVER)
+        self.position_src.data = self.spec_totals.positions(self.feed.sizes.num_speculative_tokens)
+        totals = self.spec_totals
+        rate = f"{totals.accepted / totals.proposed:.2f}" if totals.proposed else "n/a"
+        length = f"{1 + totals.accepted / totals.drafts:.2f}" if totals.drafts else "n/a"
+        k = self.feed.sizes.num_speculative_tokens
+        self.spec_header.text = (
+            f"<b>speculative decoding</b>{f' (K = {k})' if k else ''} · proposed "
+            f"<span class='nv-proposed'>{totals.proposed}</span> · accepted "
+            f"<span class='nv-accepted'>{totals.accepted}</span> · acceptance rate "
+            f"<span class='nv-acceptance'>{rate}</span> · mean accepted length "
+            f"<span class='nv-accepted-length'>{length}</span>")
 
     def _replica_source(self, replica: int) -> ColumnDataSource:
         """The replica's source, with its two lines drawn the first time its steps appear."""
@@ -256,6 +340,8 @@ class RunDashboard:
         history = self.feed.steps[max(0, self._shown_steps - 400):self._shown_steps]
         self.steps_src.stream(step_columns(steps, self.feed.sizes, history))
         self._show_replicas(steps, replace=False)
+        self._show_spec(steps, self.feed.steps[max(0, self._shown_steps - SPEC_HISTORY):self._shown_steps],
+                        replace=False)
         marks = [s for s in steps if s["num_preempted"]]
         if marks:
             self.preempt_src.stream({"t": [s["start_time"] + s["duration"] for s in marks],
@@ -317,6 +403,7 @@ class RunDashboard:
         steps = self.feed.steps_until(new)
         self.steps_src.data = step_columns(steps, self.feed.sizes)
         self._show_replicas(steps, replace=True)
+        self._show_spec(steps, [], replace=True)
         marks = [s for s in steps if s["num_preempted"]]
         self.preempt_src.data = {"t": [s["start_time"] + s["duration"] for s in marks],
                                  "preempted": [s["num_preempted"] for s in marks],
