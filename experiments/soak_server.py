@@ -4,6 +4,11 @@ holds bounded memory (issue 59).
 
     python experiments/soak_server.py                          # 100,000 requests through EngineLoop in-process
     python experiments/soak_server.py --http --requests 5000   # the same through uvicorn + httpx on 127.0.0.1
+    python experiments/soak_server.py --real --minutes 30      # the default model behind python -m nanovllm.serve
+
+``--real`` (``soak_real.py``) starts ``python -m nanovllm.serve`` on the default model on 127.0.0.1 and keeps
+``--concurrency`` (50) streams open against it for ``--minutes``, some clients disconnecting mid-stream, while it
+samples the server process's resident memory.
 
 In-process (the default) it drives the very ``EngineLoop`` the HTTP routes use (``make_request``, ``submit``,
 one ``asyncio.Queue`` per request, aborts as a client disconnect sends them), minus the HTTP framing, which
@@ -60,7 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--http", action="store_true", help="through uvicorn + httpx on 127.0.0.1")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep the run's files here (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--real", action="store_true",
+                        help="the default model behind python -m nanovllm.serve (soak_real.py); --concurrency 50")
+    parser.add_argument("--minutes", type=float, default=30.0, help="--real: minutes of load")
+    parser.add_argument("--warmup-minutes", type=float, default=5.0, help="--real: minutes before the RSS baseline")
+    parser.add_argument("--disconnect-fraction", type=float, default=0.2,
+                        help="--real: share of requests whose client disconnects at a random chunk")
+    parser.add_argument("--rss-every", type=float, default=5.0, help="--real: seconds between RSS samples")
+    parser.add_argument("--max-slope-mib-per-hour", type=float, default=16.0,
+                        help="--real: RSS slope after warm-up above which the soak fails")
+    args = parser.parse_args(argv)
+    if args.real and "--concurrency" not in (argv if argv is not None else sys.argv):
+        args.concurrency = 50
+    return args
 
 
 def line_count(path: Path) -> int:
@@ -168,6 +185,10 @@ class Soak:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.real:
+        from soak_real import soak_real   # experiments/ is on sys.path when this script runs
+
+        return soak_real(args)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="soak_server_"))
     engine = Simulation.build(EngineConfig(num_kv_blocks=512, max_num_seqs=32, max_model_len=256, dtype="bfloat16",
                                            warmup=False, seed=args.seed),

@@ -31,6 +31,11 @@ from nanovllm.router import Router, RouterError, StepTimeEstimate, check_route
 from nanovllm.sampling import SamplingParams
 
 
+# What an arrival ends with when its pool (every replica, or the prefill pool) has no live replica: a simulated and a
+# real cluster alike fail it at once rather than hold it for a restart that may never come.
+NO_LIVE_REPLICA = "no live replica is left to route it to (every replica died)"
+
+
 class ClusterClock:
     """The serving loop's clock over a cluster of virtual-clock replicas (see the module docstring)."""
 
@@ -145,22 +150,32 @@ class ClusterBase(EngineClient):
     def _retry(self, request: Request, dead: Any, now: float) -> bool:
         """Route ``request``, held by ``dead``, to a live replica of the same pool (a decode replica's to a decode
         replica: it recomputes the prompt and the tokens generated so far, no K/V moved) and queue it to resume
-        there (``_resume_on``). False when no replica of the pool is alive."""
+        there (``_resume_on``); with none alive, to the pool's ``_parking_spot``. False when there is neither."""
         pool, router, imbalance = self._pool(dead.index)
-        if not any(replica.alive for replica in pool):
+        spot = None if any(replica.alive for replica in pool) else self._parking_spot(pool)
+        if spot is None and not any(replica.alive for replica in pool):
             return False
         if self.num_prefill and dead.index >= self.num_prefill:
             request.hand_off_after_prefill = False   # it decodes where it goes
         request.retried_from.append(dead.index)
         if request.num_output_tokens:   # the dead replica had computed all but the newest token
             request.retry_recomputed_tokens += request.num_tokens - 1
-        views = self._retry_views(pool, request, now)
-        local = self._choose(request, views, now, router, imbalance)
-        target = pool[local]
+        if spot is not None:
+            target, local = spot, spot.view_index
+        else:
+            views = self._retry_views(pool, request, now)
+            local = self._choose(request, views, now, router, imbalance)
+            target = pool[local]
         request.replica = target.index
         self._resume_on(target, request, now)
         self._ask("on_arrival", request, local, now, router=router)
         return True
+
+    def _parking_spot(self, pool: Sequence[Any]) -> Any:
+        """Where a request waits when no replica of ``pool`` is alive: a replica being relaunched, whose queue
+        it joins until the replica rejoins (``RayCluster``), or None (it fails: a simulated cluster's restarts
+        come after ``cluster.faults.restart_delay``, and nothing waits for them)."""
+        return None
 
     def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
         """The views of ``pool`` a retried ``request`` is routed on."""
@@ -243,7 +258,7 @@ class Cluster(ClusterBase):
         pool = self._pool(0)[0]
         if not any(replica.alive for replica in pool):   # every replica is dead: it ends failed, with the reason
             request.status, request.finish_time = RequestStatus.FAILED, now
-            request.error = "no live replica is left to route it to (every replica died)"
+            request.error = NO_LIVE_REPLICA
             self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
             return
         index = self._route(request, now)

@@ -35,7 +35,9 @@ Its ``retried_from`` lists the replicas it was on, ``retry_recomputed_tokens`` w
 with "replica N died: ..." only when it was retried ``cluster.max_retries`` times or no replica of its pool is
 alive (one model-free step record of the dead replica reports what ended); an abort on its way to the dead
 replica ends its request aborted. With ``cluster.max_restarts`` the replica's actor is relaunched (same index
-and settings) and rejoins the router once its ``info`` answers. An exception raised by the engine inside a
+and settings) and rejoins the router once its ``info`` answers; while no replica of a pool is alive, its
+requests (a dead replica's, arrivals, hand-offs) wait in a relaunching replica's queue (``_parking_spot``) and
+an arrival with none coming back fails with the reason. An exception raised by the engine inside a
 live actor is re-raised in the driver as it was (a plugin bug ends the run, as on one engine).
 
 Lifetime. With no address, a local Ray instance (127.0.0.1, no dashboard) is started and stopped with the
@@ -60,7 +62,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
 from nanovllm.allocator import prefix_block_keys
-from nanovllm.cluster.cluster import ClusterBase
+from nanovllm.cluster.cluster import NO_LIVE_REPLICA, ClusterBase
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.faults import death_record
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
@@ -492,15 +494,23 @@ class RayCluster(ClusterBase):
         self.poll_restarts()
         now = request.arrival_time
         request.hand_off_after_prefill = bool(self.num_prefill)
-        index = self._route(request, now)
+        pool = self._pool(0)[0]
+        spot = None if any(replica.alive for replica in pool) else self._parking_spot(pool)
+        if spot is None and not any(replica.alive for replica in pool):
+            # Every replica of its pool died for good: it ends failed with the reason, as in a simulated
+            # cluster, rather than the router's error stopping the serving loop.
+            request.status, request.finish_time, request.error = RequestStatus.FAILED, now, NO_LIVE_REPLICA
+            self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+            return
+        index = self._route(request, now) if spot is None else spot.index
         replica = self.replicas[index]
         request.replica = index
         replica.num_routed += 1
         replica.held[request.request_id] = request
         replica.unsent.append((request, error))
         replica._view = None
-        self._ask("on_arrival", request, index, now)
-        if replica.in_flight is None:
+        self._ask("on_arrival", request, replica.view_index, now)
+        if replica.in_flight is None and replica.alive:
             replica.send()
 
     def has_unfinished(self) -> bool:
@@ -514,6 +524,9 @@ class RayCluster(ClusterBase):
                 replica.aborts.append((request_id, reason))
                 if replica.in_flight is None:
                     replica.send()
+                return True
+            if request_id in replica.held:   # waiting for its replica's relaunch: it ends here, now
+                self._abort_parked(replica, [request_id], reason)
                 return True
         return False
 
@@ -534,7 +547,30 @@ class RayCluster(ClusterBase):
                 replica.abort = reason
                 if replica.in_flight is None:
                     replica.send()
+            elif replica.held:   # waiting for its replica's relaunch
+                ids += list(replica.held)
+                self._abort_parked(replica, list(replica.held), reason)
         return ids
+
+    def _abort_parked(self, replica: RemoteReplica, request_ids: list[str], reason: str) -> None:
+        """End requests waiting for ``replica``'s relaunch as aborted now (nothing of theirs is in any actor but
+        K/V sent ahead, which is freed); the next ``step`` reports them."""
+        now = time.perf_counter()
+        ended = []
+        for request_id in request_ids:
+            request = replica.held.pop(request_id)
+            replica.unsent = [(r, e) for r, e in replica.unsent if r.request_id != request_id]
+            replica.resumes.discard(request_id)
+            handoff = request.handoff
+            if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
+                self.transfer.discard(handoff.data)
+                handoff.data = None
+            request.status, request.error, request.finish_reason = RequestStatus.ABORTED, reason, "abort"
+            request.finish_time = now
+            self._ask("on_finish", request, replica.view_index, now, router=self._router_of(replica))
+            ended.append(request)
+        replica._view = None
+        self._reports.append(StepOutput(ended, death_record(replica.index, now, 0)))
 
     def view_keys(self, request: Request) -> list[int]:
         """The prefix-block keys of ``request``'s prompt, hashed once per route (every replica's lookup)."""
@@ -577,14 +613,18 @@ class RayCluster(ClusterBase):
                                                 request.request_id, plain["send_error"])
             request.handoff.failed, request.handoff.data = True, None
         pool = self.replicas[self.num_prefill:]
-        if not any(replica.alive for replica in pool):
+        spot = None if any(replica.alive for replica in pool) else self._parking_spot(pool)
+        if spot is None and not any(replica.alive for replica in pool):
             if self.transfer is not None and plain["handle"] is not None:
                 self.transfer.discard(plain["handle"])
             request.status, request.finish_time = RequestStatus.FAILED, now
             request.error = "no live decode replica is left to hand the request off to"
             return request
-        views = [replica.view(request, self._prefix_match) for replica in pool]
-        local = self._choose(request, views, now, self.decode_router, self.decode_imbalance)
+        if spot is None:
+            views = [replica.view(request, self._prefix_match) for replica in pool]
+            local = self._choose(request, views, now, self.decode_router, self.decode_imbalance)
+        else:   # its K/V wait in the transfer for the relaunched decode replica
+            local = spot.view_index
         decode = pool[local]
         request.replica = decode.index
         decode.num_routed += 1
@@ -605,15 +645,15 @@ class RayCluster(ClusterBase):
         most ``timeout`` seconds. Replicas step on their own, so a serving loop that admits requests between
         steps waits only until its next arrival: a request for an idle replica need not wait for a busy one."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
         while not self._reports:
             flights = {replica.in_flight: replica for replica in self.replicas if replica.in_flight is not None}
-            if not flights:
-                raise RuntimeError("RayCluster: waited for a step with no replica holding a request")
             starting = {replica.starting: replica for replica in self.replicas if replica.starting is not None}
+            if not flights and not starting:
+                raise RuntimeError("RayCluster: waited for a step with no replica holding a request")
             wait = timeout
-            if self.step_timeout is not None:   # wake up when the oldest call in flight is overdue
+            if self.step_timeout is not None and flights:   # wake up when the oldest call in flight is overdue
                 overdue_in = min(r.sent_at for r in flights.values()) + self.step_timeout - time.monotonic()
                 wait = max(0.0, overdue_in) if wait is None else min(wait, max(0.0, overdue_in))
             ready, _ = ray.wait(list(flights) + list(starting), num_returns=1, timeout=wait)
@@ -635,7 +675,10 @@ class RayCluster(ClusterBase):
                 if isinstance(cause, Exception):
                     raise cause from None
                 raise
-            except RayActorError as exc:
+            except (RayActorError, OutOfMemoryError) as exc:
+                if isinstance(exc, OutOfMemoryError):   # Ray's memory monitor killed the actor's worker
+                    with contextlib.suppress(Exception):
+                        ray.kill(replica.actor, no_restart=True)
                 self._died(replica, exc)
                 continue
             output = self._apply(replica, result)
@@ -707,10 +750,10 @@ class RayCluster(ClusterBase):
             if handoff is not None and not handoff.loaded and handoff.data is not None and self.transfer:
                 self.transfer.discard(handoff.data)   # K/V sent to it and never received: free them
                 handoff.data = None
+        if replica.num_restarts < self.max_restarts:   # first: the only replica of a pool is where its
+            self._relaunch(replica)                     # requests wait (``_parking_spot``)
         # What every cluster does with a dead replica's requests (the simulated one too): ClusterBase._recover.
         failed = self._recover(replica, held, reason, now, aborted, abort_all)
-        if replica.num_restarts < self.max_restarts:
-            self._relaunch(replica)
         record = death_record(replica.index, now, replica.state["num_total_blocks"])
         self._reports.append(StepOutput(failed, record))
 
@@ -737,15 +780,22 @@ class RayCluster(ClusterBase):
         return [replica.view(request, self._prefix_match) for replica in pool]
 
     def _resume_on(self, target: Any, request: Request, now: float) -> None:
-        """Queue a dead replica's ``request`` on ``target``: it goes with the target's next call, as far as the
-        driver has followed it (prompt and generated tokens, recomputed there; no K/V)."""
+        """Queue a dead replica's ``request`` on ``target``: it goes with the target's next call (a relaunched
+        target's first, once it rejoins), as far as the driver has followed it (prompt and generated tokens,
+        recomputed there; no K/V)."""
         target.num_routed += 1
         target.held[request.request_id] = request
         target.unsent.append((request, None))
         target.resumes.add(request.request_id)
         target._view = None
-        if target.in_flight is None:
+        if target.in_flight is None and target.alive:
             target.send()
+
+    def _parking_spot(self, pool: Sequence[Any]) -> Any:
+        """A replica of ``pool`` being relaunched (None if none is): with no live replica in its pool, an
+        arrival, a dead replica's request or a hand-off waits in its queue and goes with its first call once it
+        rejoins, rather than failing while a restart is on its way."""
+        return next((replica for replica in pool if replica.starting is not None), None)
 
     def _relaunch(self, replica: RemoteReplica) -> None:
         """Start a new actor for dead ``replica`` (same index and settings); it rejoins once its ``info``
@@ -769,6 +819,8 @@ class RayCluster(ClusterBase):
             logging.getLogger(__name__).warning("replica %d failed to restart: %s", replica.index, _first_line(exc))
             if replica.num_restarts < self.max_restarts:
                 self._relaunch(replica)
+            elif replica.held:   # what waited for it resumes elsewhere or ends, as for a death
+                self._died(replica, exc)
             return
         replica.info = info
         state = dict(info["state"])
@@ -778,6 +830,8 @@ class RayCluster(ClusterBase):
         node = ray.get_runtime_context().get_node_id()
         replica.offset = 0.0 if info["node_id"] == node else _offset(replica.actor)
         replica.alive = True
+        if replica.held and replica.in_flight is None:   # what waited for it (``_parking_spot``) goes now
+            replica.send()
 
     def poll_restarts(self, timeout: float = 0.0) -> list[int]:
         """Rejoin the relaunched replicas whose actors have started, waiting at most ``timeout`` seconds for all

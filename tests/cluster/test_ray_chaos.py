@@ -1,6 +1,6 @@
-"""Chaos on a real cluster (issue 59): ``python -m nanovllm.serve cluster.replicas=2`` on the default model
-(float32) on 127.0.0.1, eight concurrent greedy streams from the openai SDK, and a random replica's Ray actor
-SIGKILLed every few seconds while they run (each time both replicas are up again: ``cluster.max_restarts``
+"""Chaos on a real cluster (issue 59): ``python -m nanovllm.serve`` on the default model (float32) on 127.0.0.1 with
+two colocated replicas, or a prefill/decode pair, greedy streams from the openai SDK, and a random replica's Ray
+actor SIGKILLed every few seconds while they run (each time both replicas are up again: ``cluster.max_restarts``
 relaunches the dead one). Every request ends exactly once, finished with the text of an undisturbed in-process
 run (each token once: no duplicate, no gap) or failed with its reason; none is lost from the run's records; no
 Ray daemon or replica process is left after the server exits."""
@@ -14,7 +14,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -32,33 +33,56 @@ MAX_RESTARTS = 4
 ENGINE = ["engine.num_kv_blocks=256", "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32"]
 
 
-def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(tmp_path):
+@pytest.fixture(scope="module")
+def expected() -> list[str]:
+    """Each prompt's text from an undisturbed in-process greedy float32 run."""
+    from nanovllm import LLM, SamplingParams
+
+    reference = LLM(dtype="float32", num_kv_blocks=256, max_model_len=512, warmup=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    texts = [out.text for out in reference.generate(PROMPTS, params, use_tqdm=False)]
+    reference.close()
+    return texts
+
+
+@dataclass
+class Chaos:
+    """What one chaos run saw: per request (prompt ``i % len(PROMPTS)``) its chunks and outcome, the actors
+    killed and every actor process seen."""
+
+    num_requests: int
+    chunks: list[list[str]] = field(default_factory=list)
+    outcomes: list[tuple[str, str | None]] = field(default_factory=list)
+    kills: list[int] = field(default_factory=list)
+    actor_pids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.chunks = [[] for _ in range(self.num_requests)]
+        self.outcomes = [("lost", None)] * self.num_requests
+
+    @property
+    def num_finished(self) -> int:
+        return sum(outcome == "finished" for outcome, _ in self.outcomes)
+
+
+def run_chaos(tmp_path: Path, overrides: list[str], streams: int, rounds: int) -> tuple[Chaos, Path]:
+    """Serve with ``overrides`` (the cluster's shape) and run ``streams`` client threads, each sending ``rounds``
+    streams one after another (request ``i = thread + streams * round``), while a random replica's actor is
+    SIGKILLed every ``KILL_EVERY_S`` whenever both replicas are up (at most ``MAX_RESTARTS`` times); the server
+    then stops with SIGINT. Returns what the clients saw and the run directory."""
     import openai
 
     from helpers import cli_env, free_port, interrupt_server, wait_until_healthy
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.serving.records import read_run
 
-    started = time.monotonic()
-    reference = LLM(dtype="float32", num_kv_blocks=256, max_model_len=512, warmup=False)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = [out.text for out in reference.generate(PROMPTS, params, use_tqdm=False)]
-    reference.close()
-    del reference
-
-    before = {p.pid for p in ray_processes()}
     port, run_dir = free_port(), tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm.serve", "cluster.replicas=2", f"cluster.max_restarts={MAX_RESTARTS}",
+        [sys.executable, "-m", "nanovllm.serve", *overrides, f"cluster.max_restarts={MAX_RESTARTS}",
          "cluster.max_retries=8", "router=round_robin", *ENGINE,
          "monitor.calibrate=false", f"server.port={port}", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    chunks: list[list[str]] = [[] for _ in PROMPTS]
-    outcomes: list[tuple[str, str | None]] = [("lost", None)] * len(PROMPTS)
-    kills: list[int] = []
-    actor_pids: set[int] = set()
+    seen = Chaos(streams * rounds)
     done = threading.Event()
     try:
         wait_until_healthy(proc, url, timeout=240)
@@ -67,14 +91,18 @@ def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(t
 
         def stream(i: int) -> None:
             try:
-                for chunk in client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS,
-                                                       temperature=0.0, stream=True,
+                for chunk in client.completions.create(model=model, prompt=PROMPTS[i % len(PROMPTS)],
+                                                       max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
                                                        extra_body={"ignore_eos": True}):
-                    chunks[i].append(chunk.choices[0].text)
+                    seen.chunks[i].append(chunk.choices[0].text)
                     if chunk.choices[0].finish_reason is not None:
-                        outcomes[i] = ("finished", chunk.choices[0].finish_reason)
-            except openai.APIError as exc:   # failed mid-stream: the error event names the reason
-                outcomes[i] = ("failed", str(exc))
+                        seen.outcomes[i] = ("finished", chunk.choices[0].finish_reason)
+            except openai.APIError as exc:   # failed mid-stream (an error event) or at once: the reason
+                seen.outcomes[i] = ("failed", str(exc))
+
+        def client_thread(first: int) -> None:
+            for i in range(first, seen.num_requests, streams):   # its rounds, one after another
+                stream(i)
 
         def chaos() -> None:
             # A random replica's actor is SIGKILLed every few seconds, each time both are up (a relaunch loads
@@ -82,47 +110,77 @@ def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(t
             rng = random.Random(0)
             while not done.wait(KILL_EVERY_S):
                 actors = replica_actor_processes(proc.pid)
-                actor_pids.update(p.pid for p in actors)
-                if len(actors) == 2 and len(kills) < MAX_RESTARTS and any(chunks):
+                seen.actor_pids.update(p.pid for p in actors)
+                if len(actors) == 2 and len(seen.kills) < MAX_RESTARTS and any(seen.chunks):
                     victim = rng.choice(actors)
                     victim.send_signal(signal.SIGKILL)
-                    kills.append(victim.pid)
+                    seen.kills.append(victim.pid)
 
         killer = threading.Thread(target=chaos, daemon=True)
         killer.start()
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            for future in [pool.submit(stream, i) for i in range(len(PROMPTS))]:
-                future.result(timeout=240)
+        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+            for future in [pool.submit(client_thread, t) for t in range(streams)]:
+                future.result(timeout=600)
         done.set()
         killer.join(30)
     finally:
         done.set()
         out, err = interrupt_server(proc)
     assert proc.returncode == 130, err[-3000:]
-    assert kills, "no replica was killed while the streams ran"
+    return seen, run_dir
 
-    # every request ended: finished with the undisturbed text, each token once, or failed with a reason
-    for i, (outcome, detail) in enumerate(outcomes):
+
+def check_chaos(seen: Chaos, run_dir: Path, expected: list[str], ray_before: set[int]) -> list[dict]:
+    """What every chaos run must show: every request ended, finished with the undisturbed text (each token
+    once) or failed with a reason; the run's records hold every request and agree with the clients; no Ray
+    daemon or replica process is left. Returns the records."""
+    import psutil
+
+    from nanovllm.serving.records import read_run
+
+    assert seen.kills, "no replica was killed while the streams ran"
+    for i, (outcome, detail) in enumerate(seen.outcomes):
         assert outcome != "lost", f"stream {i} ended without a finish reason or an error"
         if outcome == "finished":
-            assert detail == "length" and "".join(chunks[i]) == expected[i], i
+            assert detail == "length" and "".join(seen.chunks[i]) == expected[i % len(PROMPTS)], i
         else:
             assert detail and ("died" in detail or "replica" in detail), detail
-    assert sum(o == "finished" for o, _ in outcomes) >= len(PROMPTS) // 2
 
-    # none lost from the run's records, which agree with what the clients saw
     run = read_run(run_dir)
+    assert len(run.requests) == seen.num_requests
     assert sorted(len(r["token_times"]) for r in run.requests if r["error"] is None) == \
-        [MAX_TOKENS] * sum(o == "finished" for o, _ in outcomes)
-    assert len(run.requests) == len(PROMPTS)
+        [MAX_TOKENS] * seen.num_finished
     assert all((r["error"] is None) == (r["finish_reason"] == "length") for r in run.requests)
-    assert any(r["num_retries"] >= 1 for r in run.requests), "no request was re-routed"
-    assert run.metrics["faults"]["replica_restarts"] >= 1
+    assert all("died" in r["error"] or "replica" in r["error"] for r in run.requests if r["error"] is not None)
 
-    # nothing left behind: no Ray daemon, no replica actor process
-    assert not [p for p in ray_processes() if p.pid not in before]
-    import psutil
-    alive = [pid for pid in actor_pids if psutil.pid_exists(pid)
+    assert not [p for p in ray_processes() if p.pid not in ray_before]
+    alive = [pid for pid in seen.actor_pids if psutil.pid_exists(pid)
              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"replica processes left: {alive}"
-    assert time.monotonic() - started < 300
+    return run.requests
+
+
+def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(tmp_path, expected):
+    before = {p.pid for p in ray_processes()}
+    seen, run_dir = run_chaos(tmp_path, ["cluster.replicas=2"], streams=len(PROMPTS), rounds=1)
+    records = check_chaos(seen, run_dir, expected, before)
+    assert seen.num_finished >= len(PROMPTS) // 2
+    assert any(r["num_retries"] >= 1 for r in records), "no request was re-routed"
+    from nanovllm.serving.records import read_run
+    assert read_run(run_dir).metrics["faults"]["replica_restarts"] >= 1
+
+
+def test_a_prefill_decode_pair_over_http_survives_either_replica_killed_at_random(tmp_path, expected):
+    """One prefill and one decode replica; six clients send two streams each, one after the other, so requests
+    arrive while a replica is dead too. With one replica per pool, a death leaves its pool empty until the
+    relaunch: what it held, what arrives for it meanwhile and (a decode replica) the hand-offs wait for the
+    relaunched actor, then finish with the undisturbed text; all of them decode on replica 1."""
+    before = {p.pid for p in ray_processes()}
+    seen, run_dir = run_chaos(tmp_path, ["cluster.prefill_replicas=1", "cluster.decode_replicas=1"],
+                              streams=6, rounds=2)
+    records = check_chaos(seen, run_dir, expected, before)
+    assert seen.num_finished >= seen.num_requests // 2, seen.outcomes
+    assert {r["replica"] for r in records if r["error"] is None} == {1}
+    from nanovllm.serving.records import read_run
+    faults = read_run(run_dir).metrics["faults"]
+    assert faults["replica_deaths"] >= 1 and faults["replica_restarts"] >= 1

@@ -30,14 +30,17 @@ LONG = ("You are a helpful assistant. Answer every question briefly and precisel
 
 
 def ray_processes() -> list[psutil.Process]:
-    """Ray's daemons started by this session's processes (raylet, gcs_server)."""
+    """Ray's daemons (raylet, gcs_server) started from this interpreter's environment: their binaries lie under
+    its ``sys.prefix``, so a Ray instance another checkout's tests start on a shared machine is not counted."""
+    import sys
+
     found = []
     for proc in psutil.process_iter(["name", "cmdline"]):
         try:
             text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
         except psutil.Error:
             continue
-        if "raylet" in text or "gcs_server" in text:
+        if ("raylet" in text or "gcs_server" in text) and sys.prefix in text:
             found.append(proc)
     return found
 

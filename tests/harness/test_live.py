@@ -243,6 +243,45 @@ def test_dashboard_shows_speculation_only_when_on_and_keeps_a_bounded_window(tmp
     assert view.spec_section.visible and view.spec_src.data["step"] == [0, 1, 2, 3]   # earlier steps drawn too
 
 
+def test_a_long_run_is_held_as_a_rolling_window_by_the_feed_and_the_dashboard(tmp_path: Path) -> None:
+    """A server appends steps, requests and snapshots without end: the feed keeps the latest ``window`` of each
+    (``snapshot_window`` snapshots), counts every one, drops preemption intervals older than its snapshots, and
+    the dashboard's sources roll over at the window while following and scrubbing still show the latest steps."""
+    from nanovllm.harness.live.web import RunDashboard
+
+    writer = RunWriter(tmp_path / "run", {"engine": {"max_num_seqs": 4}, "workload": {"num_requests": 0}})
+    extras = RunWriter.for_extras(tmp_path / "run")
+    extras.write_engine_info(dict(num_kv_blocks=8, bytes_per_block=2**20, max_num_seqs=4,
+                                  max_num_batched_tokens=64, num_requests=0))
+    view = RunDashboard(tmp_path / "run")
+    view.feed.window, view.feed.snapshot_window = 50, 5
+    view.layout()
+    step = 0
+    for batch in range(8):   # 8 polls of 40 steps, 40 requests and 4 snapshots each
+        for _ in range(40):
+            writer.write_step(_step(step, running=2, waiting=0, used=4, preempted=int(step % 7 == 0)))
+            writer.write_request(request_record(f"r{step}", 0.1 * step, token_times=(0.1 * step + 0.05,)))
+            step += 1
+        for k in range(4):
+            t = 0.1 * (step - 40 + 10 * k)
+            extras.write_blocks(_snapshot(step, t, (f"p{batch}", "preempted" if k < 2 else "running", [0])))
+        view.update()
+        feed = view.feed
+        assert len(feed.steps) <= 50 and len(feed.requests) <= 50 and len(feed.snapshots) <= 5
+        assert len(view.steps_src.data["t"]) <= 50 and len(view.preempt_src.data["t"]) <= 50
+    assert feed.num_steps_seen == feed.num_requests_seen == 320
+    assert [s["step"] for s in feed.steps] == list(range(270, 320))
+    assert feed.steps_between(300, 305) == feed.steps[30:35] and feed.steps_between(0, 10) == []
+    assert view.steps_src.data["step"][-1] == 319 and "nv-finished'>320<" in view.header.text
+    assert set(feed.preempted) == {"p7"}   # p0-p6's intervals closed before the oldest snapshot kept
+    view._on_scrub("value_throttled", 1.0, 30.05)
+    assert view.steps_src.data["step"][-1] == 299 and view._shown_steps == 300
+    view._on_follow()
+    assert view.steps_src.data["step"][-1] == 319 and view._shown_steps == 320
+    writer.close()
+    extras.close()
+
+
 def test_sweep_view_lists_jobs_and_their_cdfs(run_dir: Path, tmp_path: Path) -> None:
     from nanovllm.harness.live.web import SweepDashboard
 

@@ -87,9 +87,18 @@ class EngineSizes:
         return cls()
 
 
+# How much of a run the live views hold: the latest steps and ended requests, and the latest block snapshots (each
+# holds every running request's block table, so fewer). A server that runs for days appends without end; the
+# views show a rolling window of it, and memory stays bounded (the files keep everything).
+WINDOW = 20_000
+SNAPSHOT_WINDOW = 1_000
+
+
 @dataclass
 class RunFeed:
-    """Everything read so far from one run directory; ``poll`` reads what was appended since."""
+    """The latest of one run directory: ``poll`` reads what was appended since and keeps the latest ``window``
+    steps and requests and ``snapshot_window`` block snapshots (older ones are dropped: ``num_*_seen`` count
+    every one read)."""
 
     run_dir: Path
     steps: list[dict] = field(default_factory=list)
@@ -97,8 +106,13 @@ class RunFeed:
     snapshots: list[dict] = field(default_factory=list)
     sizes: EngineSizes = field(default_factory=EngineSizes)
     finished: bool = False
-    # request id -> [start, end or None] intervals in which a snapshot saw it preempted
+    # request id -> [start, end or None] intervals in which a snapshot saw it preempted (those that closed
+    # before the oldest snapshot kept are dropped with it)
     preempted: dict[str, list[list[float | None]]] = field(default_factory=dict)
+    window: int = WINDOW
+    snapshot_window: int = SNAPSHOT_WINDOW
+    num_steps_seen: int = 0
+    num_requests_seen: int = 0
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -112,10 +126,35 @@ class RunFeed:
         steps, requests, snapshots = (self._tails[n].read_new() for n in (STEPS_FILE, REQUESTS_FILE, BLOCKS_FILE))
         self.steps += steps
         self.requests += requests
+        self.num_steps_seen += len(steps)
+        self.num_requests_seen += len(requests)
         for snapshot in snapshots:
             self._track_preemptions(snapshot)
         self.snapshots += snapshots
+        self._trim()
         return steps, requests, snapshots
+
+    def _trim(self) -> None:
+        """Keep the rolling window: the latest ``window`` steps and requests, ``snapshot_window`` snapshots."""
+        for kept, limit in ((self.steps, self.window), (self.requests, self.window),
+                            (self.snapshots, self.snapshot_window)):
+            if len(kept) > limit:
+                del kept[:len(kept) - limit]
+        if self.snapshots:
+            oldest = self.snapshots[0]["time"]
+            for request_id in [rid for rid, intervals in self.preempted.items()
+                               if intervals[-1][1] is not None and intervals[-1][1] < oldest]:
+                del self.preempted[request_id]
+
+    @property
+    def first_step_index(self) -> int:
+        """The index (among every step read) of ``steps[0]``."""
+        return self.num_steps_seen - len(self.steps)
+
+    def steps_between(self, start: int, stop: int | None = None) -> list[dict]:
+        """The kept steps whose index among every step read is in [``start``, ``stop``)."""
+        first = self.first_step_index
+        return self.steps[max(0, start - first):None if stop is None else max(0, stop - first)]
 
     def _track_preemptions(self, snapshot: dict) -> None:
         now = snapshot["time"]

@@ -180,7 +180,7 @@ class RunDashboard:
                 return
             self.spec_section.visible = True
             if not replace:   # revealed while following: draw every step shown so far, not only the new ones
-                replace, steps = True, self.feed.steps[:self._shown_steps + len(steps)]
+                replace, steps = True, self.feed.steps_between(0, self._shown_steps + len(steps))
         if replace:
             self.spec_totals = SpecTotals()
             self.spec_totals.add(steps)
@@ -223,7 +223,7 @@ class RunDashboard:
             for replica, source in self.replica_srcs.items():
                 source.data = columns.pop(replica, _empty(REPLICA_COLUMNS))
         for replica, data in sorted(columns.items()):
-            self._replica_source(replica).stream(data)
+            self._replica_source(replica).stream(data, rollover=self.feed.window)
 
     def _cursor(self, fig) -> None:
         span = Span(location=0, dimension="height", line_color="#888", line_dash="dashed", visible=False)
@@ -331,22 +331,23 @@ class RunDashboard:
         if self.following:
             self.slider.value = self.slider.end
             if new_steps:
-                self._stream_steps(self.feed.steps[self._shown_steps:])
+                self._stream_steps(self.feed.steps_between(self._shown_steps))
             if new_steps or new_requests or new_snapshots:
                 self._show_moment(end, blocks=bool(new_snapshots), latency=bool(new_requests))
         self._refresh_header()
 
     def _stream_steps(self, steps: list[dict]) -> None:
-        history = self.feed.steps[max(0, self._shown_steps - 400):self._shown_steps]
-        self.steps_src.stream(step_columns(steps, self.feed.sizes, history))
+        history = self.feed.steps_between(self._shown_steps - 400, self._shown_steps)
+        # rollover: the charts keep the feed's rolling window of steps, however long the run
+        self.steps_src.stream(step_columns(steps, self.feed.sizes, history), rollover=self.feed.window)
         self._show_replicas(steps, replace=False)
-        self._show_spec(steps, self.feed.steps[max(0, self._shown_steps - SPEC_HISTORY):self._shown_steps],
+        self._show_spec(steps, self.feed.steps_between(self._shown_steps - SPEC_HISTORY, self._shown_steps),
                         replace=False)
         marks = [s for s in steps if s["num_preempted"]]
         if marks:
             self.preempt_src.stream({"t": [s["start_time"] + s["duration"] for s in marks],
                                      "preempted": [s["num_preempted"] for s in marks],
-                                     "kv_used": [s["kv_blocks_used"] for s in marks]})
+                                     "kv_used": [s["kv_blocks_used"] for s in marks]}, rollover=self.feed.window)
         self._shown_steps += len(steps)
 
     def _show_moment(self, t: float, blocks: bool = True, latency: bool = True) -> None:
@@ -379,7 +380,7 @@ class RunDashboard:
     def _refresh_header(self) -> None:
         feed = self.feed
         total = feed.sizes.num_requests
-        done = len(feed.requests)
+        done = feed.num_requests_seen
         state = "finished" if feed.finished else "running" if feed.steps else "starting (loading the model)"
         last = feed.steps[-1]["step"] if feed.steps else 0
         self.header.text = (
@@ -408,7 +409,7 @@ class RunDashboard:
         self.preempt_src.data = {"t": [s["start_time"] + s["duration"] for s in marks],
                                  "preempted": [s["num_preempted"] for s in marks],
                                  "kv_used": [s["kv_blocks_used"] for s in marks]}
-        self._shown_steps = len(steps)
+        self._shown_steps = self.feed.first_step_index + len(steps)
         for span in self.cursors:
             span.location, span.visible = new, True
         self._show_moment(new)
@@ -418,7 +419,7 @@ class RunDashboard:
         self.following = True
         for span in self.cursors:
             span.visible = False
-        self._stream_steps(self.feed.steps[self._shown_steps:])
+        self._stream_steps(self.feed.steps_between(self._shown_steps))
         self.slider.value = self.slider.end
         self._show_moment(self.feed.end_time)
         self._refresh_header()
