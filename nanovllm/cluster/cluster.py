@@ -172,9 +172,9 @@ class ClusterBase(EngineClient):
         return True
 
     def _parking_spot(self, pool: Sequence[Any]) -> Any:
-        """Where a request waits when no replica of ``pool`` is alive: a replica being relaunched, whose queue
-        it joins until the replica rejoins (``RayCluster``), or None (it fails: a simulated cluster's restarts
-        come after ``cluster.faults.restart_delay``, and nothing waits for them)."""
+        """Where a request waits when no replica of ``pool`` is alive: a replica that will serve again (a Ray
+        actor being relaunched, a simulated replica whose restart is due after ``cluster.faults.restart_delay``),
+        whose queue it joins until the replica rejoins; None when none is coming back (it fails)."""
         return None
 
     def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
@@ -244,6 +244,11 @@ class Cluster(ClusterBase):
             raise ValueError("cluster.faults.hangs need cluster.step_timeout: a hung replica is found dead only "
                              "when it has not stepped for that long")
         self._detections: dict[int, float] = {}   # hung replica with work -> when it is found dead
+        # A dead replica whose restart is queued -> when it serves again; and the requests waiting for it (while
+        # no replica of its pool is alive), queued on it when it restarts, as RayCluster's relaunch does.
+        self._restart_at: dict[int, float] = {}
+        # (request, refusal error, when its K/V arrive: a decode hand-off's, else None)
+        self._parked: dict[int, list[tuple[Request, str | None, float | None]]] = {}
         self._reports: deque[StepOutput] = deque()   # what deaths ended, reported by the next steps
         # Fault times count from where the replicas' clocks start (the run's start for a simulated cluster).
         start = min(engine.clock() for engine in engines)
@@ -256,10 +261,16 @@ class Cluster(ClusterBase):
         now = request.arrival_time
         self._advance(now)   # the faults due by its arrival happen first
         pool = self._pool(0)[0]
-        if not any(replica.alive for replica in pool):   # every replica is dead: it ends failed, with the reason
-            request.status, request.finish_time = RequestStatus.FAILED, now
-            request.error = NO_LIVE_REPLICA
-            self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+        if not any(replica.alive for replica in pool):
+            spot = self._parking_spot(pool)
+            if spot is None:   # every replica is dead for good: it ends failed, with the reason
+                request.status, request.finish_time = RequestStatus.FAILED, now
+                request.error = NO_LIVE_REPLICA
+                self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+                return
+            request.replica = spot.index
+            self._park(spot, request, error)
+            self._ask("on_arrival", request, spot.view_index, now)
             return
         index = self._route(request, now)
         request.replica = index
@@ -275,11 +286,55 @@ class Cluster(ClusterBase):
 
     def _resume_on(self, target: Any, request: Request, now: float) -> None:
         """A dead replica's request resumes on ``target`` (``ClusterBase._retry``): queued like an arrival, its
-        prompt and generated tokens computed there."""
-        self._queue(target, request, now)
+        prompt and generated tokens computed there (or, ``target`` being dead with a restart due, parked)."""
+        if target.alive:
+            self._queue(target, request, now)
+        else:
+            self._park(target, request)
+
+    def _parking_spot(self, pool: Sequence[Any]) -> Any:
+        due = [replica for replica in pool if not replica.alive and replica.index in self._restart_at]
+        return min(due, key=lambda replica: (self._restart_at[replica.index], replica.index), default=None)
+
+    def _park(self, replica: LocalReplica, request: Request, error: str | None = None,
+              kv_arrival: float | None = None) -> None:
+        """``request`` waits for dead ``replica``'s restart, queued on it then (``_fault``, RESTART); a decode
+        hand-off's K/V (due at ``kv_arrival``) are delivered to it then."""
+        self._parked.setdefault(replica.index, []).append((request, error, kv_arrival))
+
+    def _unpark(self, replica: LocalReplica, t: float) -> None:
+        """``replica`` serves again at ``t``: the requests that waited for it are queued on it."""
+        for request, error, kv_arrival in self._parked.pop(replica.index, []):
+            if kv_arrival is None:
+                self._queue(replica, request, t, error)
+            else:
+                self._deliver_later(replica.index, request, max(kv_arrival, t))
+
+    def _deliver_later(self, index: int, request: Request, t: float) -> None:
+        """Deliver a handed-off request's K/V to replica ``index`` at ``t`` (a disaggregated cluster's)."""
+        raise RuntimeError(f"{type(self).__name__} hands no request off")
+
+    def _end_parked(self, request_ids: set[str] | None, reason: str, now: float) -> list[str]:
+        """Abort the parked requests with these ids (None: all), reported by the next step. Returns their ids."""
+        ended: dict[int, list[Request]] = {}
+        for index, parked in list(self._parked.items()):
+            keep = []
+            for request, error, kv_arrival in parked:
+                if request_ids is None or request.request_id in request_ids:
+                    request.status, request.error, request.finish_reason = RequestStatus.ABORTED, reason, "abort"
+                    request.finish_time = now
+                    ended.setdefault(index, []).append(request)
+                else:
+                    keep.append((request, error, kv_arrival))
+            self._parked[index] = keep
+        for index, requests in ended.items():
+            for request in requests:   # its router was told it arrived at the parking replica
+                self._ask("on_finish", request, self.replicas[index].view_index, now, router=self._pool(index)[1])
+            self._reports.append(StepOutput(requests, death_record(index, now, 0)))
+        return [request.request_id for requests in ended.values() for request in requests]
 
     def has_unfinished(self) -> bool:
-        return bool(self._ready or self._reports or self._detections)
+        return bool(self._ready or self._reports or self._detections or any(self._parked.values()))
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests over every live replica."""
@@ -293,7 +348,7 @@ class Cluster(ClusterBase):
                 aborted = replica.engine.abort_request(request_id, reason)
                 self._mark_ready(replica.index)
                 return aborted
-        return False
+        return bool(self._end_parked({request_id}, reason, self.clock.now()))
 
     def abort_all(self, reason: str = "aborted") -> list[str]:
         """Abort every request on every live replica (each replica reports them at its next ``step``; a hung
@@ -305,15 +360,17 @@ class Cluster(ClusterBase):
                 if replica.hung:   # it will never step: what it held is reported now, as its death's
                     self._kill(replica.index, replica.engine.clock(), reason)
                 self._mark_ready(replica.index)
-        return ids
+        return ids + self._end_parked(None, reason, self.clock.now())
 
     # -- the step ------------------------------------------------------------------------------------------------
     def next_ready_time(self) -> float | None:
         """When the next step starts: the earliest clock among replicas with work, or when a hung replica is
-        found dead if that comes first (None: nothing to do)."""
+        found dead if that comes first, or when a replica that requests wait for restarts (None: nothing to
+        do)."""
         times = [self._ready[0][0]] if self._ready else []
         if self._detections:
             times.append(min(self._detections.values()))
+        times += [self._restart_at[index] for index, parked in self._parked.items() if parked]
         return min(times) if times else None
 
     def step(self) -> StepOutput:
@@ -391,6 +448,8 @@ class Cluster(ClusterBase):
             engine = self._replica_factory(index)
             self.engines[index] = engine
             replica.restart(engine, t)
+            self._restart_at.pop(index, None)
+            self._unpark(replica, t)
             return
         if not replica.alive:   # a death or hang of a replica that is dead already: void
             return
@@ -427,11 +486,12 @@ class Cluster(ClusterBase):
         self._detections.pop(index, None)
         held, ended = replica.die()
         held += self._take_incoming(index)
-        ended += self._recover(replica, held, reason, now)
-        if replica.num_restarts < self.max_restarts:
+        if replica.num_restarts < self.max_restarts:   # queued first: its own requests may wait for it
             replica.num_restarts += 1
             assert self._injector is not None   # a simulated death comes from it
-            self._injector.push(now + self.faults.restart_delay, RESTART, index)
+            self._restart_at[index] = now + self.faults.restart_delay
+            self._injector.push(self._restart_at[index], RESTART, index)
+        ended += self._recover(replica, held, reason, now)
         self._reports.append(StepOutput(ended, death_record(index, now, num_blocks)))
 
     def _take_incoming(self, index: int) -> list[Request]:

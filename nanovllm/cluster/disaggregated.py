@@ -154,13 +154,20 @@ class DisaggregatedCluster(Cluster):
     def _hand_off(self, request: Request, prefill_index: int, now: float) -> bool:
         """Route a prefilled request to a decode replica and start moving its K/V there (with
         ``cluster.faults.kv_transfer_failure``, the move may fail: the decode replica then computes the prompt).
-        False when no decode replica is alive: the request ends failed, with the reason."""
+        With no decode replica alive, its K/V wait for the one whose restart is due first (delivered when it
+        serves again); False when none is coming back: the request ends failed, with the reason."""
+        spot = None
         if not any(replica.alive for replica in self.decode_replicas):
-            request.status, request.finish_time = RequestStatus.FAILED, now
-            request.error = "no live decode replica is left to hand the request off to"
-            return False
-        views = [replica.view(request, now) for replica in self.decode_replicas]
-        local = self._choose(request, views, now, self.decode_router, self.decode_imbalance)
+            spot = self._parking_spot(self.decode_replicas)
+            if spot is None:
+                request.status, request.finish_time = RequestStatus.FAILED, now
+                request.error = "no live decode replica is left to hand the request off to"
+                return False
+        if spot is None:
+            views = [replica.view(request, now) for replica in self.decode_replicas]
+            local = self._choose(request, views, now, self.decode_router, self.decode_imbalance)
+        else:
+            local = spot.view_index
         index = self.num_prefill + local
         handoff = request.handoff
         assert handoff is not None, "the engine hands a request off with its KVHandoff"
@@ -174,10 +181,16 @@ class DisaggregatedCluster(Cluster):
         else:   # real engines in this process: the tensor is handed over (the read and write are timed)
             handoff.data = self.transfer.receive(self.transfer.send(request.request_id, handoff.data))
             done = now
-        self.replicas[index].expect()
         self._ask("on_arrival", request, local, now, router=self.decode_router)
-        heapq.heappush(self._transit, (done, next(self._order), request, index))
+        if spot is not None:   # its K/V wait for the decode replica's restart
+            self._park(spot, request, kv_arrival=done)
+            return True
+        self._deliver_later(index, request, done)
         return True
+
+    def _deliver_later(self, index: int, request: Request, t: float) -> None:
+        self.replicas[index].expect()
+        heapq.heappush(self._transit, (t, next(self._order), request, index))
 
     def _deliver(self, request: Request, index: int, t: float) -> None:
         replica = self.replicas[index]

@@ -91,6 +91,45 @@ def test_with_no_replica_left_requests_fail_with_the_reason_and_none_is_lost():
     assert result.summary["faults"]["failed_no_replica"] == len(errors)
 
 
+def test_with_every_replica_dead_and_a_restart_due_requests_wait_for_it_as_on_ray():
+    """As ``RayCluster`` does while it relaunches an actor: a dead replica's requests and new arrivals wait in the
+    queue of the replica whose restart comes first and are served there once it restarts; none fails."""
+    deaths = [{"replica": 0, "time": 0.4}, {"replica": 1, "time": 0.6}]
+    result = run(replicas=2, max_restarts=1, faults={"deaths": deaths, "restart_delay": 1.0})
+    check_none_lost(result, 80)
+    assert all(r["error"] is None for r in result.requests)
+    waited = [r for r in result.requests if 0.6 < r["arrival_time"] < 1.4]   # arrived with no replica alive
+    assert waited and all(r["replica"] == 0 and r["token_times"][0] >= 1.4 for r in waited)   # 0 restarts first
+    assert any(1 in r["retried_from"] and r["replica"] == 0 for r in result.requests)   # 1's requests waited too
+    assert result.summary["faults"]["failed_no_replica"] == 0 and result.summary["faults"]["replica_restarts"] == 2
+
+
+def test_an_abort_reaches_a_request_that_waits_for_a_restart():
+    from nanovllm.request import RequestStatus
+    from nanovllm.sampling import SamplingParams
+
+    served_ = served(replicas=1, max_restarts=1, faults={"deaths": [{"replica": 0, "time": 0.1}],
+                                                          "restart_delay": 5.0})
+    cluster = served_.cluster
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = cluster.make_request(list(range(10, 60)), params, arrival_time=0.0)
+    cluster.add_request(first)
+    ended = []
+    while cluster.next_ready_time() is not None and cluster.next_ready_time() < 0.1:
+        ended += cluster.step().finished
+    late = cluster.make_request(list(range(10, 40)), params, arrival_time=0.2)
+    cluster.add_request(late)   # the only replica died at 0.1: it waits for the restart at 5.1
+    assert late.replica == 0 and cluster.has_unfinished()
+    assert cluster.abort_request(late.request_id, "client went away")
+    while cluster.has_unfinished():
+        ended += cluster.step().finished
+    by_id = {r.request_id: r for r in ended}
+    assert by_id[late.request_id].status == RequestStatus.ABORTED and late.error == "client went away"
+    assert by_id[first.request_id].status == RequestStatus.FINISHED and first.num_retries == 1
+    assert first.num_output_tokens == 8 and first.finish_time >= 5.1   # resumed on the restarted replica
+    served_.close()
+
+
 def test_max_retries_zero_fails_a_dead_replicas_requests_with_the_reason():
     result = run(max_retries=0, faults={"deaths": [{"replica": 1, "time": 0.5}]})
     check_none_lost(result, 80)
@@ -203,6 +242,17 @@ def test_a_dead_decode_replica_hands_its_requests_to_the_other_and_a_dead_prefil
     assert decode_moved and all(r["replica"] == 2 for r in decode_moved)
     assert all(r["prefill_replica"] == 1 or r["replica"] == 2 for r in prefill_moved)
     assert all(r["replica"] in (2, 3) for r in result.requests)
+
+
+def test_hand_offs_wait_for_the_only_decode_replicas_restart():
+    result = disaggregated(prefill=1, decode=1, max_restarts=1,
+                           faults={"deaths": [{"replica": 1, "time": 0.6}], "restart_delay": 1.0})
+    check_none_lost(result, 60)
+    assert all(r["error"] is None and r["replica"] == 1 for r in result.requests)
+    # handed off while the decode replica was down: decoded after its restart at 1.6
+    waited = [r for r in result.requests if not r["retried_from"] and 0.6 < r["token_times"][0] < 1.6]
+    assert waited and all(r["token_times"][1] >= 1.6 for r in waited)
+    assert any(r["retried_from"] == [1] for r in result.requests)   # what it held resumed on it after the restart
 
 
 # -- the command line -------------------------------------------------------------------------------------------
