@@ -10,10 +10,25 @@ import os
 
 import pytest
 
-from test_ray_cluster import ray_processes
+from helpers import REPO
+from test_ray_cluster import ray_processes as all_ray_processes
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
+
+def ray_processes():
+    """Ray's daemons run from this checkout (other checkouts on the machine may run Ray of their own)."""
+    import psutil
+
+    found = []
+    for proc in all_ray_processes():
+        try:
+            if str(REPO) in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:   # gone meanwhile
+            continue
+    return found
+
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4   # one float32 block of the default model (30 layers, 3 KV heads of 64)
 ENGINE = dict(num_kv_blocks=16, max_model_len=256, warmup=False, allocator="prefix")
@@ -29,8 +44,10 @@ def store(tmp_path_factory):
     assert not list(path.rglob("*.kv")), "the replicas' shared blocks outlived the cluster (persist=false)"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tiered_llm(store):
+    """Two replicas with tiers; closed after its test (a cluster still running would hold the CPUs the next
+    test's actors need)."""
     from nanovllm import LLM
 
     before = {p.pid for p in ray_processes()}
@@ -61,8 +78,10 @@ def test_ray_views_carry_each_replicas_tier_aware_prefix_matches(tiered_llm):
         assert [view.prefix_match_by_tier for view in views] == own   # the mirror is each scheduler's answer
         full = (len(probe.token_ids) - 1) // 16 * 16
         assert int(views[0].prefix_match_tokens) == full > 0        # replica 0 computed it: pool, host, store
-        assert own[1] == {"primary": 0, "host": 0, "shared": full}   # replica 1 finds it in the store only
+        assert own[1]["primary"] == own[1]["host"] == 0 < own[1]["shared"]   # replica 1: in the store only
         assert views[1].prefix_match_local_tokens == 0
+        if text == TEXTS[0] * 6:   # long left replica 0's host tier: all of it reached the store
+            assert own[1]["shared"] == full
         cluster._last_keys = (None, [])
     # The first prompt left replica 0's pool and host tier for the store; the last one is still in its pool.
     first, last = (ray.get(cluster.replicas[0].actor.cached_prefix_by_tier.remote(
