@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from nanovllm.config import EngineConfig
-from nanovllm.harness.serving import ServedEngine
+from nanovllm.engine.engine import LLMEngine
+from nanovllm.harness.serving import ServedEngine, WallClock
+from nanovllm.serving.monitor import ModelCost
 from nanovllm.harness.workload.config import LengthDist, MultiTurnWorkloadConfig
 from nanovllm.harness.workload.generate import generate_workload
 
@@ -44,11 +46,12 @@ def workload_config(working_set: int, rate: float, seed: int) -> MultiTurnWorklo
 def run(kv_offload: Any, pool_blocks: int, workload_cfg: MultiTurnWorkloadConfig) -> dict[str, Any]:
     config = EngineConfig(num_kv_blocks=pool_blocks, max_model_len=4096, max_num_seqs=8, warmup=True,
                           kv_offload=kv_offload)
-    served = ServedEngine.build(config, allocator="prefix")
-    workload = generate_workload(workload_cfg, served.engine.tokenizer)
+    engine = LLMEngine(config, allocator="prefix")
+    served = ServedEngine(engine, WallClock(), ModelCost.from_model(engine.runner.model, config.kv_cache_dtype))
+    workload = generate_workload(workload_cfg, engine.tokenizer)
     result = served.serve(workload, progress=False)
-    served.engine.close()
-    return {"summary": result.summary, "block_bytes": served.engine.kv_block_bytes, "requests": len(workload)}
+    engine.close()
+    return {"summary": result.summary, "block_bytes": engine.kv_block_bytes, "requests": len(workload)}
 
 
 def copy_bandwidth(block_bytes: int, blocks: int, repeats: int = 20) -> float:
@@ -95,7 +98,8 @@ def main() -> None:
             cells = ["-"] * 3
             if tier is not None:
                 bandwidth = tier["bytes_loaded"] / tier["load_seconds"] if tier["load_seconds"] else None
-                loads.append(bandwidth)
+                if bandwidth is not None:
+                    loads.append(bandwidth)
                 hits -= tier["hit_rate"]
                 cells = [f"{tier['hit_rate']:.1%}", f"{tier['bytes_loaded'] / 1e9:.2f}",
                          f"{bandwidth / 1e9:.2f}" if bandwidth else "-"]
@@ -104,7 +108,7 @@ def main() -> None:
         ratios.append(p50["host"] / p50["none"])
     copy_one = copy_bandwidth(block_bytes, 1)
     copy_many = copy_bandwidth(block_bytes, 32)
-    load = statistics.median(x for x in loads if x)
+    load = statistics.median(loads) if loads else 0.0
     print(f"\np50 TTFT host / none per round: {', '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {statistics.median(ratios):.2f}; target <= 0.5)")
     print(f"host tier load bandwidth (median over rounds) {load / 1e9:.2f} GB/s; this machine's torch copy "
