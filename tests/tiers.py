@@ -85,6 +85,7 @@ SLOW = {
     "test_ray_cluster.py": "starts Ray and real replicas (Ray actors that load the model), and python -m nanovllm.run",
     "test_ray_disaggregated.py": "starts Ray and a prefill and a decode replica (Ray actors that load the model)",
     "test_ray_faults.py": "starts Ray and real replicas, kills and relaunches their actors (each loads the model)",
+    "test_ray_kv_tiers.py": "starts Ray and real replicas with KV tiers (Ray actors that load the model)",
     "test_ray_hang.py": "python -m nanovllm.run on Ray, a replica hangs and is killed",
     "test_ray_chaos.py": "python -m nanovllm.serve on Ray, replicas killed at random and relaunched (each loads the model)",
     "test_server_faults.py::test_a_request_past_its_timeout_is_aborted_with_a_408_error_object_and_its_blocks_freed":

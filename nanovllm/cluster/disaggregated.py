@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import time
 from typing import Any, Sequence
 
 from nanovllm.cluster.cluster import Cluster
-from nanovllm.cluster.kv_transfer import KVTransfer, LocalTransfer
+from nanovllm.cluster.kv_transfer import KVTransfer, KVTransferError, LocalTransfer, fit_handoff
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import StepOutput
@@ -63,6 +65,8 @@ class DisaggregatedCluster(Cluster):
         if step_time is not None:
             decode_router.bind_step_time(step_time)
         self.transfer = transfer if transfer is not None else LocalTransfer()
+        for engine in (*prefill, *decode):
+            self.transfer.check(engine.config)
         self.simulated = not prefill[0].runner.loads_model
         if self.simulated:
             self.transfer.modelled_time(0)   # fails now, naming the fix, if the link has no figures
@@ -179,7 +183,16 @@ class DisaggregatedCluster(Cluster):
             if self._injector is not None and self._injector.transfer_fails():
                 handoff.failed = True   # found when it should have arrived: nothing to load there
         else:   # real engines in this process: the tensor is handed over (the read and write are timed)
-            handoff.data = self.transfer.receive(self.transfer.send(request.request_id, handoff.data))
+            started = time.perf_counter()
+            try:
+                handle = self.transfer.send_request(self.replicas[prefill_index].engine, request, handoff.data)
+                fit_handoff(handoff, self.transfer.receive_request(self.replicas[index].engine, request, handle),
+                            self.replicas[index].engine.config.block_size)
+            except KVTransferError as exc:   # the decode replica computes the prompt itself
+                logging.getLogger(__name__).warning("request %s: %s; its decode replica recomputes the prompt",
+                                                    request.request_id, exc)
+                handoff.failed, handoff.data = True, None
+            handoff.transfer_time += time.perf_counter() - started
             done = now
         self._ask("on_arrival", request, local, now, router=self.decode_router)
         if spot is not None:   # its K/V wait for the decode replica's restart

@@ -18,7 +18,11 @@ queued tokens). ``prefix_match_tokens`` reads a driver-side mirror of the replic
 returns the keys (``prefix_block_key``) of the blocks its allocator caches that were added and removed in the
 step (``BlockAllocator.cached_block_keys``), and a lookup hashes the request's full blocks once per route and
 walks each replica's key set: no round trip, at most one step stale. An allocator that does not expose its
-keys reports none (``prefix_match_tokens`` 0).
+keys reports none (``prefix_match_tokens`` 0). With KV tiers (``kv_offload``) each call also returns each
+tier's added and removed keys (``KVTier.keys``), and the walk goes on past the pool through the tiers, as the
+replica's own ``Scheduler.cached_prefix_len`` does, into a ``CachedPrefix`` split by tier (what tier-aware
+routers read); a ``shared`` tier is one store, so a key any replica reported is in it for all. An entry another
+replica removed from the shared store counts until a replica that listed it looks it up (a miss there).
 
 Time. Arrival times cross as perf_counter seconds of the driver. Processes on one machine share that clock
 (CLOCK_MONOTONIC); an actor on another node gets an offset measured once with a round trip (NTP-style, error
@@ -57,7 +61,7 @@ import sys
 import time
 import types
 import weakref
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
@@ -65,10 +69,11 @@ from nanovllm.allocator import prefix_block_keys
 from nanovllm.cluster.cluster import NO_LIVE_REPLICA, ClusterBase
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.faults import death_record
-from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer
+from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer, fit_handoff
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
+from nanovllm.engine.kv_offload import CachedPrefix
 from nanovllm.engine.protocol import StepOutput
 from nanovllm.outputs import StepRecord
 from nanovllm.request import Request, RequestStatus
@@ -95,6 +100,7 @@ class ReplicaActor:
         # Prefill/decode disaggregation: how this replica sends K/V it prefilled, or receives K/V to decode.
         self.transfer = KV_TRANSFERS.build(kv_transfer) if kv_transfer is not None else None
         self._keys: set[int] = set()
+        self._tier_keys: dict[str, set[int]] = {}   # each KV tier's keys as last reported (tier name -> keys)
         self._sent: dict[str, int] = {}   # request id -> output tokens already reported (``progress``)
 
     def info(self) -> dict[str, Any]:
@@ -105,10 +111,17 @@ class ReplicaActor:
                 "num_kv_blocks": engine.num_kv_blocks, "block_size": engine.config.block_size,
                 "max_logprobs": engine.max_logprobs, "warmup_time": engine.warmup_time,
                 "warmup_steps": engine.warmup_steps, "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "state": self._state()}
+                "pid": os.getpid(), "state": self._state(),
+                "tiers": [] if engine.offload is None else [
+                    (name, tier.registered_name) for name, tier in zip(engine.offload.names, engine.offload.tiers)]}
 
     def clock(self) -> float:
         return self.engine.clock()
+
+    def close(self) -> None:
+        """The cluster is closing: close the engine (its KV tiers remove what they must not leave behind, e.g.
+        a shared store's blocks with ``persist=false``)."""
+        self.engine.close()
 
     def cached_prefix_len(self, token_ids: list[int]) -> int:
         """What this replica's allocator itself says of a prompt (what the driver's mirror must agree with)."""
@@ -116,6 +129,15 @@ class ReplicaActor:
 
         request = Request("probe", list(token_ids), SamplingParams(), 0.0)
         return self.engine.allocator.cached_prefix_len(request)
+
+    def cached_prefix_by_tier(self, token_ids: list[int]) -> dict[str, int]:
+        """What this replica's scheduler says of a prompt, its KV tiers included, by tier (what the driver's
+        mirror of the pool and the tiers must agree with)."""
+        from nanovllm.sampling import SamplingParams
+
+        match = self.engine.scheduler.cached_prefix_len(Request("probe", list(token_ids), SamplingParams(), 0.0))
+        by_tier = getattr(match, "by_tier", None)
+        return dict(by_tier) if by_tier is not None else {"primary": int(match)}
 
     def run(self, new: list[dict[str, Any]], abort: str | None,
             aborts: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
@@ -165,7 +187,7 @@ class ReplicaActor:
         assert handoff is not None and self.transfer is not None
         started = time.perf_counter()
         try:
-            handle, error = self.transfer.send(request.request_id, handoff.data), None
+            handle, error = self.transfer.send_request(self.engine, request, handoff.data), None
         except Exception as exc:  # noqa: BLE001 -- this request fails with the reason; the others go on
             handle, error = None, f"kv transfer ({self.transfer.registered_name}) failed to send: {exc}"
         handoff.transfer_time += time.perf_counter() - started
@@ -186,7 +208,7 @@ class ReplicaActor:
         data, failed = None, bool(moved.get("failed"))
         if not failed:
             try:
-                data = self.transfer.receive(moved["handle"])
+                data = self.transfer.receive_request(self.engine, request, moved["handle"])
             except Exception as exc:  # noqa: BLE001 -- KVTransferError, or a transfer plugin's own failure
                 # The K/V are lost, the request is not: this replica computes its prompt (and first token) itself.
                 logging.getLogger(__name__).warning(
@@ -199,6 +221,8 @@ class ReplicaActor:
                                     prefill_end_time=moved["prefill_end_time"],
                                     transfer_time=moved["transfer_time"] + time.perf_counter() - started,
                                     failed=failed)
+        if data is not None:   # a prefix of the blocks sent may have come (a store lost the rest)
+            fit_handoff(request.handoff, data, self.engine.config.block_size)
         request.replica = self.replica.index
         self.replica.add_handed_off(request)
         self._sent[request.request_id] = request.num_output_tokens   # the driver has the first token already
@@ -232,7 +256,20 @@ class ReplicaActor:
                 "num_free_blocks": allocator.num_free_blocks(), "num_total_blocks": allocator.num_blocks,
                 "num_queued_tokens": replica.num_queued_tokens, "num_decoding": replica.num_decoding,
                 "recent_ttft": replica.recent_ttft, "recent_itl": replica.recent_itl,
-                "keys_added": added, "keys_removed": removed}
+                "keys_added": added, "keys_removed": removed, "tier_keys": self._tier_changes()}
+
+    def _tier_changes(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Per KV tier, the keys (``prefix_block_key``) it gained and lost since the last report: the driver
+        mirrors each replica's tiers as it mirrors its pool, so a route reads tier-aware matches locally."""
+        offload = self.engine.offload
+        if offload is None:
+            return {}
+        changes = {}
+        for name, tier in zip(offload.names, offload.tiers):
+            keys, before = tier.keys(), self._tier_keys.get(name, set())
+            changes[name] = (list(keys - before), list(before - keys))
+            self._tier_keys[name] = keys
+        return changes
 
 
 _RESTORED = ("first_scheduled_time", "first_token_time", "num_cached_tokens", "num_preemptions",
@@ -304,6 +341,9 @@ class RemoteReplica:
         self.state: dict[str, Any] = dict(info["state"])
         self.keys: set[int] = set(self.state.pop("keys_added"))
         self.state.pop("keys_removed")
+        # Its KV tiers, top first: (name, registered name); each tier's keys (the cluster's mirror: RayCluster).
+        self.tiers: list[tuple[str, str]] = [tuple(tier) for tier in info.get("tiers", [])]  # type: ignore[misc]
+        self.tier_keys: dict[str, set[int]] = {name: set() for name, _ in self.tiers}
         self.held: dict[str, Request] = {}              # request id -> request, until it ends
         self.unsent: list[tuple[Request, str | None]] = []
         self.sending: list[Request] = []                # the (accepted) requests of the call in flight
@@ -417,6 +457,8 @@ class RayCluster(ClusterBase):
             if not self.transfer.moves_between_processes:
                 raise ValueError(f"kv_transfer {self.transfer.registered_name!r} works within one process only; "
                                  "real replicas are processes: use kv_transfer=shared_memory or ray")
+            for index in range(cluster.replicas):
+                self.transfer.check(cluster.engine_config(config, index))
             if config.tensor_parallel_size > 1:
                 raise ValueError("prefill/decode disaggregation reads K/V out of one process's cache: "
                                  "tensor_parallel_size must be 1")
@@ -459,6 +501,11 @@ class RayCluster(ClusterBase):
         self.replicas = [RemoteReplica(index, actor, info, 0.0 if info["node_id"] == node else _offset(actor),
                                        self._view_index(index))
                          for index, (actor, info) in enumerate(zip(actors, infos))]
+        # A shared KV tier is one store: a key any replica reports holding is in it for every replica (how many
+        # replicas report each key; what one evicts is gone for all, and its report removes it).
+        self._shared_keys: Counter[int] = Counter()
+        for replica in self.replicas:
+            self._mirror_tiers(replica, replica.state.pop("tier_keys"))
         # What the request checks read of a runner: a device for seeded generators (the model stays in the actors).
         runner = types.SimpleNamespace(device=torch.device("cpu"))
         self.clock = time.perf_counter
@@ -580,13 +627,44 @@ class RayCluster(ClusterBase):
             self._last_keys = (request, keys)
         return keys
 
+    def _mirror_tiers(self, replica: RemoteReplica, changes: Mapping[str, tuple[list[int], list[int]]]) -> None:
+        """Apply what ``replica`` reported of its KV tiers' keys (added, removed) to the driver's mirror."""
+        shared = {name for name, kind in replica.tiers if kind == "shared"}
+        for name, (added, removed) in changes.items():
+            keys = replica.tier_keys.setdefault(name, set())
+            removed = [key for key in removed if key in keys]
+            added = [key for key in added if key not in keys]
+            keys.difference_update(removed)
+            keys.update(added)
+            if name in shared:
+                self._shared_keys.update(added)
+                for key in removed:
+                    self._shared_keys[key] -= 1
+                    if self._shared_keys[key] <= 0:
+                        del self._shared_keys[key]
+
     def _prefix_match(self, replica: RemoteReplica, request: Request) -> int:
+        """``request``'s cached prefix on ``replica`` from the driver's mirrors: its pool, then block by block the
+        first of its KV tiers holding the next one (a shared tier: any replica's report), as its scheduler's
+        ``cached_prefix_len`` counts it (a ``CachedPrefix``, by tier, when it has tiers). No round trip; what
+        each replica reported at its last step."""
+        keys, block_size = self.view_keys(request), replica.info["block_size"]
         matched = 0
-        for key in self.view_keys(request):
+        for key in keys:
             if key not in replica.keys:
                 break
             matched += 1
-        return matched * replica.info["block_size"]
+        if not replica.tiers:
+            return matched * block_size
+        by_tier = {"primary": matched * block_size, **{name: 0 for name, _ in replica.tiers}}
+        levels = [(name, None if kind == "shared" else replica.tier_keys[name]) for name, kind in replica.tiers]
+        for key in keys[matched:]:
+            holder = next((name for name, own in levels
+                           if (self._shared_keys[key] > 0 if own is None else key in own)), None)
+            if holder is None:
+                break
+            by_tier[holder] += block_size
+        return CachedPrefix(by_tier)
 
     def _route(self, request: Request, now: float) -> int:
         """The router's choice (with disaggregation: the prefill router's, among the prefill replicas)."""
@@ -697,6 +775,7 @@ class RayCluster(ClusterBase):
         state = dict(result["state"])
         replica.keys.difference_update(state.pop("keys_removed"))
         replica.keys.update(state.pop("keys_added"))
+        self._mirror_tiers(replica, state.pop("tier_keys"))
         replica.state, replica.sending, replica._view, replica.aborting = state, [], None, (None, [])
         if result["record"] is None:
             return None
@@ -826,6 +905,8 @@ class RayCluster(ClusterBase):
         state = dict(info["state"])
         replica.keys = set(state.pop("keys_added"))
         state.pop("keys_removed")
+        self._mirror_tiers(replica, {name: ([], list(keys)) for name, keys in replica.tier_keys.items()})
+        self._mirror_tiers(replica, state.pop("tier_keys"))   # the new actor's tiers (its shared one adopts the store)
         replica.state, replica._view = state, None
         node = ray.get_runtime_context().get_node_id()
         replica.offset = 0.0 if info["node_id"] == node else _offset(replica.actor)
@@ -856,7 +937,14 @@ class RayCluster(ClusterBase):
         ray.kill(self.replicas[index].actor, no_restart=True)
 
     def close(self) -> None:
-        """Stop the actors and the Ray instance this cluster started (idempotent)."""
+        """Close the live replicas' engines (each after its step in flight), then stop the actors and the Ray
+        instance this cluster started (idempotent)."""
+        if self._finalizer.alive:
+            import ray
+
+            live = [replica.actor for replica in self.replicas if replica.alive]
+            with contextlib.suppress(Exception):   # a dead or hung actor: killed below all the same
+                ray.get([actor.close.remote() for actor in live], timeout=30)
         self._finalizer()
 
     def __enter__(self) -> "RayCluster":

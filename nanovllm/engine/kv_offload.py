@@ -64,7 +64,9 @@ class TierStats:
     bytes_written: int = 0
     bytes_loaded: int = 0
     failures: int = 0          # blocks it could not store or return (full, missing, corrupt)
-    load_seconds: float = 0.0  # time spent reading blocks out of it (wall; simulated: its link's time)
+    # Time spent loading blocks out of it (wall: reading them, and at admission their copy into the pool;
+    # simulated: its link's time).
+    load_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -303,8 +305,15 @@ class KVOffload:
             stats.bytes_loaded += data.numel() * data.element_size()
             blocks.append(data)
         if blocks:
-            self._write(request.block_table[load.first_block:load.first_block + len(blocks)],
-                        torch.cat(blocks, dim=2))
+            start = time.perf_counter()
+            # Block by block, straight from the tier's tensors: concatenating them first would copy every byte
+            # twice (the load then ran at half the machine's copy bandwidth: experiments/bench_kv_tiers.py).
+            for j, data in enumerate(blocks):
+                self._write([request.block_table[load.first_block + j]], data)
+            if not blocks[0].is_meta:   # the copy into the pool is part of loading: each tier's share by blocks
+                seconds = (time.perf_counter() - start) / len(blocks)
+                for name, tokens in by_tier.items():
+                    self.stats[name].load_seconds += seconds * (tokens // self.block_size)
         return CachedPrefix(by_tier)
 
     def _swap_in(self, request: Request, load: Load) -> int:
@@ -345,6 +354,57 @@ class KVOffload:
                 stats.blocks_loaded += 1
                 stats.bytes_loaded += data.numel() * data.element_size()
                 self._put(0, keys[i], self._tokens(request, i), data)
+
+    # -- blocks handed between replicas (``kv_transfer=shared_store``) -------------------------------------------
+    def tier_index(self, name: str) -> int | None:
+        """The position of the tier registered as ``name`` in this stack (None: there is none)."""
+        return next((i for i, tier in enumerate(self.tiers) if tier.name == name), None)
+
+    def put_blocks(self, index: int, blocks: list[tuple[int, Tokens]], data: torch.Tensor) -> int:
+        """Store block ``j`` of ``data`` ([layers, 2, n, ...]) under ``blocks[j]`` (key, tokens) in tier ``index``,
+        skipping those it holds already (a write-through put them there); returns the bytes written. A prefill
+        replica hands its prompt's full blocks to the shared store this way."""
+        tier, written = self.tiers[index], 0
+        for j, (key, tokens) in enumerate(blocks):
+            if tier.contains(key):
+                continue
+            block = data[:, :, j:j + 1]
+            if self._put(index, key, tokens, block):
+                written += block.numel() * block.element_size()
+        return written
+
+    def put_once(self, index: int, key: int, tokens: Tokens, data: torch.Tensor) -> None:
+        """``KVTier.put_once`` on tier ``index``, counted as a write (a prompt's partial last block handed to a
+        decode replica); raises ``OSError`` when the storage fails."""
+        self.tiers[index].put_once(key, tokens, data)
+        stats = self.stats[self.names[index]]
+        stats.blocks_written += data.shape[2]
+        stats.bytes_written += data.numel() * data.element_size()
+
+    def take_once(self, index: int, key: int, tokens: Tokens) -> torch.Tensor | None:
+        """``KVTier.take`` on tier ``index``, counted as a load."""
+        start = time.perf_counter()
+        data = self.tiers[index].take(key, tokens)
+        if data is not None:
+            stats = self.stats[self.names[index]]
+            stats.load_seconds += time.perf_counter() - start
+            stats.blocks_loaded += data.shape[2]
+            stats.bytes_loaded += data.numel() * data.element_size()
+        return data
+
+    def get_blocks(self, index: int, blocks: list[tuple[int, Tokens]]) -> list[torch.Tensor]:
+        """The blocks (key, tokens) tier ``index`` holds, in order, up to the first it does not (counted as loads,
+        not prefix hits: a decode replica receiving a prefill's K/V through the shared store)."""
+        found = []
+        stats = self.stats[self.names[index]]
+        for key, tokens in blocks:
+            data = self._get(index, key, tokens)
+            if data is None:
+                break
+            stats.blocks_loaded += 1
+            stats.bytes_loaded += data.numel() * data.element_size()
+            found.append(data)
+        return found
 
     # -- records -----------------------------------------------------------------------------------------------
     def take_step_stats(self) -> tuple[int, dict[str, dict[str, float]]]:

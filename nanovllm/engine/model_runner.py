@@ -79,11 +79,13 @@ class ModelRunner(Runner):
         """Blocks ``first_block:`` of ``data`` into ``block_ids`` of the cache."""
         if not block_ids:
             return
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         cache = self._cache()
         cache_dtype = cache.dtype  # an 8-bit cache's packed rows stay bytes
         src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, cache_dtype)
-        cache.index_copy_(2, index, src)
+        # One slice copy per block: index_copy_ along this dimension ran at about half a plain copy's bandwidth
+        # (experiments/bench_kv_tiers.py), and a block is large enough that the loop costs little.
+        for j, block in enumerate(block_ids):
+            cache[:, :, block].copy_(src[:, :, j])
 
     def check_kv(self, data: object, num_blocks: int) -> str | None:
         if not isinstance(data, torch.Tensor):

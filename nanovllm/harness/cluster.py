@@ -171,10 +171,14 @@ def simulated_transfer(spec: PluginSpec, hardware: Mapping[str, Any] | None) -> 
     """The ``KVTransfer`` a simulated cluster models K/V moves with. A link preset (``kv_transfer=nvlink``,
     ``infiniband``, ``ethernet``: name ``link``) is used as it is; a real transfer's figures (measured on this
     machine) give way to the simulated hardware's own link (``hardware.kv_link_bandwidth``/``_latency``) when
-    a hardware profile names one, since this machine's shared memory says nothing about a GPU's."""
+    a hardware profile names one, since this machine's shared memory says nothing about a GPU's; a transfer
+    through a KV tier (``shared_store``) is priced on that tier's link (``hardware.kv_tier_links.shared``)."""
     transfer = KV_TRANSFERS.build(spec)
     link = Hardware.from_config(hardware) if hardware is not None else None
-    if transfer.moves_between_processes and link is not None and link.kv_link_bandwidth is not None:
+    tier_link = link.kv_tier_links.get(transfer.tier_link or "") if link is not None else None
+    if tier_link is not None:   # through a KV tier (shared_store): priced on that tier's link
+        transfer.bandwidth, transfer.latency = tier_link["bandwidth"], tier_link["latency"]
+    elif transfer.moves_between_processes and link is not None and link.kv_link_bandwidth is not None:
         transfer.bandwidth, transfer.latency = link.kv_link_bandwidth, link.kv_link_latency or 0.0
     return transfer
 

@@ -161,6 +161,23 @@ class KVTier(abc.ABC):
     def num_entries(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> set[int]:
+        """The keys a prefix lookup can find here now (swapped-out entries left out): what a Ray replica reports
+        to the driver's mirror of its tiers (``RayCluster``'s tier-aware router views)."""
+        return {key for key, entry in self._entries.items() if not entry.pinned}
+
+    def put_once(self, key: int, tokens: Tokens, data: torch.Tensor) -> None:
+        """Store ``data`` for one reader (``take``), possibly in another process sharing this tier's storage: not
+        indexed, counted against capacity or evicted here (``kv_transfer=shared_store`` hands a prompt's partial
+        last block over this way). Raises ``OSError`` when the storage fails."""
+        self._write(key, tokens, self._encode(data))
+
+    def take(self, key: int, tokens: Tokens) -> torch.Tensor | None:
+        """The entry ``put_once`` stored under ``key`` (None when it is gone or holds other ``tokens``), removed."""
+        data = self._read(key, tokens)
+        self._remove(key)
+        return None if data is None else self._decode(data)
+
     def close(self) -> None:
         """The engine is done with this tier. Default: nothing to release."""
 

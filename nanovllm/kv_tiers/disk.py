@@ -68,6 +68,10 @@ class DiskTier(KVTier):
         every replica in the process sees."""
         return self._ghost_store
 
+    def path_of(self, key: int) -> Path:
+        """The file ``key``'s block is stored in (whether or not it is there now)."""
+        return self._file(key)
+
     def _file(self, key: int) -> Path:
         return self.directory / f"{key & 0xFFFFFFFFFFFFFFFF:016x}.kv"
 

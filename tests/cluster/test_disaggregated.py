@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from nanovllm.allocator import prefix_block_keys
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.disaggregated import DisaggregatedCluster, pool_routers
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransferError
@@ -22,14 +23,15 @@ SIM_ENGINE = dict(num_kv_blocks=64, max_num_seqs=8, dtype="bfloat16")
 LINK = {"name": "link", "bandwidth": 1.0e9, "latency": 1.0e-3}
 
 
-def real_cluster(prefill: dict, decode: dict, router="round_robin"):
+def real_cluster(prefill: dict, decode: dict, router="round_robin", transfer=None):
     """One prefill and one decode engine on the default model in this process (they share its weights)."""
     from nanovllm.engine.engine import LLMEngine
 
     base = dict(num_kv_blocks=256, max_model_len=1024, warmup=False)
     engines = [LLMEngine(EngineConfig(**{**base, **options}), allocator="prefix") for options in (prefill, decode)]
     prefill_router, decode_router = pool_routers(router)
-    return DisaggregatedCluster(engines[:1], engines[1:], prefill_router, decode_router)
+    return DisaggregatedCluster(engines[:1], engines[1:], prefill_router, decode_router,
+                                KV_TRANSFERS.build(transfer) if transfer is not None else None)
 
 
 def generate(cluster, prompts, params):
@@ -94,6 +96,69 @@ def test_the_decode_sides_prefix_cache_still_hits_and_the_bytes_are_the_prompts_
     assert first[0].handoff.num_bytes == engine.allocator.blocks_for(len(prompt)) * engine.kv_block_bytes
 
 
+# A shared-store transfer that loses the store's second block of every prompt between the prefill's write and
+# the decode replica's read (as another replica evicting it would).
+class LosesSecondBlock(KV_TRANSFERS.get("shared_store")):   # type: ignore[misc]
+    def send_request(self, engine, request, data):
+        handle = super().send_request(engine, request, data)
+        if handle["blocks"] >= 2:
+            offload = engine.offload
+            tier = offload.tiers[offload.tier_index("shared")]
+            key = self._blocks(request, engine.config.block_size, 2)[1][0]
+            tier.path_of(key).unlink()
+        return handle
+
+
+@pytest.mark.parametrize("policy", ["evict", "write_through"])
+def test_the_shared_store_hands_the_kv_over_token_identical_to_one_engine(llm, parity_prompts, hf_greedy, tmp_path,
+                                                                           policy):
+    """kv_transfer=shared_store: the prefill writes the prompt's full blocks to the store (none of them again
+    when its tier wrote them through) and its partial last block for the decode replica alone; the decode
+    replica reads every one back through its shared tier; nothing is recomputed and no one-off block is left."""
+    from conftest import PARITY_MAX_TOKENS
+
+    store = dict(name="shared", path=str(tmp_path), store="pd", policy=policy)
+    cluster = real_cluster(dict(kv_offload=store), dict(kv_offload=store), transfer="shared_store")
+    params = SamplingParams(temperature=0.0, max_tokens=PARITY_MAX_TOKENS)
+    requests, steps = generate(cluster, parity_prompts, params)
+    assert [r.output_token_ids for r in requests] == hf_greedy
+    handed = [r for r in requests if r.handoff is not None]
+    assert len(handed) >= len(requests) - 1 and not any(r.handoff.failed for r in handed)
+    engine = cluster.replicas[0].engine
+    for r in handed:   # the record's fields as with any transfer: the prompt's blocks moved, none recomputed
+        assert r.handoff.num_tokens == len(r.prompt_token_ids) and r.handoff.loaded
+        assert r.handoff.num_bytes == engine.allocator.blocks_for(len(r.prompt_token_ids)) * engine.kv_block_bytes
+        assert r.handoff.decode_start_time is not None and r.handoff.transfer_time > 0
+    decode = cluster.replicas[1].engine
+    assert sum(r.num_recomputed_tokens for r in handed) == 0
+    blocks = LosesSecondBlock._blocks
+    stored = {key for r in handed for key, _ in blocks(r, 16, len(r.prompt_token_ids) // 16)}
+    if policy == "write_through":   # and every prompt's blocks a prefix cache may match, as each prefill ends
+        stored |= {key for r in requests for key in prefix_block_keys(r.prompt_token_ids, 16)}
+    files = {int(f.stem, 16) for f in engine.offload.tiers[0].directory.glob("*.kv")}
+    assert files == {key & 0xFFFFFFFFFFFFFFFF for key in stored}   # the full blocks; no partial block is left
+    tails = sum(len(r.prompt_token_ids) % 16 > 0 for r in handed)   # partial last blocks, one-off
+    assert engine.offload.stats["shared"].blocks_written == len(stored) + tails   # each once, by transfer or tier
+    assert decode.offload.stats["shared"].blocks_loaded == sum(
+        engine.allocator.blocks_for(len(r.prompt_token_ids)) for r in handed)
+
+
+def test_a_block_the_shared_store_lost_is_recomputed_on_the_decode_side(llm, tmp_path):
+    store = dict(name="shared", path=str(tmp_path), store="lost")
+    cluster = real_cluster(dict(kv_offload=store), dict(kv_offload=store), transfer=LosesSecondBlock())
+    prompt = llm.engine.tokenizer.encode("The history of the Roman Empire spans many centuries, and " * 4)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    [request], steps = generate(cluster, [prompt], params)
+    assert request.output_token_ids == llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert request.handoff.num_tokens == 16 and not request.handoff.failed   # block 0 came; from block 1 on, computed
+    assert request.num_recomputed_tokens == len(prompt) - 16   # the prompt past block 0, on the decode side
+
+
+def test_the_shared_store_transfer_needs_a_shared_tier_naming_the_field(llm):
+    with pytest.raises(ValueError, match="kv_offload must have a shared tier"):
+        real_cluster({}, {}, transfer="shared_store")
+
+
 def test_kv_that_do_not_fit_the_decode_replica_fail_that_request_with_the_reason(llm):
     """A decode replica of another block size cannot load the K/V: that request fails naming why."""
     cluster = real_cluster({}, dict(block_size=32))
@@ -130,6 +195,22 @@ def test_a_simulated_transfer_takes_latency_plus_bytes_over_bandwidth_one_at_a_t
                    for r in burst)
     assert all(start >= previous_end - 1e-9 for (_, previous_end), (start, _) in zip(spans, spans[1:]))
     assert max(r["kv_transfer_time"] for r in burst) > 2 * min(r["kv_transfer_time"] for r in burst)
+
+
+def test_a_simulated_shared_store_transfer_is_priced_on_the_hardwares_shared_tier_link():
+    import yaml
+
+    from helpers import REPO
+
+    hardware = yaml.safe_load((REPO / "conf/hardware/h100_sxm.yaml").read_text())
+    link = hardware["kv_tier_links"]["shared"]
+    config = ClusterConfig(prefill_replicas=1, decode_replicas=1, kv_transfer="shared_store")
+    served = ServedCluster.simulated(config, "round_robin", TOKEN_COST, hardware,
+                                     EngineConfig(**SIM_ENGINE, kv_offload="shared"))
+    (record,) = served.serve(workload(served.engine.tokenizer, n=1)).requests
+    assert record["kv_transfer_time"] == pytest.approx(link["latency"] + record["kv_transfer_bytes"] / link["bandwidth"])
+    with pytest.raises(ValueError, match="kv_offload must have a shared tier"):
+        ServedCluster.simulated(config, "round_robin", TOKEN_COST, hardware, EngineConfig(**SIM_ENGINE))
 
 
 def test_a_decode_replica_without_free_blocks_keeps_requests_waiting_and_none_is_lost():

@@ -1,0 +1,115 @@
+"""KV tiers on real replicas (Ray actors): the driver's views of each replica carry the same tier-aware prefix
+matches its own scheduler computes (the pool, then its host tier, then the shared store, which one replica's
+blocks reach for both), so ``cache_aware`` prefers the replica whose pool holds a prefix; and prefill/decode
+disaggregation through the shared store (``kv_transfer=shared_store``) generates what one engine does. No Ray
+process and no store file is left afterwards."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import REPO
+from test_ray_cluster import ray_processes as all_ray_processes
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray")
+
+def ray_processes():
+    """Ray's daemons run from this checkout (other checkouts on the machine may run Ray of their own)."""
+    import psutil
+
+    found = []
+    for proc in all_ray_processes():
+        try:
+            if str(REPO) in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:   # gone meanwhile
+            continue
+    return found
+
+
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4   # one float32 block of the default model (30 layers, 3 KV heads of 64)
+ENGINE = dict(num_kv_blocks=16, max_model_len=256, warmup=False, allocator="prefix")
+TEXTS = ["In a distant kingdom, beyond the seven mountains and the great silver river, lived a wise old queen. ",
+         "The history of the Roman Empire spans many centuries, and its roads still cross the continent today. ",
+         "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen inside every green leaf. "]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kv_shared")
+    yield path
+    assert not list(path.rglob("*.kv")), "the replicas' shared blocks outlived the cluster (persist=false)"
+
+
+@pytest.fixture
+def tiered_llm(store):
+    """Two replicas with tiers; closed after its test (a cluster still running would hold the CPUs the next
+    test's actors need)."""
+    from nanovllm import LLM
+
+    before = {p.pid for p in ray_processes()}
+    # A small pool, a host tier of 3 blocks written through, the shared store below it (what host evicts).
+    llm = LLM(cluster=dict(replicas=2), router="round_robin", **ENGINE,
+              kv_offload=dict(name="host", capacity=3 * BLOCK_BYTES, policy="write_through",
+                              below=dict(name="shared", path=str(store), store="views")))
+    yield llm
+    llm.close()
+    assert not ray.is_initialized()
+    assert not [p for p in ray_processes() if p.pid not in before]
+
+
+def test_ray_views_carry_each_replicas_tier_aware_prefix_matches(tiered_llm):
+    from nanovllm import SamplingParams
+    from routers.cache_aware import CacheAware
+
+    cluster = tiered_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    prompts = [TEXTS[0] * 6, "Hi", TEXTS[1] * 6, "Hey", TEXTS[2] * 6, "Yo"]   # round robin: the long ones on 0
+    for i in range(0, len(prompts), 2):   # one after another, so the later prompts push the first out of the pool
+        tiered_llm.generate(prompts[i:i + 2], params, use_tqdm=False)
+    assert [r.num_routed for r in cluster.replicas] == [3, 3]
+    for text in (TEXTS[0] * 6, TEXTS[2] * 6):
+        probe = cluster.make_request(text, params)
+        views = [replica.view(probe, cluster._prefix_match) for replica in cluster.replicas]
+        own = ray.get([r.actor.cached_prefix_by_tier.remote(probe.token_ids) for r in cluster.replicas])
+        assert [view.prefix_match_by_tier for view in views] == own   # the mirror is each scheduler's answer
+        full = (len(probe.token_ids) - 1) // 16 * 16
+        assert int(views[0].prefix_match_tokens) == full > 0        # replica 0 computed it: pool, host, store
+        assert own[1]["primary"] == own[1]["host"] == 0 < own[1]["shared"]   # replica 1: in the store only
+        assert views[1].prefix_match_local_tokens == 0
+        if text == TEXTS[0] * 6:   # long left replica 0's host tier: all of it reached the store
+            assert own[1]["shared"] == full
+        cluster._last_keys = (None, [])
+    # The first prompt left replica 0's pool and host tier for the store; the last one is still in its pool.
+    first, last = (ray.get(cluster.replicas[0].actor.cached_prefix_by_tier.remote(
+        cluster.make_request(text, params).token_ids)) for text in (TEXTS[0] * 6, TEXTS[2] * 6))
+    assert first["shared"] > 0 and last["primary"] > 0
+    router = CacheAware()
+    probe = cluster.make_request(TEXTS[2] * 6 + "Why?", params)
+    views = [replica.view(probe, cluster._prefix_match) for replica in cluster.replicas]
+    assert router.route(probe, views, 0.0) == 0                     # its pool has it: cache_aware prefers it
+
+
+def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(store):
+    from nanovllm import LLM, SamplingParams
+
+    from test_ray_cluster import PROMPTS
+
+    before = {p.pid for p in ray_processes()}
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = PROMPTS + [TEXTS[1] * 2]
+    shared = dict(name="shared", path=str(store), store="pd")
+    llm = LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="shared_store"), **ENGINE,
+              kv_offload=shared)
+    try:
+        served = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    assert not [p for p in ray_processes() if p.pid not in before]
+    alone = LLM(**ENGINE).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in served] == [o.token_ids for o in alone]
+    for output in served:   # every prompt's blocks moved, none lost on the way
+        assert output.metrics.kv_transfer_bytes == -(-len(output.prompt_token_ids) // 16) * BLOCK_BYTES
