@@ -141,6 +141,8 @@ class StepTotals:
         spec = self.spec_decode
         if spec is None:
             spec = self.spec_decode = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+        if not step["spec_decode_num_drafts"]:   # no proposal verified in the step: nothing to add
+            return
         spec["drafts"] += step["spec_decode_num_drafts"]
         spec["draft_tokens"] += step["spec_decode_num_draft_tokens"]
         spec["accepted"] += step["spec_decode_num_accepted_tokens"]

@@ -32,7 +32,8 @@ from nanovllm.serving.records import read_run
 
 # The runner keys of conf/runner/sim.yaml, and those only the token_cost step-time model reads.
 TOKEN_COST_KEYS = ("step_overhead", "time_per_token")
-SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", *TOKEN_COST_KEYS)
+SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", "fast_forward",
+                   *TOKEN_COST_KEYS)
 
 
 def output_lengths_of(run_dir: str | Path) -> dict[str, int]:
@@ -52,14 +53,17 @@ class Simulation(ServedEngine):
     def build(cls, config: EngineConfig, step_time: str | Mapping[str, Any], *, scheduler: PluginSpec = "fcfs",
               allocator: PluginSpec = "paged", attention: PluginSpec = "torch", profile: str | None = None,
               replay_run: str | None = None, hardware: Hardware | None = None,
-              output_lengths: Mapping[str, int] | None = None) -> "Simulation":
+              output_lengths: Mapping[str, int] | None = None, fast_forward: bool = True) -> "Simulation":
         """Build the engine around the step-time model ``step_time``: a registered name (``STEP_TIME_MODELS``)
         or ``{"name": ..., **options}`` (``{"name": "token_cost", "step_overhead": 1, "time_per_token": 0}``
         counts engine steps). ``output_lengths``: request_id ->
         target output length (others stop at ``max_tokens``); a replay takes them from its run by default.
         With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``, the KV cache gets the memory the
         weights leave (an error naming ``hardware.memory_bytes`` when they do not fit). A ``calibrated`` profile
-        measured on another machine says so in one warning, logged (``machine_warning``)."""
+        measured on another machine says so in one warning, logged (``machine_warning``). ``fast_forward``: runs
+        of pure-decode steps are computed at once where that is provably what stepping gives
+        (``nanovllm.engine.decode_stretch``; records identical), for a step-time model that is pure (not
+        ``replay``)."""
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
@@ -80,7 +84,8 @@ class Simulation(ServedEngine):
             output_lengths = output_lengths_of(replay_run)
         engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
                                   attention=attention, target_len=_target_len(output_lengths),
-                                  kv_links=hardware.kv_tier_links if hardware is not None else None)
+                                  kv_links=hardware.kv_tier_links if hardware is not None else None,
+                                  fast_forward=fast_forward and model.pure)
         return cls(engine, engine.runner.clock, cost, model, hardware)
 
     def replica(self, config: EngineConfig, **plugins: PluginSpec) -> "Simulation":
@@ -91,7 +96,7 @@ class Simulation(ServedEngine):
                                   target_len=self.engine.runner.target_len, tokenizer=self.engine.tokenizer,
                                   hf_config=self.engine.hf_config,
                                   kv_links=self.hardware.kv_tier_links if self.hardware is not None else None,
-                                  **plugins)
+                                  fast_forward=getattr(self.engine.runner, "fast_forward", False), **plugins)
         return type(self)(engine, engine.runner.clock, self.cost, self.model, self.hardware)
 
     @classmethod
@@ -104,7 +109,8 @@ class Simulation(ServedEngine):
         return cls.build(
             config, step_time, profile=runner.get("profile"), replay_run=runner.get("replay_run"),
             hardware=Hardware.from_config(hardware) if hardware is not None else None,
-            output_lengths=output_lengths_of(lengths_run) if lengths_run else None, **plugins,
+            output_lengths=output_lengths_of(lengths_run) if lengths_run else None,
+            fast_forward=bool(runner.get("fast_forward", True)), **plugins,
         )
 
     @property
