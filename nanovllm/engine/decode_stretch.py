@@ -86,20 +86,22 @@ def decode_stretch(engine: Engine, horizon: float) -> list[StepOutput]:
         return []
     block_size = allocator.block_size
     computed = [request.num_computed_tokens for request in batch]
-    # Step j (0-based) computes each request's token at position computed + j: it needs a block first when that
-    # position is past its table (allocator.append), in batch order. Free blocks must cover every allocation, so
-    # no step of the stretch could preempt.
+    # Step j (0-based) computes each request's token at position computed + j: it takes a block first when that
+    # position is past its table (allocator.append, in batch order), and after the step publishes the block
+    # that token filled (allocator.on_tokens_computed). Free blocks must cover every allocation, so no step of
+    # the stretch could preempt.
+    takes = _steps_where(batch, [len(r.block_table) * block_size - c for r, c in zip(batch, computed)],
+                         block_size, max_steps)
+    fills = _steps_where(batch, [(-c - 1) % block_size for c in computed], block_size, max_steps)
     free = allocator.num_free_blocks()
-    capacity = [len(request.block_table) * block_size for request in batch]
     durations: list[float] = []
-    events: dict[int, list[int]] = {}     # step -> batch positions that take a block at that step
     allocated = 0
     context = sum(computed) + size        # context_tokens of the first step (each request: computed + 1)
     t = now
     step_time = runner.step_time
     for j in range(max_steps):
-        needing = [i for i in range(size) if computed[i] + j >= capacity[i]]
-        if allocated + len(needing) > free:
+        allocated += len(takes.get(j, ()))
+        if allocated > free:
             break
         # The features ``batch_features`` gives a pure-decode batch, in its key order.
         features = {"num_prefill_tokens": 0, "num_decode_tokens": size, "num_prefill_seqs": 0,
@@ -108,53 +110,64 @@ def decode_stretch(engine: Engine, horizon: float) -> list[StepOutput]:
         duration = float(step_time(features, t))
         if not duration >= 0 or t + duration >= horizon:
             break   # (a negative duration is left to the step itself, which raises the model's error)
-        for i in needing:
-            capacity[i] += block_size
-        if needing:
-            events[j] = needing
-        allocated += len(needing)
         durations.append(duration)
         t += duration
         context += size
     num_steps = len(durations)
     if num_steps < MIN_STRETCH:
         return []
-    return _apply(engine, batch, computed, durations, events, num_steps)
+    return _apply(engine, batch, computed, durations, takes, fills)
+
+
+def _steps_where(batch: list[Request], first: list[int], period: int, limit: int) -> dict[int, list[int]]:
+    """step -> the batch positions (in batch order) with an event at that step: request i's first at step
+    ``max(0, first[i])``, then every ``period`` steps, below ``limit``."""
+    steps: dict[int, list[int]] = {}
+    for i in range(len(batch)):
+        for j in range(max(0, first[i]), limit, period):
+            steps.setdefault(j, []).append(i)
+    return steps
 
 
 def _apply(engine: Engine, batch: list[Request], computed: list[int], durations: list[float],
-           events: dict[int, list[int]], num_steps: int) -> list[StepOutput]:
-    """Make ``num_steps`` steps happen: the allocator's events in step and batch order, the clock, each step's
-    record, then every request's tokens and token times."""
+           takes: dict[int, list[int]], fills: dict[int, list[int]]) -> list[StepOutput]:
+    """Make the steps of ``durations`` happen: the allocator's events in step and batch order, the clock, each
+    step's record, then every request's tokens and token times."""
     runner, allocator = engine.runner, engine.allocator
     clock = runner.clock
     block_size = allocator.block_size
-    size = len(batch)
+    size, num_steps = len(batch), len(durations)
     tokens = [runner.stand_in_tokens(request, num_steps) for request in batch]
     outputs: list[StepOutput] = []
     times: list[float] = []
     slots = sum(len(request.block_table) for request in batch) * block_size
     total_computed = sum(computed)
     context = total_computed + size
+    record = None
     for j in range(num_steps):
         start = clock.time
-        for i in events.get(j, ()):
+        taking, filling = takes.get(j, ()), fills.get(j, ())
+        for i in taking:
             request = batch[i]
             request.num_computed_tokens = computed[i] + j
             allocator.append(request, 1)
             slots += block_size
         clock.advance(durations[j])
-        # The publications after the step: requests whose block filled with this step's token.
-        for i in range(size):
-            if (computed[i] + j + 1) % block_size == 0:
-                request = batch[i]
-                request.num_computed_tokens = computed[i] + j + 1
-                allocator.on_tokens_computed(request)
+        for i in filling:   # after the step: the blocks this step's tokens filled are published
+            request = batch[i]
+            request.num_computed_tokens = computed[i] + j + 1
+            allocator.on_tokens_computed(request)
         total_computed += size
         times.append(clock.time)
-        plan = SchedulerOutput()
-        layout = _DecodeLayout(size, context)
-        record = engine._step_record(start, plan, layout, size, kv_slots_unused=slots - total_computed)
+        if record is None or taking or filling:   # the allocator's counts may have moved: read them
+            record = engine._step_record(start, SchedulerOutput(), _DecodeLayout(size, context), size,
+                                         kv_slots_unused=slots - total_computed)
+        else:   # only the step's number, times, context and free slots differ from the step before
+            record = record.copy()
+            record.update(step=engine._num_steps, start_time=start, duration=clock.time - start,
+                          context_tokens=context, attn_pairs=context, kv_slots_unused=slots - total_computed,
+                          num_evictions=0, spec_decode_num_accepted_tokens_per_pos=[])
+            engine._num_steps += 1
         outputs.append(StepOutput([], record, None))
         context += size
     for i, request in enumerate(batch):
