@@ -137,7 +137,10 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     clock = runner.clock
     block_size = allocator.block_size
     size, num_steps = len(batch), len(durations)
-    tokens = [runner.stand_in_tokens(request, num_steps) for request in batch]
+    # The tokens first: a block published mid-stretch is keyed by its tokens, which must be there (tokens past
+    # a step are never read before it: appends and publications go by num_computed_tokens, set per event).
+    for request in batch:
+        request.token_ids.extend(runner.stand_in_tokens(request, num_steps))
     outputs: list[StepOutput] = []
     times: list[float] = []
     slots = sum(len(request.block_table) for request in batch) * block_size
@@ -173,7 +176,6 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     for i, request in enumerate(batch):
         request.num_computed_tokens = computed[i] + num_steps
         request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
-        request.token_ids.extend(tokens[i])
         request.token_times.extend(times)
     return outputs
 
