@@ -11,6 +11,8 @@ from nanovllm import BlockAllocator, Request, register_allocator
 class PagedAllocator(BlockAllocator):
     """Each request grows block by block as its tokens are computed; freed blocks go back to the free list."""
 
+    decode_stretches = True   # append takes a block only when one is needed; nothing else happens per token
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self._free: deque[int] = deque(range(num_blocks))

@@ -13,6 +13,9 @@ from nanovllm import BlockAllocator, EvictionTracker, Request, prefix_block_key,
 
 @register_allocator("prefix")
 class PrefixCachingAllocator(BlockAllocator):
+    # append takes a block only when one is needed; on_tokens_computed publishes only blocks that just filled.
+    decode_stretches = True
+
     def __init__(self, num_blocks: int, block_size: int, eviction: str = "lru") -> None:
         super().__init__(num_blocks, block_size)
         self.eviction = EvictionTracker(eviction)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from nanovllm.registry import Registry
 from nanovllm.request import Request
@@ -28,6 +28,10 @@ class BlockAllocator(ABC):
     """Hands out ``num_blocks`` blocks of ``block_size`` token slots each."""
 
     registered_name: str = "custom"
+    # Whether ``append`` of one decode token does anything only when the request needs a new block, and
+    # ``on_tokens_computed`` only when a block has just filled: then a simulated engine may take a run of
+    # decode steps at once, calling them at those steps alone (``nanovllm.engine.decode_stretch``).
+    decode_stretches: ClassVar[bool] = False
     # Set by the engine when KV tiers are on: told of every cached block before its content is dropped.
     evict_listener: Callable[[EvictedBlock], None] | None = None
 

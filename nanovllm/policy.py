@@ -110,12 +110,21 @@ class Policy:
     # requests whose time has come are asked, O(log n) each) or "every_step" (it overrides ``reject_reason``
     # alone: every waiting request is asked at every step, O(n) per step).
     rejection: ClassVar[Rejection] = "never"
+    # Whether a simulated engine may take a run of pure-decode steps at once (``nanovllm.engine.decode_stretch``):
+    # only when nothing the policy decides can change during it, i.e. it keeps no per-step state (``on_step``),
+    # plans every step alike (``step_budget``) and orders the running batch by a key that never changes while a
+    # request runs. Derived from what a class overrides (``__init_subclass__``); a class whose ``priority`` is
+    # such a fixed key declares ``decode_stretches = True``.
+    decode_stretches: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # An undeclared new priority may read anything: the exact full re-sort is the only safe assumption.
         if "priority" in cls.__dict__ and "waiting_key" not in cls.__dict__:
             cls.waiting_key = "dynamic"
+        if "decode_stretches" not in cls.__dict__ and any(
+                name in cls.__dict__ for name in ("priority", "on_step", "step_budget")):
+            cls.decode_stretches = False
         if "reject_after" in cls.__dict__:
             cls.rejection = "timed"
         elif "reject_reason" in cls.__dict__:

@@ -14,6 +14,7 @@ class PriorityPolicy(Policy):
     higher priority that cannot be admitted preempts the lowest-priority running request."""
 
     waiting_key = "static"   # (priority, arrival): fixed for as long as a request waits
+    decode_stretches = True  # and while it runs: the running batch's order never changes
 
     def __init__(self, preempt_for_priority: bool = True) -> None:
         self.preempt_for_priority = preempt_for_priority

@@ -250,6 +250,7 @@ class Cluster(ClusterBase):
         # (request, refusal error, when its K/V arrive: a decode hand-off's, else None)
         self._parked: dict[int, list[tuple[Request, str | None, float | None]]] = {}
         self._reports: deque[StepOutput] = deque()   # what deaths ended, reported by the next steps
+        self._horizon: float | None = None   # the driver's: no request added before it (set_horizon)
         # Fault times count from where the replicas' clocks start (the run's start for a simulated cluster).
         start = min(engine.clock() for engine in engines)
         self._injector = FaultInjector(self.faults, len(engines), start) if self.faults.active else None
@@ -336,6 +337,19 @@ class Cluster(ClusterBase):
     def has_unfinished(self) -> bool:
         return bool(self._ready or self._reports or self._detections or any(self._parked.values()))
 
+    def set_horizon(self, t: float | None) -> None:
+        """No request is added or aborted before ``t`` (the driver's promise): each replica's engine is told, at
+        its step, the time before which nothing can reach it (``_replica_horizon``)."""
+        self._horizon = t
+
+    def _replica_horizon(self, index: int) -> float | None:
+        """Before when nothing from outside can change replica ``index`` (arrivals, K/V deliveries); None with
+        faults, whose recovery may move requests between replicas at any step."""
+        if self._horizon is None or self._injector is not None or self._detections:
+            return None
+        delivery = self._next_delivery()
+        return self._horizon if delivery is None else min(self._horizon, delivery)
+
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests over every live replica."""
         lengths = [replica.engine.queue_lengths() for replica in self.replicas if replica.alive]
@@ -389,6 +403,7 @@ class Cluster(ClusterBase):
         _, index = heapq.heappop(self._ready)
         self._in_ready[index] = False
         replica = self.replicas[index]
+        replica.engine.set_horizon(self._replica_horizon(index))
         output = replica.step()
         output.record["replica"] = index
         self._stepped(replica, output, replica.engine.clock())
@@ -408,7 +423,7 @@ class Cluster(ClusterBase):
     def _mark_ready(self, index: int) -> None:
         replica = self.replicas[index]
         if not self._in_ready[index] and not replica.hung and replica.has_unfinished():
-            heapq.heappush(self._ready, (replica.engine.clock(), index))
+            heapq.heappush(self._ready, (replica.engine.next_step_time(), index))
             self._in_ready[index] = True
 
     def _unready(self, index: int) -> None:

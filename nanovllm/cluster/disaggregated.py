@@ -124,6 +124,15 @@ class DisaggregatedCluster(Cluster):
     def _next_delivery(self) -> float | None:
         return self._transit[0][0] if self._transit else None
 
+    def _replica_horizon(self, index: int) -> float | None:
+        """As ``Cluster``'s, and a decode replica's also ends at the next step of a busy prefill replica: that
+        step may hand a request off, routed by the views of the decode replicas as of then."""
+        horizon = super()._replica_horizon(index)
+        if horizon is None or index < self.num_prefill:
+            return horizon
+        busy = [replica.engine.next_step_time() for replica in self.prefill_replicas if replica.has_unfinished()]
+        return min([horizon, *busy])
+
     def _deliver_next(self) -> None:
         """The transfers due before the next step are delivered (``Cluster._advance``, in time order with the
         faults); the step then runs the replica whose clock is earliest."""

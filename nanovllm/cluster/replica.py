@@ -84,6 +84,10 @@ class LocalReplica:
 
     def step(self) -> StepOutput:
         """One engine step; the figures the views read follow what it did."""
+        if self.engine.has_stretch():
+            # A step of a decode stretch, computed ahead: no request starts, ends or changes its queued tokens,
+            # and no request is routed here before the stretch is over, so the views need nothing new.
+            return self.engine.step()
         self._reported, self._since = self._build_view(), []
         output = self.engine.step()
         self._view = None

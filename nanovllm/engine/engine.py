@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from nanovllm.attention.base import ATTENTION_BACKENDS, AttentionBackend, resolv
 from nanovllm.attention.kv_quant import row_elements, storage_dtype
 from nanovllm.config import EngineConfig, max_positions_of
 from nanovllm.engine.cuda_graphs import GraphSettings
+from nanovllm.engine.decode_stretch import decode_stretch, stretch_blocker
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.kv_offload import KVOffload, check_kv_offload, kv_namespace
 from nanovllm.engine.protocol import EngineClient, StepError, StepOutput
@@ -103,6 +105,10 @@ class LLMEngine(EngineClient):
         self._ids = itertools.count()
         self._num_steps = 0
         self._evictions_seen = 0
+        # Decode stretches (a simulated engine with fast_forward): steps computed ahead, handed out by step().
+        self._horizon: float | None = None
+        self._stretch: deque[StepOutput] = deque()
+        self.num_steps_ahead = 0   # steps this engine took as parts of decode stretches (of ``num_steps``)
 
     def _init_kv_cache(self, attention: PluginSpec, device: torch.device, loads_model: bool) -> None:
         """Size the KV cache in blocks (``EngineConfig.num_kv_blocks`` or the memory it may take), build the
@@ -314,7 +320,23 @@ class LLMEngine(EngineClient):
         return ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._stretch)
+
+    def set_horizon(self, t: float | None) -> None:
+        """The driver's promise before a step: no request is added or aborted before ``t`` on ``clock``
+        (``math.inf``: none will be); None: nothing is promised (the default). With it, a simulated engine with
+        ``fast_forward`` computes the pure-decode steps that end before ``t`` at once and hands them out one
+        ``step()`` at a time, each exactly as stepping would give it (``nanovllm.engine.decode_stretch``)."""
+        self._horizon = t
+
+    def next_step_time(self) -> float:
+        """When the next ``step()`` starts on ``clock``: a step computed ahead (a decode stretch) started at its
+        recorded time, which the clock has already passed; otherwise now."""
+        return self._stretch[0].record["start_time"] if self._stretch else self.clock()
+
+    def has_stretch(self) -> bool:
+        """Whether the next ``step()`` hands out a step computed ahead (no request starts or ends in it)."""
+        return bool(self._stretch)
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests now, preempted ones among the waiting: what a server's gauges and its
@@ -355,6 +377,13 @@ class LLMEngine(EngineClient):
         return found
 
     def _step(self) -> StepOutput:
+        if self._stretch:
+            return self._stretch.popleft()
+        if self._horizon is not None and stretch_blocker(self) is None:
+            self._stretch.extend(decode_stretch(self, self._horizon))
+            self.num_steps_ahead += len(self._stretch)
+            if self._stretch:
+                return self._stretch.popleft()
         start = self.clock()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
@@ -395,8 +424,10 @@ class LLMEngine(EngineClient):
             prefill_end_time=self.clock(), transfer_time=time.perf_counter() - started if data is not None else 0.0)
         self.scheduler.release(request)
 
-    def _step_record(self, start: float, out: SchedulerOutput, layout: "_BatchLayout",
-                     num_sampled: int) -> StepRecord:
+    def _step_record(self, start: float, out: SchedulerOutput, layout: Any, num_sampled: int,
+                     kv_slots_unused: int | None = None) -> StepRecord:
+        """The record of the step that just ran (``layout``: its ``_BatchLayout``; ``kv_slots_unused``: given by a
+        decode stretch, which keeps the count as it goes, else summed over the running requests)."""
         self._num_steps += 1
         evictions, self._evictions_seen = self.allocator.num_evictions - self._evictions_seen, \
             self.allocator.num_evictions
@@ -422,8 +453,8 @@ class LLMEngine(EngineClient):
             prefix_hit_tokens=out.num_prefix_hit_tokens,
             recomputed_tokens=out.num_recomputed_tokens,
             num_evictions=evictions,
-            kv_slots_unused=sum(len(r.block_table) * block_size - r.num_computed_tokens
-                                for r in self.scheduler.running),
+            kv_slots_unused=kv_slots_unused if kv_slots_unused is not None else
+            sum(len(r.block_table) * block_size - r.num_computed_tokens for r in self.scheduler.running),
             spec_decode_num_drafts=out.num_drafts,
             spec_decode_num_draft_tokens=out.num_draft_tokens,
             spec_decode_num_accepted_tokens=out.num_accepted_tokens,

@@ -115,6 +115,13 @@ class EngineClient(Protocol):
         Called only while ``has_unfinished()``. Raises ``StepError`` (or ``PolicyError``) when a step fails:
         the client's state is not to be trusted after that."""
 
+    def set_horizon(self, t: float | None) -> None:
+        """Called by a driver that knows when its next request comes (the serving loop replaying a workload),
+        before each ``step()``: no request is added or aborted before ``t`` on ``clock`` (``math.inf``: none
+        will be). A simulated engine may then compute several steps at once (``LLMEngine.set_horizon``).
+        Default: ignored."""
+        return None
+
     def wait_for_step(self, timeout: float | None) -> bool:
         """Block until ``step()`` can return without waiting, or until ``timeout`` seconds passed (None: no
         limit); True when it can. A driver that admits requests between steps calls it with the time to the

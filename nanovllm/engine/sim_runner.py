@@ -137,12 +137,14 @@ class SimulatedRunner(Runner):
     def __init__(self, context: RunnerContext, step_time: StepTimeFn,
                  target_len: Callable[[Request], int] | None = None,
                  kv_links: Mapping[str, Mapping[str, float]] | None = None,
-                 acceptance: AcceptanceModel | None = None) -> None:
+                 acceptance: AcceptanceModel | None = None, fast_forward: bool = False) -> None:
         """``step_time(features, now)``: the seconds a step with these batch features, starting at ``now``,
         takes. ``target_len(request)``: the output length at which the request ends (default ``max_tokens``).
         ``kv_links``: tier name -> ``{bandwidth, latency}`` (``hardware.kv_tier_links``); None: moves between
         KV tiers take no simulated time. ``acceptance``: how proposals are made and accepted (needed with
-        ``speculative``)."""
+        ``speculative``). ``fast_forward``: the engine may compute runs of pure-decode steps at once
+        (``nanovllm.engine.decode_stretch``); only for a ``step_time`` that is a pure function of its arguments
+        (a replayed timeline is not: each call takes the next recorded step)."""
         hf_config, config = context.hf_config, context.config
         self.hf_config = hf_config
         self.dtype = torch_dtype(config.dtype)
@@ -153,6 +155,7 @@ class SimulatedRunner(Runner):
         self.head_dim = head_dim_of(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.step_time = step_time
+        self.fast_forward = fast_forward
         self.clock = VirtualClock()
         self.target_len = target_len or (lambda request: request.max_tokens)
         self.num_blocks = 0
@@ -284,14 +287,15 @@ def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: 
                      allocator: PluginSpec = "paged", attention: PluginSpec = "torch",
                      target_len: Callable[[Request], int] | None = None, tokenizer: Any = None,
                      hf_config: Any = None, kv_links: Mapping[str, Mapping[str, float]] | None = None,
-                     acceptance: AcceptanceModel | None = None) -> LLMEngine:
+                     acceptance: AcceptanceModel | None = None, fast_forward: bool = False) -> LLMEngine:
     """An ``LLMEngine`` with the real scheduler, policy and allocator on a ``SimulatedRunner`` (its virtual
     clock is ``engine.clock``). Loads the model's config and tokenizer only; KV blocks come from
     ``num_kv_blocks`` or ``kv_cache_memory`` (or ``kv_cache_fraction`` of this machine's free memory). A model
     directory holding only a ``config.json`` (an architecture to simulate, no weights) is tokenized with the
     default model's tokenizer. ``tokenizer``, ``hf_config``: use these instead of loading them (replicas of a
     simulated cluster share them). ``kv_links``: the KV tiers' links (``hardware.kv_tier_links``).
-    ``acceptance``: how proposals are made and accepted, with ``config.speculative``."""
+    ``acceptance``: how proposals are made and accepted, with ``config.speculative``.
+    ``fast_forward``: decode stretches (``SimulatedRunner``)."""
     from transformers import AutoTokenizer
 
     if tokenizer is None:
@@ -301,6 +305,6 @@ def simulated_engine(config: EngineConfig, step_time: StepTimeFn, *, scheduler: 
         # None: LLMEngine loads the model directory's own.
         tokenizer = None if has_tokenizer else AutoTokenizer.from_pretrained(resolve_model(None))
     runner = {"name": "sim", "step_time": step_time, "target_len": target_len, "kv_links": kv_links,
-              "acceptance": acceptance}
+              "acceptance": acceptance, "fast_forward": fast_forward}
     return LLMEngine(config, scheduler=scheduler, allocator=allocator, attention=attention, runner=runner,
                      tokenizer=tokenizer, hf_config=hf_config)

@@ -21,6 +21,7 @@ one (the simulator's is a ``Simulation``).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -247,6 +248,8 @@ class _Run:
                 # Real replicas step on their own (RayCluster): wait for the next step only until the next
                 # arrival, which is routed then, at its time, to a replica that may be idle (None: it came first).
                 next_arrival = t0 + pending[0][1].arrival_time if pending else None
+                # A simulated engine may compute the steps before it at once (decode stretches).
+                engine.set_horizon(math.inf if next_arrival is None else next_arrival)
                 self.books.step(None if next_arrival is None else max(0.0, next_arrival - self.clock.now()))
             elif pending:
                 self.clock.wait_until(t0 + pending[0][1].arrival_time, stop)

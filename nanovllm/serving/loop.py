@@ -76,7 +76,7 @@ class StepLoop:
         for request in output.finished:
             self.output_tokens += request.num_output_tokens
             self.ended(request, request_record(request, self.t0))
-        if self.progress is not None:
+        if self.progress is not None and output.finished:   # (it shows requests ended and their tokens)
             self.progress.update(self.num_ended, self.output_tokens)
         return output
 

@@ -17,6 +17,7 @@ this machine reaches with torch, not the data sheet, so MFU near 1 means "as fas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -172,7 +173,7 @@ class ModelCost:
     def linear_params_per_layer(self) -> int:
         return self.attention_params_per_layer + self.mlp_params_per_layer
 
-    @property
+    @functools.cached_property   # read by every step's cost; the fields are set once, at construction
     def linear_params(self) -> int:
         """Non-embedding linear parameters over all decoder layers (the LM head is counted separately)."""
         return self.num_layers * self.linear_params_per_layer
@@ -199,7 +200,7 @@ class ModelCost:
         lm_head = 0 if self.tie_word_embeddings else self.lm_head_params
         return self.linear_params + self.norm_params + embedding + lm_head
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers, as the cache stores them: in the weights' dtype, or (8-bit
         caches) one byte per value plus a float32 scale per KV head (``nanovllm.attention.kv_quant``)."""
@@ -208,7 +209,7 @@ class ModelCost:
         element = torch.empty((), dtype=storage_dtype(self.kv_cache_dtype, torch.float32)).element_size()
         return 2 * self.num_layers * self.num_kv_heads * row_elements(self.head_dim, self.kv_cache_dtype) * element
 
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> int:
         """What one forward pass streams from memory: every linear weight plus the LM head, as stored (quantized
         weights: ``bytes_per_weight``). The embedding lookup touches only the rows of the batch's tokens, so it is

@@ -141,6 +141,8 @@ class StepTotals:
         spec = self.spec_decode
         if spec is None:
             spec = self.spec_decode = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+        if not step["spec_decode_num_drafts"]:   # no proposal verified in the step: nothing to add
+            return
         spec["drafts"] += step["spec_decode_num_drafts"]
         spec["draft_tokens"] += step["spec_decode_num_draft_tokens"]
         spec["accepted"] += step["spec_decode_num_accepted_tokens"]
@@ -252,20 +254,27 @@ def _weighted(step: Mapping[str, Any]) -> dict[str, float]:
     return {f"_{key}_time": step[key] * step["duration"] for key in _UTILISATION if step.get(key) is not None}
 
 
+# Sets for the per-step merge (each step of a window goes through it).
+_FIRST_SET, _SUMMED_SET, _MAXED_SET, _MINNED_SET, _UTILISATION_SET = (
+    frozenset(_FIRST), frozenset(_SUMMED), frozenset(_MAXED), frozenset(_MINNED), frozenset(_UTILISATION))
+
+
 def _merge(record: dict[str, Any], step: Mapping[str, Any]) -> None:
     record["num_steps"] += 1
     for key, value in step.items():
-        if key in _FIRST:
+        if key in _FIRST_SET:
             continue
-        if key in _SUMMED:
+        if key in _SUMMED_SET:
             record[key] += value
-        elif key in _MAXED:
-            record[key] = max(record[key], value)
-        elif key in _MINNED:
-            record[key] = min(record[key], value)
+        elif key in _MAXED_SET:
+            if value > record[key]:
+                record[key] = value
+        elif key in _MINNED_SET:
+            if value < record[key]:
+                record[key] = value
         elif key == "kv_tiers":
             record[key] = merge_tier_counts(record.get(key) or {}, value)
-        elif key not in _UTILISATION:
+        elif key not in _UTILISATION_SET:
             record[key] = value
     for name, value in _weighted(step).items():
         record[name] = record.get(name, 0.0) + value

@@ -41,8 +41,8 @@ from nanovllm.serving.records import read_run
 TOKEN_COST_KEYS = ("step_overhead", "time_per_token")
 # Simulated speculation (nanovllm.harness.sim.speculation): the acceptance model and its inputs.
 ACCEPTANCE_KEYS = ("acceptance", "acceptance_run", "acceptance_seed")
-SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", *TOKEN_COST_KEYS,
-                   *ACCEPTANCE_KEYS)
+SIM_RUNNER_KEYS = ("name", "step_time", "profile", "replay_run", "output_lengths_from", "fast_forward",
+                   *TOKEN_COST_KEYS, *ACCEPTANCE_KEYS)
 
 
 def output_lengths_of(run_dir: str | Path) -> dict[str, int]:
@@ -63,7 +63,8 @@ class Simulation(ServedEngine):
               allocator: PluginSpec = "paged", attention: PluginSpec = "torch", profile: str | None = None,
               replay_run: str | None = None, hardware: Hardware | None = None,
               output_lengths: Mapping[str, int] | None = None, acceptance: Any = None,
-              acceptance_run: str | None = None, acceptance_seed: int = 0) -> "Simulation":
+              acceptance_run: str | None = None, acceptance_seed: int = 0,
+              fast_forward: bool = True) -> "Simulation":
         """Build the engine around the step-time model ``step_time``: a registered name (``STEP_TIME_MODELS``)
         or ``{"name": ..., **options}`` (``{"name": "token_cost", "step_overhead": 1, "time_per_token": 0}``
         counts engine steps). ``output_lengths``: request_id ->
@@ -74,7 +75,9 @@ class Simulation(ServedEngine):
         ``config.speculative``: ``acceptance`` (a rate, ``fitted`` or ``replay``), ``acceptance_run`` and
         ``acceptance_seed`` are ``runner.acceptance*`` (``speculation.build_acceptance``), and the step-time model
         prices proposals and the proposer (``speculation.SpeculativeStepTime``; ``replay`` replays the recorded
-        steps, proposer included)."""
+        steps, proposer included). ``fast_forward``: runs of pure-decode steps are computed at once where that is
+        provably what stepping gives (``nanovllm.engine.decode_stretch``; records identical), for a step-time
+        model that is pure (not ``replay``)."""
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
@@ -102,7 +105,8 @@ class Simulation(ServedEngine):
         engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
                                   attention=attention, target_len=_target_len(output_lengths),
                                   kv_links=hardware.kv_tier_links if hardware is not None else None,
-                                  acceptance=accepting)
+                                  acceptance=accepting,
+                                  fast_forward=fast_forward and model.pure)
         return cls(engine, engine.runner.clock, cost, model, hardware)
 
     def replica(self, config: EngineConfig, **plugins: PluginSpec) -> "Simulation":
@@ -113,7 +117,8 @@ class Simulation(ServedEngine):
                                   target_len=self.engine.runner.target_len, tokenizer=self.engine.tokenizer,
                                   hf_config=self.engine.hf_config,
                                   kv_links=self.hardware.kv_tier_links if self.hardware is not None else None,
-                                  acceptance=self.engine.runner.acceptance, **plugins)
+                                  acceptance=self.engine.runner.acceptance,
+                                  fast_forward=getattr(self.engine.runner, "fast_forward", False), **plugins)
         return type(self)(engine, engine.runner.clock, self.cost, self.model, self.hardware)
 
     @classmethod
@@ -129,7 +134,7 @@ class Simulation(ServedEngine):
             output_lengths=output_lengths_of(lengths_run) if lengths_run else None,
             acceptance=runner.get("acceptance"), acceptance_run=runner.get("acceptance_run"),
             acceptance_seed=runner.get("acceptance_seed") if runner.get("acceptance_seed") is not None else 0,
-            **plugins,
+            fast_forward=bool(runner.get("fast_forward", True)), **plugins,
         )
 
     @property

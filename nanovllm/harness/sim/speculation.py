@@ -174,6 +174,7 @@ class SpeculativeStepTime(StepTimeModel):
     def __init__(self, base: StepTimeModel, proposer: ProposerCost) -> None:
         self.base, self.proposer = base, proposer
         self.machine_seconds = base.machine_seconds
+        self.pure = base.pure   # a replayed timeline stays impure when it prices proposals too
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
         features = spec_features(features)

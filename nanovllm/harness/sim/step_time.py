@@ -82,6 +82,9 @@ class StepTimeModel(abc.ABC):
     so that FLOP/s and bytes/s against that machine's peaks (MFU, MBU) mean something."""
 
     machine_seconds: bool = True
+    # Whether ``predict`` is a pure function of its arguments (the engine may then ask it for a run of decode
+    # steps ahead: ``runner.fast_forward``); a replayed timeline is not, each call takes the next recorded step.
+    pure: bool = True
 
     @abc.abstractmethod
     def predict(self, features: Mapping[str, int], now: float) -> float:
@@ -301,6 +304,8 @@ class ProfiledStepTime(StepTimeModel):
 class ReplayStepTime(StepTimeModel):
     """The recorded run's step timeline, in order; running past its last step is an error (the simulated
     schedule has diverged from the recorded one)."""
+
+    pure = False
 
     def __init__(self, run: str | Path | None = None, **context: Any) -> None:
         if not run:
