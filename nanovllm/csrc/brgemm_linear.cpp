@@ -27,6 +27,7 @@ namespace {
 
 constexpr int64_t BLOCK_N = 32;
 constexpr int64_t BLOCK_M = 256;
+constexpr int64_t ROW_STEP = 16;   // row counts the micro-kernel is compiled for: multiples of it, and 1 to 15
 
 // One row of a float32 tile into the output row: + bias, rounded to bf16 (round-to-nearest-even, as torch).
 inline void store_row(const float* tile, const float* bias, c10::BFloat16* out, int64_t count) {
@@ -57,8 +58,17 @@ void brgemm_rows(const T* x, const T* packed, const float* bias, T* y, int64_t m
       for (int64_t mb = 0; mb < m_blocks; ++mb) {
         const int64_t row0 = mb * BLOCK_M, rows = std::min(BLOCK_M, m - row0);
         const int64_t col0 = nb * BLOCK_N, cols = std::min(BLOCK_N, n - col0);
-        at::native::cpublas::brgemm(rows, BLOCK_N, k, k, BLOCK_N, BLOCK_N, false, x + row0 * k,
-                                    packed + nb * k * BLOCK_N, tile.data(), vnni);
+        // torch caches one JIT-compiled micro-kernel per row count, per thread, without bound (each takes
+        // hundreds of KB of code buffer), so a server seeing every row count up to BLOCK_M would hold hundreds
+        // of them. A multiple of ROW_STEP rows and the remainder, in at most two calls, bound the kernels to
+        // BLOCK_M / ROW_STEP + ROW_STEP - 1 per shape; fewer rows than ROW_STEP (decoding) stay one call.
+        const int64_t bulk = rows / ROW_STEP * ROW_STEP;
+        if (bulk > 0)
+          at::native::cpublas::brgemm(bulk, BLOCK_N, k, k, BLOCK_N, BLOCK_N, false, x + row0 * k,
+                                      packed + nb * k * BLOCK_N, tile.data(), vnni);
+        if (rows > bulk)
+          at::native::cpublas::brgemm(rows - bulk, BLOCK_N, k, k, BLOCK_N, BLOCK_N, false, x + (row0 + bulk) * k,
+                                      packed + nb * k * BLOCK_N, tile.data() + bulk * BLOCK_N, vnni);
         for (int64_t i = 0; i < rows; ++i)
           store_row(tile.data() + i * BLOCK_N, bias == nullptr ? nullptr : bias + col0, y + (row0 + i) * n + col0,
                     cols);

@@ -143,9 +143,9 @@ def test_gemv_matches_a_float_matmul_and_packed_linear_uses_it_for_few_rows(k, n
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (33, 30)])
 def test_brgemm_linear_matches_a_float_matmul_at_every_row_block(n, k, dtype, compiled):
     """oneDNN's brgemm micro-kernel through nano-vllm's loop, against float32 math on the same inputs: a tail
-    block of output features (37, 33), an odd number of 32-feature blocks, 1 row, a few, and two row blocks (300
-    > 256 rows). float32 is exact to rounding; bf16 to its output rounding. Runs in every build: the loop only
-    calls torch's brgemm, which oneDNN compiles for the CPU. bf16 needs AMX or AVX-512 BF16: elsewhere both
+    block of output features (37, 33), an odd number of 32-feature blocks, 1 row, a few, a row block of a
+    multiple of 16 rows and a remainder (47), and two row blocks (300 > 256 rows). float32 is exact to rounding;
+    bf16 to its output rounding. Runs in every build: the loop only calls torch's brgemm, which oneDNN compiles for the CPU. bf16 needs AMX or AVX-512 BF16: elsewhere both
     calls refuse with the reason (torch's brgemm would abort the process)."""
     from nanovllm.models.fast_path import PackedLinear
 
@@ -162,7 +162,7 @@ def test_brgemm_linear_matches_a_float_matmul_at_every_row_block(n, k, dtype, co
     packed = compiled.pack_brgemm_weight(weight)
     assert packed.shape == ((n + 31) // 32, k * 32) and packed.dtype == dtype
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    for rows in (1, 3, 300):
+    for rows in (1, 3, 16, 47, 300):   # 47 = 32 + 15 and 300 = 256 + 32 + 12: the two calls of a row block
         x = torch.randn(rows, k).to(dtype)
         expected = x.float() @ weight.float().T + bias.float()
         got = compiled.brgemm_linear(x, packed, bias.float(), n)
