@@ -145,8 +145,9 @@ def test_brgemm_linear_matches_a_float_matmul_at_every_row_block(n, k, dtype, co
     """oneDNN's brgemm micro-kernel through nano-vllm's loop, against float32 math on the same inputs: a tail
     block of output features (37, 33), an odd number of 32-feature blocks, 1 row, a few, a row block of a
     multiple of 16 rows and a remainder (47), and two row blocks (300 > 256 rows). float32 is exact to rounding;
-    bf16 to its output rounding. Runs in every build: the loop only calls torch's brgemm, which oneDNN compiles for the CPU. bf16 needs AMX or AVX-512 BF16: elsewhere both
-    calls refuse with the reason (torch's brgemm would abort the process)."""
+    bf16 to its output rounding. Runs in every build: the loop only calls torch's brgemm, which oneDNN compiles
+    for the CPU. bf16 needs AMX or AVX-512 BF16: elsewhere both calls refuse with the reason (torch's brgemm
+    would abort the process)."""
     from nanovllm.models.fast_path import PackedLinear
 
     torch.manual_seed(n + k)
