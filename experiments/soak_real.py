@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -58,11 +59,9 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> No
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode} before it served")
-        try:
+        with contextlib.suppress(httpx.HTTPError):   # not listening yet: asked again in a second
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(1)
     raise SystemExit(f"the server at {url} did not answer /health within {timeout:.0f} s")
 
