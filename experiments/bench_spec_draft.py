@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=None, help="layer_skip's num_layers (default: half)")
+    parser.add_argument("--methods", default="draft,layer_skip", help="proposers timed beside no speculation")
     args = parser.parse_args()
     options = dict(dtype=args.dtype, num_kv_blocks=256, max_model_len=2048)
     configs = {
@@ -38,6 +39,11 @@ def main() -> None:
         "draft": dict(method="draft", num_speculative_tokens=args.k),
         "layer_skip": dict(method="layer_skip", num_speculative_tokens=args.k, num_layers=args.layers),
     }
+    chosen = ["none", *(m for m in args.methods.split(",") if m)]
+    unknown = [m for m in chosen if m not in configs]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; choose from {[m for m in configs if m != 'none']}")
+    configs = {name: configs[name] for name in chosen}
     llms = {name: LLM(**options, speculative=spec) for name, spec in configs.items()}
     data = json.loads((Path(__file__).resolve().parents[1] / "nanovllm/data/chat_prompts.json").read_text())
     prompts = [llms["none"].apply_chat_template(item["messages"]) for item in data[:args.prompts]]
