@@ -376,6 +376,29 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (apt-get install -y chromium)")
+def _dashboard_url(proc: subprocess.Popen) -> str:
+    """The live dashboard's URL, as the run prints it."""
+    for line in proc.stdout:
+        match = re.match(r"live dashboard: (http://\S+)", line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no dashboard URL printed; stderr:\n{proc.stderr.read()[-3000:]}")
+
+
+def _open_dashboard(pw, playwright, url: str, height: int):  # type: ignore[no-untyped-def]
+    """A headless chromium page on the dashboard at ``url``, once it shows a step count: (browser, page)."""
+    browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    for _ in range(60):  # the dashboard process may still be importing bokeh
+        try:
+            page.goto(url)
+            break
+        except playwright.Error:
+            time.sleep(1)
+    page.wait_for_selector(".nv-step", timeout=120_000)
+    return browser, page
+
+
 def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
     run_dir = tmp_path / "run"
@@ -388,23 +411,9 @@ def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
                f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url = None
-        for line in proc.stdout:
-            match = re.match(r"live dashboard: (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-        assert url is not None, f"no dashboard URL printed; stderr:\n{proc.stderr.read()[-3000:]}"
+        url = _dashboard_url(proc)
         with playwright.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1500})
-            for _ in range(60):  # the dashboard process may still be importing bokeh
-                try:
-                    page.goto(url)
-                    break
-                except playwright.Error:
-                    time.sleep(1)
-            page.wait_for_selector(".nv-step", timeout=120_000)
+            browser, page = _open_dashboard(pw, playwright, url, height=1500)
 
             def read() -> tuple[int, int]:
                 return int(page.locator(".nv-step").inner_text()), int(page.locator(".nv-finished").inner_text())
@@ -446,23 +455,9 @@ def test_watch_speculative_decoding_in_headless_chromium(tmp_path: Path) -> None
                "engine.max_model_len=512", "monitor.calibrate=false", "progress=false", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url = None
-        for line in proc.stdout:
-            match = re.match(r"live dashboard: (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-        assert url is not None, f"no dashboard URL printed; stderr:\n{proc.stderr.read()[-3000:]}"
+        url = _dashboard_url(proc)
         with playwright.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1400, "height": 2000})
-            for _ in range(60):  # the dashboard process may still be importing bokeh
-                try:
-                    page.goto(url)
-                    break
-                except playwright.Error:
-                    time.sleep(1)
-            page.wait_for_selector(".nv-step", timeout=120_000)
+            browser, page = _open_dashboard(pw, playwright, url, height=2000)
             page.wait_for_selector(".nv-proposed", state="visible", timeout=120_000)
 
             def read() -> int:
