@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from nanovllm.allocator import prefix_block_key
+from nanovllm.engine.kv_offload import check_kv_offload
 from nanovllm.registry import Registry
 
 if TYPE_CHECKING:
@@ -235,7 +236,6 @@ class SharedStoreTransfer(KVTransfer):
     tier_link = "shared"
 
     def check(self, config: "EngineConfig") -> None:
-        from nanovllm.engine.kv_offload import check_kv_offload
 
         chain = check_kv_offload(config.kv_offload) or []
         if not any(node["name"] == "shared" for node in chain):

@@ -78,6 +78,7 @@ from nanovllm.engine.protocol import StepOutput
 from nanovllm.outputs import StepRecord
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import ReplicaView, Router, StepTimeEstimate
+from nanovllm.sampling import SamplingParams
 
 START_TIMEOUT_S = 600.0   # how long the replicas may take to start and load the model
 
@@ -125,7 +126,6 @@ class ReplicaActor:
 
     def cached_prefix_len(self, token_ids: list[int]) -> int:
         """What this replica's allocator itself says of a prompt (what the driver's mirror must agree with)."""
-        from nanovllm.sampling import SamplingParams
 
         request = Request("probe", list(token_ids), SamplingParams(), 0.0)
         return self.engine.allocator.cached_prefix_len(request)
@@ -133,7 +133,6 @@ class ReplicaActor:
     def cached_prefix_by_tier(self, token_ids: list[int]) -> dict[str, int]:
         """What this replica's scheduler says of a prompt, its KV tiers included, by tier (what the driver's
         mirror of the pool and the tiers must agree with)."""
-        from nanovllm.sampling import SamplingParams
 
         match = self.engine.scheduler.cached_prefix_len(Request("probe", list(token_ids), SamplingParams(), 0.0))
         by_tier = getattr(match, "by_tier", None)

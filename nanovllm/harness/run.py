@@ -62,6 +62,7 @@ from nanovllm.harness.objective import (
 )
 from nanovllm.harness.option_types import plugin_spec
 from nanovllm.harness.parallel_jobs import apply_fair_share
+from nanovllm.harness.sim.speculation import build_acceptance
 from nanovllm.harness.workload import validate_workload_config
 from nanovllm.plugins import load_plugins
 from nanovllm.policy import POLICIES
@@ -208,8 +209,6 @@ def check_config(cfg: DictConfig) -> _Checked:
         raise ValueError(f"speculative={engine.speculative['method']} needs a runner that verifies proposals; "
                          f"runner={runner['name']} does not (use runner=real)")
     if engine.speculative is not None and runner["name"] == "sim":   # the acceptance model, before anything loads
-        from nanovllm.harness.sim.speculation import build_acceptance
-
         build_acceptance(runner.get("acceptance"), runner.get("acceptance_run"), runner.get("acceptance_seed", 0),
                          str(engine.speculative["method"]), int(engine.speculative["num_speculative_tokens"]))
     if RUNNERS.get(runner["name"]).loads_model:  # a simulated run runs no model and no attention: any device
