@@ -71,6 +71,7 @@ class ClusterBase(EngineClient):
     decode_imbalance: list[float]
     max_retries: int = 3               # resumes a request may have after its replica died (cluster.max_retries)
     num_deaths: int = 0                # replica deaths so far (each one's requests went through _recover)
+    _reports: deque[StepOutput]        # what ended outside a step (deaths, arrivals failed), for the next step
 
     def make_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                      **fields: Any) -> Request:
@@ -177,6 +178,12 @@ class ClusterBase(EngineClient):
         whose queue it joins until the replica rejoins; None when none is coming back (it fails)."""
         return None
 
+    def _fail_no_replica(self, request: Request, pool: Sequence[Any], now: float) -> None:
+        """An arrival when every replica of its ``pool`` died for good: it ends failed with the reason, reported by
+        the next step (a model-free record of the pool's first replica), rather than the router raising."""
+        request.status, request.finish_time, request.error = RequestStatus.FAILED, now, NO_LIVE_REPLICA
+        self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+
     def _retry_views(self, pool: Sequence[Any], request: Request, now: float) -> list[Any]:
         """The views of ``pool`` a retried ``request`` is routed on."""
         return [replica.view(request, now) for replica in pool]
@@ -265,9 +272,7 @@ class Cluster(ClusterBase):
         if not any(replica.alive for replica in pool):
             spot = self._parking_spot(pool)
             if spot is None:   # every replica is dead for good: it ends failed, with the reason
-                request.status, request.finish_time = RequestStatus.FAILED, now
-                request.error = NO_LIVE_REPLICA
-                self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+                self._fail_no_replica(request, pool, now)
                 return
             request.replica = spot.index
             self._park(spot, request, error)

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, cast
 
 from nanovllm.allocator import prefix_block_keys
-from nanovllm.cluster.cluster import NO_LIVE_REPLICA, ClusterBase
+from nanovllm.cluster.cluster import ClusterBase
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.cluster.faults import death_record
 from nanovllm.cluster.kv_transfer import KV_TRANSFERS, KVTransfer, fit_handoff
@@ -543,10 +543,7 @@ class RayCluster(ClusterBase):
         pool = self._pool(0)[0]
         spot = None if any(replica.alive for replica in pool) else self._parking_spot(pool)
         if spot is None and not any(replica.alive for replica in pool):
-            # Every replica of its pool died for good: it ends failed with the reason, as in a simulated
-            # cluster, rather than the router's error stopping the serving loop.
-            request.status, request.finish_time, request.error = RequestStatus.FAILED, now, NO_LIVE_REPLICA
-            self._reports.append(StepOutput([request], death_record(pool[0].index, now, 0)))
+            self._fail_no_replica(request, pool, now)   # rather than the router's error stopping the loop
             return
         index = self._route(request, now) if spot is None else spot.index
         replica = self.replicas[index]
