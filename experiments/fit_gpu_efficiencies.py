@@ -106,10 +106,14 @@ def main() -> None:
     hardware = load_hardware(args.hardware)
     cost = load_cost(args.model)
     profile = mlp_csv(args.profile)
-    times = read_operator_times(profile, cost)
+    try:
+        times = read_operator_times(profile, cost)
+    except ValueError as e:   # the file and what is wrong with it, in one line
+        raise SystemExit(f"error: --profile: {e}") from None
     matmuls = [t for t in times if t.op in cost.layer_linear_shapes]
     others = [t for t in times if t.op not in cost.layer_linear_shapes]
-    before = Efficiencies(*(args.before or (hardware.flops_efficiency, hardware.bandwidth_efficiency)), 0.0)
+    flops_eff, bandwidth_eff = args.before or (hardware.flops_efficiency, hardware.bandwidth_efficiency)
+    before = Efficiencies(flops_eff, bandwidth_eff)
     fitted, elementwise = fit(matmuls, cost, hardware, DTYPE), fit(others, cost, hardware, DTYPE, floor=True)
     print(f"{profile} ({sum(len(t.tokens) for t in times)} points, {len(times)} operators), "
           f"hardware={args.hardware}, model={args.model}, {DTYPE}")
