@@ -151,20 +151,32 @@ class ModelCost:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def layer_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(input features, output features)`` of each matmul of a decoder layer, fused as a serving engine runs
+        them and named as Vidur's operator profiles name them: q, k, v (``attn_pre_proj``; GQA: k and v are
+        ``num_kv_heads`` wide), o (``attn_post_proj``), gate and up (``mlp_up_proj``, SwiGLU), down
+        (``mlp_down_proj``). The parameter counts below and the per-operator costs (``layer_operator_costs``)
+        both come from these shapes."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"attn_pre_proj": (h, self.q_size + 2 * self.kv_size), "attn_post_proj": (self.q_size, h),
+                "mlp_up_proj": (h, 2 * i), "mlp_down_proj": (i, h)}
+
+    @property
     def attention_params_per_layer(self) -> int:
         """q, k, v, o projections (GQA: k and v are ``num_kv_heads`` wide), biases included."""
-        h = self.hidden_size
-        params = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        shapes = self.layer_linear_shapes
+        params = sum(n_in * n_out for n_in, n_out in (shapes["attn_pre_proj"], shapes["attn_post_proj"]))
         if self.qkv_bias:
             params += self.q_size + 2 * self.kv_size
         if self.o_bias:
-            params += h
+            params += self.hidden_size
         return params
 
     @property
     def mlp_params_per_layer(self) -> int:
         """gate, up and down projections of the SwiGLU MLP."""
-        params = 3 * self.hidden_size * self.intermediate_size
+        shapes = self.layer_linear_shapes
+        params = sum(n_in * n_out for n_in, n_out in (shapes["mlp_up_proj"], shapes["mlp_down_proj"]))
         if self.mlp_bias:
             params += 2 * self.intermediate_size + self.hidden_size
         return params
@@ -229,6 +241,30 @@ class ModelCost:
         if self.bytes_per_weight is None:
             return self.total_params * self.bytes_per_element
         return self.weight_bytes + (self.vocab_size * self.hidden_size + self.norm_params) * self.bytes_per_element
+
+    # -- per-operator cost ----------------------------------------------------------------------------------
+
+    def layer_operator_costs(self, tokens: Any) -> dict[str, tuple[Any, Any]]:
+        """``(FLOPs, bytes)`` of each kernel of one decoder layer over ``tokens`` rows (an int or a numpy array of
+        them), by Vidur's operator names, for comparing the roofline with per-operator GPU timings
+        (``nanovllm.harness.sim.fit_hardware``). Matmuls (``layer_linear_shapes``): 2 FLOPs per multiply-add,
+        the weight read once as stored plus the rows' inputs and outputs. Elementwise kernels: bytes only (they
+        are bandwidth bound), each tensor read or written once -- RMSNorms read and write the hidden state and
+        read their weight, RoPE reads and writes q and k, the SwiGLU activation reads gate and up and writes
+        their product, the residual add reads two hidden states and writes one. The embedding gather and
+        attention are not here (not layer operators of this kind)."""
+        per_weight = self.bytes_per_weight if self.bytes_per_weight is not None else self.bytes_per_element
+        element = self.bytes_per_element
+        h = self.hidden_size
+        costs: dict[str, tuple[Any, Any]] = {}
+        for op, (n_in, n_out) in self.layer_linear_shapes.items():
+            costs[op] = (2 * n_in * n_out * tokens, n_in * n_out * per_weight + (n_in + n_out) * tokens * element)
+        norm = (0 * tokens, (2 * h * tokens + h) * element)
+        costs["input_layernorm"] = costs["post_attention_layernorm"] = norm
+        costs["attn_rope"] = (0 * tokens, 2 * (self.q_size + self.kv_size) * tokens * element)
+        costs["mlp_act"] = (0 * tokens, 3 * self.intermediate_size * tokens * element)
+        costs["add"] = (0 * tokens, 3 * h * tokens * element)
+        return costs
 
     # -- per-step cost --------------------------------------------------------------------------------------
 

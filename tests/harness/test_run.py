@@ -319,7 +319,7 @@ def test_policy_that_raises_is_one_error_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("overrides, expected", [
     (["runner=sim", "runner.step_time=analytical", "hardware=nope"],
-     ["hardware=nope: no such hardware config", "available: h100_sxm", "conf/hardware"]),
+     ["hardware=nope: no such hardware config", "available: a100_sxm, h100_sxm", "conf/hardware"]),
     (["runner=nope"], ["runner=nope: no such runner config", "available: http, real, sim"]),
     (["-m", "scheduler=fcfs,priorty"], ["scheduler=priorty", "fcfs", "Did you mean 'priority'"]),
     (["hardware=null"], ["hardware=null", "~hardware"]),

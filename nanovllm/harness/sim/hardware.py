@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 @dataclass
 class Hardware:
-    """One accelerator (or CPU). Figures from its public spec sheet; efficiencies are assumptions."""
+    """One accelerator (or CPU). Peaks from its public spec sheet; efficiencies fitted to measured operator timings
+    where its yaml says so (``nanovllm.harness.sim.fit_hardware``), else assumptions."""
 
     name: str = "unnamed"
     peak_flops: dict[str, float] = field(default_factory=dict)  # dtype name -> dense FLOP/s

@@ -33,6 +33,7 @@ import abc
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import yaml
 
 from nanovllm.harness.sim.hardware import Hardware
@@ -226,6 +227,15 @@ class AnalyticalStepTime(StepTimeModel):
                    + self.cost.step_attention_flops(features) / self.flops_per_s)
         memory = self.cost.step_bytes(features) / self.bytes_per_s
         return self.hardware.step_overhead + max(compute, memory)
+
+    def kernel_seconds(self, flops: Any, nbytes: Any, floor: float = 0.0) -> Any:
+        """One kernel's roofline on ``hardware`` at the rates ``predict`` uses: the slower of its FLOPs at the
+        linears' achievable FLOP/s and its bytes at the achievable bandwidth, and at least ``floor`` seconds (a
+        kernel's launch: GPU kernels of a few rows take that however little they compute). Arrays of kernels
+        give an array. Not called by the engine: ``nanovllm.harness.sim.fit_hardware`` compares it with measured
+        operator timings (``ModelCost.layer_operator_costs``) to fit the hardware's efficiencies."""
+        return np.maximum(floor, np.maximum(np.asarray(flops) / self.matmul_flops_per_s,
+                                            np.asarray(nbytes) / self.bytes_per_s))
 
     def describe(self) -> str:
         return f"analytical:{self.hardware.name}"
