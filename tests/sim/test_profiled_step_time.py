@@ -11,6 +11,7 @@ import pytest
 from nanovllm.config import EngineConfig
 from nanovllm.harness.sim import Hardware, Simulation
 from nanovllm.harness.sim.operator_profile import Curve, split_attention
+from nanovllm.harness.sim.step_time import tensor_parallel_seconds
 from nanovllm.harness.workload import SyntheticWorkloadConfig, generate_workload
 
 # Per-layer operators and their synthetic cost in ms: base + slope x tokens (linear, so interpolation is exact).
@@ -24,7 +25,7 @@ PREFILL_MS_PER_PAIR, DECODE_MS_PER_KV_TOKEN = 2e-7, 3e-7
 
 def _h100() -> Hardware:
     return Hardware(name="h100", peak_flops={"bfloat16": 989e12}, memory_bandwidth=3.35e12, memory_bytes=80e9,
-                    step_overhead=0.002)
+                    step_overhead=0.002, tp_link_bandwidth=3.6e11, tp_link_latency=1e-5)
 
 
 def _layer_ms(tokens: float, tp: int = 1) -> float:
@@ -153,8 +154,11 @@ def test_the_tensor_parallel_degree_picks_its_rows(tmp_path, analytical):
     write_mlp_csv(tmp_path / "mlp.csv", _shape(cost))
     one, two = _profiled(tmp_path).model, _profiled(tmp_path, tp=2).model
     decode = _step(decodes=8, context=8 * 300, pairs=8 * 300, sampled=8)
-    # Every term is split over two ranks: the profile's rows for TP 2 (half here) and the analytical parts.
-    assert two.predict(decode, 0.0) - 0.002 == pytest.approx((one.predict(decode, 0.0) - 0.002) / 2)
+    # Every term is split over two ranks: the profile's rows for TP 2 (half here) and the analytical parts; the
+    # ranks' collectives come on top, priced as the analytical model prices them.
+    collectives = tensor_parallel_seconds(cost, _h100(), 2, decode)
+    assert collectives > 0
+    assert two.predict(decode, 0.0) - 0.002 - collectives == pytest.approx((one.predict(decode, 0.0) - 0.002) / 2)
     with pytest.raises(ValueError, match=r"mlp\.csv: no row is of this run's model and tensor-parallel degree "
                                          r"\(.*num_tensor_parallel_workers=4\); the file has .*"
                                          r"num_tensor_parallel_workers=1"):

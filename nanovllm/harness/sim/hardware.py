@@ -9,6 +9,12 @@ memory leaves after the weights, as a serving engine sizes it on a GPU.
 name: ``host`` (host memory over PCIe), ``disk`` (NVMe), ``shared`` (the cluster's shared store over RDMA or
 Ethernet); each ``{bandwidth: bytes/s, latency: s}``. The simulated runner charges every step the time of
 what moved (``nanovllm.engine.sim_runner.tier_seconds``).
+
+``tp_link_bandwidth`` / ``tp_link_latency``: the link between the GPUs of one replica under tensor parallelism
+(``engine.tensor_parallel_size`` > 1: NVLink within a node), what a ring all-reduce achieves per GPU (bytes/s)
+and its fixed cost per collective (seconds). A replica of N GPUs has N times the memory for weights and KV
+cache (``kv_cache_bytes``), and the step-time models split each step's work over the N and add its all-reduces
+(``nanovllm.harness.sim.step_time.tensor_parallel_seconds``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class Hardware:
     kv_link_latency: float | None = None
     # KV tiers: tier name -> {bandwidth: bytes/s, latency: s} (see the module docstring).
     kv_tier_links: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Tensor parallelism inside a replica: the GPU-to-GPU link's all-reduce bandwidth (bytes/s a GPU) and latency.
+    tp_link_bandwidth: float | None = None
+    tp_link_latency: float = 0.0
 
     def __post_init__(self) -> None:
         self.kv_tier_links = check_kv_tier_links(self.kv_tier_links)
@@ -50,6 +59,10 @@ class Hardware:
                 raise ValueError(f"hardware.{key} must be in (0, 1], got {value!r}")
         if not (isinstance(self.step_overhead, (int, float)) and self.step_overhead >= 0):
             raise ValueError(f"hardware.step_overhead must be >= 0 seconds, got {self.step_overhead!r}")
+        if self.tp_link_bandwidth is not None and not _positive(self.tp_link_bandwidth):
+            raise ValueError(f"hardware.tp_link_bandwidth must be > 0 bytes/s, got {self.tp_link_bandwidth!r}")
+        if not (isinstance(self.tp_link_latency, (int, float)) and self.tp_link_latency >= 0):
+            raise ValueError(f"hardware.tp_link_latency must be >= 0 seconds, got {self.tp_link_latency!r}")
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any] | None) -> "Hardware":
@@ -85,13 +98,17 @@ class Hardware:
                              "(int8 operations a second) or set engine.quantization=null")
         return self.peak_flops["int8"]
 
-    def kv_cache_bytes(self, weight_bytes: float) -> int:
-        """Memory left for the KV cache once the weights are in; an error naming the field when none is."""
-        usable = self.memory_bytes * self.memory_fraction
+    def kv_cache_bytes(self, weight_bytes: float, num_gpus: int = 1) -> int:
+        """Memory left for the KV cache once the weights are in, over the ``num_gpus`` a tensor-parallel replica
+        spans (each holds 1/N of the weights and of every block's K/V heads); an error naming the field when none
+        is."""
+        usable = self.memory_bytes * self.memory_fraction * num_gpus
         if usable <= weight_bytes:
+            gpus = f"{num_gpus} x " if num_gpus > 1 else ""
+            hint = "" if num_gpus > 1 else "; split it over GPUs with engine.tensor_parallel_size"
             raise ValueError(
-                f"hardware.memory_bytes: {self.name} has {usable / 2**30:.1f} GiB usable "
-                f"(memory_bytes x memory_fraction) but the model's weights need {weight_bytes / 2**30:.1f} GiB"
+                f"hardware.memory_bytes: {gpus}{self.name} has {usable / 2**30:.1f} GiB usable "
+                f"(memory_bytes x memory_fraction) but the model's weights need {weight_bytes / 2**30:.1f} GiB{hint}"
             )
         return int(usable - weight_bytes)
 

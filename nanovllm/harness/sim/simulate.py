@@ -146,11 +146,13 @@ class Simulation(ServedEngine):
 
     def monitor_config(self, configured: MonitorConfig) -> MonitorConfig:
         """MFU/MBU peaks: the hardware's when simulating one; none for a step-time model whose seconds are no
-        machine's (``token_cost``); else the configured ones (this machine's)."""
+        machine's (``token_cost``); else the configured ones (this machine's). A replica of N tensor-parallel
+        GPUs has N times one GPU's peaks."""
         if self.hardware is not None:
-            return MonitorConfig(peak_flops=self.hardware.matmul_peak_flops(self.engine.config.dtype,
-                                                                         self.cost.int8_matmuls),
-                                 peak_bandwidth=self.hardware.memory_bandwidth, calibrate=False)
+            gpus = self.engine.config.tensor_parallel_size
+            return MonitorConfig(peak_flops=gpus * self.hardware.matmul_peak_flops(self.engine.config.dtype,
+                                                                                self.cost.int8_matmuls),
+                                 peak_bandwidth=gpus * self.hardware.memory_bandwidth, calibrate=False)
         return configured if self.model.machine_seconds else MonitorConfig(calibrate=False)
 
     def serve(self, workload: Sequence[Any], **kwargs: Any) -> RunResult:
@@ -161,11 +163,11 @@ class Simulation(ServedEngine):
 
 def _kv_sized(config: EngineConfig, cost: ModelCost, hardware: Hardware | None) -> EngineConfig:
     """With ``hardware`` and no ``num_kv_blocks``/``kv_cache_memory``: the KV cache gets the memory the weights
-    (as stored: ``ModelCost.weight_memory_bytes``, int8 or GGUF blocks when quantized) leave on it
-    (``Hardware.kv_cache_bytes`` says when they do not fit)."""
+    (as stored: ``ModelCost.weight_memory_bytes``, int8 or GGUF blocks when quantized) leave on it, on each of
+    the ``tensor_parallel_size`` GPUs of the replica (``Hardware.kv_cache_bytes`` says when they do not fit)."""
     if hardware is None:
         return config
-    kv_bytes = hardware.kv_cache_bytes(cost.weight_memory_bytes)
+    kv_bytes = hardware.kv_cache_bytes(cost.weight_memory_bytes, config.tensor_parallel_size)
     if config.num_kv_blocks is None and config.kv_cache_memory is None:
         return dataclasses.replace(config, kv_cache_memory=kv_bytes)
     return config

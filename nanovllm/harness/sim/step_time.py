@@ -207,17 +207,52 @@ class CalibratedStepTime(StepTimeModel):
         return mismatch(self.profile, f"{self.path.name} (shipped)" if shipped else str(self.path), self.dtype)
 
 
+def check_tensor_parallel(hardware: Hardware, tensor_parallel_size: int) -> int:
+    """``tensor_parallel_size`` as a step-time model prices it: an error naming the field when it is not a
+    positive integer, or when it is above 1 and ``hardware`` describes no link between the GPUs."""
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"engine.tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    if tp > 1 and hardware.tp_link_bandwidth is None:
+        raise ValueError(f"hardware.tp_link_bandwidth: {hardware.name} names no link between its GPUs, so "
+                         f"engine.tensor_parallel_size={tp} cannot be priced (add tp_link_bandwidth, bytes/s)")
+    return tp
+
+
+def tensor_parallel_seconds(cost: ModelCost, hardware: Hardware, tp: int, features: Mapping[str, int]) -> float:
+    """The collectives of one step of a replica split over ``tp`` GPUs, as Megatron-style tensor parallelism
+    (vLLM's) runs it: two all-reduces of the step's hidden states per layer (after the attention output and the
+    MLP down projections, whose inputs are split by rank) and one gather of the sampled rows' logits (the LM head
+    is split by vocabulary). A ring all-reduce moves ``2 (tp - 1) / tp`` of the message through each GPU's link,
+    a gather ``(tp - 1) / tp``; each collective also costs ``hardware.tp_link_latency``. 0 for one GPU."""
+    if tp == 1:
+        return 0.0
+    assert hardware.tp_link_bandwidth is not None   # check_tensor_parallel
+    tokens = features["num_prefill_tokens"] + features["num_decode_tokens"]
+    hidden = tokens * cost.hidden_size * cost.bytes_per_element
+    seconds = 2 * cost.num_layers * (hardware.tp_link_latency
+                                     + 2 * (tp - 1) / tp * hidden / hardware.tp_link_bandwidth)
+    if features["num_sampled"]:
+        logits = features["num_sampled"] * cost.vocab_size * cost.bytes_per_element
+        seconds += hardware.tp_link_latency + (tp - 1) / tp * logits / hardware.tp_link_bandwidth
+    return seconds
+
+
 @register_step_time("analytical")
 class AnalyticalStepTime(StepTimeModel):
     """Roofline: per-step overhead plus the slower of compute and memory traffic, on ``hardware``. With quantized
     weights (``cost.int8_matmuls``) the linears' products run at the int8 peak and attention at the dtype's, and
-    the weights stream as stored (``ModelCost.weight_bytes``)."""
+    the weights stream as stored (``ModelCost.weight_bytes``). With ``tensor_parallel_size`` N > 1 the step's
+    FLOPs and bytes are split evenly over N GPUs working at once, and its collectives over their link are added
+    (``tensor_parallel_seconds``: they wait for the compute before them, so they do not overlap it)."""
 
-    def __init__(self, cost: ModelCost, hardware: Hardware | None, dtype: str, **context: Any) -> None:
+    def __init__(self, cost: ModelCost, hardware: Hardware | None, dtype: str, tensor_parallel_size: int = 1,
+                 **context: Any) -> None:
         if hardware is None:
             raise ValueError("hardware is not set; the analytical step-time model needs one, e.g. hardware=h100_sxm")
         self.cost = cost
         self.hardware = hardware
+        self.tp = check_tensor_parallel(hardware, tensor_parallel_size)
         self.flops_per_s = hardware.peak_flops_for(dtype) * hardware.flops_efficiency
         self.matmul_flops_per_s = hardware.matmul_peak_flops(dtype, cost.int8_matmuls) * hardware.flops_efficiency
         self.bytes_per_s = hardware.memory_bandwidth * hardware.bandwidth_efficiency
@@ -226,7 +261,8 @@ class AnalyticalStepTime(StepTimeModel):
         compute = (self.cost.step_matmul_flops(features) / self.matmul_flops_per_s
                    + self.cost.step_attention_flops(features) / self.flops_per_s)
         memory = self.cost.step_bytes(features) / self.bytes_per_s
-        return self.hardware.step_overhead + max(compute, memory)
+        return (self.hardware.step_overhead + max(compute, memory) / self.tp
+                + tensor_parallel_seconds(self.cost, self.hardware, self.tp, features))
 
     def kernel_seconds(self, flops: Any, nbytes: Any, floor: float = 0.0) -> Any:
         """One kernel's roofline on ``hardware`` at the rates ``predict`` uses: the slower of its FLOPs at the
@@ -248,8 +284,9 @@ class ProfiledStepTime(StepTimeModel):
     embedding + the LM head``. Attention comes from ``attention.csv`` when the directory has one (prefill by
     (query, key) pairs, decode by KV tokens read, per layer), else from the analytical roofline on ``hardware``;
     the LM head (not in Vidur's profiles) and the per-step overhead always do. A profile is one tensor-parallel
-    degree's per-rank timings: the rows of ``engine.tensor_parallel_size`` are used and the analytical parts are
-    split over the ranks too (the all-reduces between them are not priced)."""
+    degree's per-rank timings: the rows of ``engine.tensor_parallel_size`` are used, the analytical parts are
+    split over the ranks too, and the collectives between them are priced as the analytical model prices them
+    (``tensor_parallel_seconds``)."""
 
     def __init__(self, profile: str | Path | None, cost: ModelCost, hardware: Hardware | None, dtype: str,
                  tensor_parallel_size: int = 1, **context: Any) -> None:
@@ -268,7 +305,7 @@ class ProfiledStepTime(StepTimeModel):
             raise ValueError(f"runner.profile: {str(profile)!r} is not a directory (the profiled step-time model "
                              "reads mlp.csv and attention.csv from one)")
         self.directory = directory
-        self.tp = int(tensor_parallel_size)
+        self.tp = check_tensor_parallel(hardware, tensor_parallel_size)
         self.cost = cost
         self.hardware = hardware
         self.linear = read_mlp_profile(directory / "mlp.csv", self.tp, cost)
@@ -303,7 +340,7 @@ class ProfiledStepTime(StepTimeModel):
         tokens = features["num_prefill_tokens"] + features["num_decode_tokens"]
         linear_ms = self.cost.num_layers * self.linear.layer_ms(tokens) + self.linear.step_ms(tokens)
         return (self.hardware.step_overhead + linear_ms / 1000.0 + self.attention_seconds(features)
-                + self.lm_head_seconds(features))
+                + self.lm_head_seconds(features) + tensor_parallel_seconds(self.cost, self.hardware, self.tp, features))
 
     def describe(self) -> str:
         attention = "profiled" if self.attention is not None else "analytical"
