@@ -101,6 +101,13 @@ def _time_figure(title: str, y_label: str, **kw: Any):
     return fig
 
 
+def _tier_bars(columns: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """``tier_columns`` with ``mib_written_down`` (MiB written, negated): the moves chart draws writes below 0."""
+    for data in columns.values():
+        data["mib_written_down"] = [-mib for mib in data["mib_written"]]
+    return columns
+
+
 class RunDashboard:
     """One browser tab's view of one run: the sources, the charts, and the callback that keeps them fresh."""
 
@@ -221,7 +228,8 @@ class RunDashboard:
         """The KV tier row, hidden until the run is known to have tiers (``has_tiers``); a tier's lines are drawn
         when its steps first appear (``_tier_source``)."""
         self.tier_held = _time_figure("KV tiers: what each tier holds", "fraction of its capacity")
-        self.tier_moves = _time_figure("KV tiers: MiB loaded (solid) and written (dashed) per step", "MiB / step")
+        self.tier_moves = _time_figure("KV tiers: MiB loaded from each tier (up) and written to it (down) per step",
+                                       "MiB / step")
         for fig in (self.tier_held, self.tier_moves):
             self._cursor(fig)
         self.tier_section = column(self.tier_header, row(self.tier_held, self.tier_moves), visible=False)
@@ -246,17 +254,19 @@ class RunDashboard:
             self._tier_by_fraction = bool(capacities) and all(capacities.values()) and name in capacities
             if not self._tier_by_fraction:
                 self.tier_held.yaxis.axis_label = "MiB held"
-        source = self.tier_srcs[name] = ColumnDataSource(_empty(TIER_COLUMNS))
+        source = self.tier_srcs[name] = ColumnDataSource(_empty(TIER_COLUMNS + ("mib_written_down",)))
         color = Category10[10][(len(self.tier_srcs) - 1) % 10]
-        held = self.tier_held.line("t", "fraction" if self._tier_by_fraction else "mib", source=source,
+        # A tier holds what it held after a step until the next one: a step line, not a ramp between steps.
+        held = self.tier_held.step("t", "fraction" if self._tier_by_fraction else "mib", source=source, mode="after",
                                    color=color, legend_label=name, line_width=2)
         self.tier_held.add_tools(HoverTool(tooltips=[("tier", name), ("t", "@t{0.00} s"), ("blocks", "@blocks"),
                                                      ("held", "@mib{0.0} MiB (@fraction{0.0%} of capacity)")],
                                            mode="vline", renderers=[held]))
-        loaded = self.tier_moves.line("t", "mib_loaded", source=source, color=color, line_width=2,
+        # One bar per step that moved something (steps are far apart while the run idles: a line would ramp).
+        loaded = self.tier_moves.vbar(x="t", top="mib_loaded", width=0.02, source=source, color=color,
                                       legend_label=f"{name} loaded")
-        self.tier_moves.line("t", "mib_written", source=source, color=color, line_dash="dashed",
-                             legend_label=f"{name} written")
+        self.tier_moves.vbar(x="t", top=0, bottom="mib_written_down", width=0.02, source=source, color=color,
+                             alpha=0.5, legend_label=f"{name} written")
         self.tier_moves.add_tools(HoverTool(tooltips=[
             ("tier", name), ("step", "@step"), ("loaded", "@blocks_loaded blocks (@mib_loaded{0.00} MiB)"),
             ("written", "@blocks_written blocks (@mib_written{0.00} MiB)"), ("hit tokens", "@hit_tokens")],
@@ -281,14 +291,14 @@ class RunDashboard:
             self.tier_totals = TierTotals()
             self.tier_totals.add(steps)
             cut = max(0, len(steps) - TIER_ROLLOVER)
-            columns = tier_columns(steps[cut:], self.feed.sizes, steps[max(0, cut - TIER_ROLLOVER):cut])
+            columns = _tier_bars(tier_columns(steps[cut:], self.feed.sizes, steps[max(0, cut - TIER_ROLLOVER):cut]))
             for name, source in self.tier_srcs.items():
-                source.data = columns.pop(name, _empty(TIER_COLUMNS))
+                source.data = columns.pop(name, _tier_bars({name: _empty(TIER_COLUMNS)})[name])
             for name, data in columns.items():
                 self._tier_source(name).data = data
         else:
             self.tier_totals.add(steps)
-            for name, data in tier_columns(steps, self.feed.sizes, history).items():
+            for name, data in _tier_bars(tier_columns(steps, self.feed.sizes, history)).items():
                 self._tier_source(name).stream(data, rollover=TIER_ROLLOVER)
         figures = " | ".join(self._tier_text(name) for name in self.tier_totals.counts)
         self.tier_header.text = f"<b>KV tiers</b> · {figures or 'waiting for the first step'}"
