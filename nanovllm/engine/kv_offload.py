@@ -23,7 +23,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -123,6 +123,21 @@ def check_kv_offload(spec: Any) -> list[dict[str, Any]] | None:
     return chain
 
 
+def tier_names(names: Sequence[str]) -> list[str]:
+    """The names a stack's tiers go by in step records and metrics (top first): each tier's registered name,
+    with its position appended where two tiers of the stack share one (``host0``, ``host1``)."""
+    return [name if list(names).count(name) == 1 else f"{name}{index}" for index, name in enumerate(names)]
+
+
+def tier_capacities(spec: Any) -> dict[str, int | None]:
+    """Each tier of ``spec`` (a ``kv_offload`` value) by its record name (``tier_names``), with the capacity in
+    bytes the spec states (None where it leaves the tier's default); empty when off. The live dashboard reads
+    it from a run's config to draw each tier's occupancy as a fraction of its capacity."""
+    chain = check_kv_offload(spec) or []
+    names = tier_names([str(node["name"]) for node in chain])
+    return {name: node.get("capacity") for name, node in zip(names, chain)}
+
+
 def with_shared_store(spec: Any, store: str) -> Any:
     """``spec`` with every ``shared`` tier that names no ``store`` given ``store``: a simulated cluster gives
     each run a store of its own, so runs in one process never see each other's blocks."""
@@ -156,7 +171,7 @@ class KVOffload:
         policy = chain[0].pop("policy")
         self.policy: OffloadPolicy = OFFLOAD_POLICIES.build(policy if policy is not None else "evict")
         self.tiers: list[KVTier] = [KV_TIERS.build(node, context) for node in chain]
-        self.names = [self._unique_name(tier, i) for i, tier in enumerate(self.tiers)]
+        self.names = tier_names([tier.name for tier in self.tiers])
         for i, tier in enumerate(self.tiers[:-1]):
             tier.on_evict = self._demoter(i)
         self.block_size = block_size
@@ -168,9 +183,6 @@ class KVOffload:
         self._written_through: set[str] = set()
         self._swap_keys: dict[str, tuple[int, int]] = {}   # request_id -> (swap key, tokens)
         self._swap_ids = itertools.count(1)
-
-    def _unique_name(self, tier: KVTier, index: int) -> str:
-        return tier.name if [t.name for t in self.tiers].count(tier.name) == 1 else f"{tier.name}{index}"
 
     # -- down --------------------------------------------------------------------------------------------------
     def _put(self, index: int, key: int, tokens: Tokens, data: torch.Tensor, pinned: bool = False) -> bool:
@@ -407,6 +419,10 @@ class KVOffload:
         return found
 
     # -- records -----------------------------------------------------------------------------------------------
+    def capacities(self) -> dict[str, int]:
+        """Each tier's capacity in bytes, by record name (what the live views draw occupancy against)."""
+        return {name: tier.capacity for name, tier in zip(self.names, self.tiers)}
+
     def take_step_stats(self) -> tuple[int, dict[str, dict[str, float]]]:
         """(swapped tokens, per tier counters plus ``blocks`` and ``bytes`` held) since the last call."""
         per_tier = {}

@@ -25,13 +25,16 @@ from nanovllm.harness.live.feed import (
     NotARunError,
     RunFeed,
     SpecTotals,
+    TierTotals,
     block_map,
     check_run_dir,
     gantt_rows,
+    has_tiers,
     latency_table,
     spec_columns,
     speculating,
     step_columns,
+    tier_columns,
 )
 from nanovllm.harness.live.launch import LiveSession, NeverFails, _start_dashboard, free_port
 from nanovllm.harness.live.tui import TuiView, sparkline
@@ -243,6 +246,130 @@ def test_dashboard_shows_speculation_only_when_on_and_keeps_a_bounded_window(tmp
     assert view.spec_section.visible and view.spec_src.data["step"] == [0, 1, 2, 3]   # earlier steps drawn too
 
 
+# -- KV tiers' charts ----------------------------------------------------------------------------------------------
+
+MIB = 2**20
+
+
+def _tier_step(i: int, held: int, loaded: int = 0, written: int = 0, hits: int = 0, prefill: int = 0,
+               name: str = "host", replica: int | None = None) -> dict:
+    """A step whose tier ``name`` holds ``held`` blocks of 1 MiB after it, having loaded ``loaded`` (serving
+    ``hits`` prompt tokens of the ``prefill + hits`` it admitted) and written ``written`` blocks in it."""
+    counts = dict(hit_tokens=hits, blocks_written=written, blocks_loaded=loaded, bytes_written=written * MIB,
+                  bytes_loaded=loaded * MIB, failures=0, load_seconds=0.001 * loaded, blocks=held, bytes=held * MIB)
+    step = {**_step(i, running=1, waiting=0, used=2, prefill=prefill), "prefix_hit_tokens": hits,
+            "swapped_tokens": 0, "kv_tiers": {name: counts}}
+    return step if replica is None else {**step, "replica": replica}
+
+
+def _tier_run(tmp_path: Path, steps: list[dict], kv_offload: object, replicas: int = 1) -> Path:
+    writer = RunWriter(tmp_path / "run", {"engine": {"max_num_seqs": 4}, "workload": {"num_requests": 2},
+                                          "kv_offload": kv_offload, "cluster": {"replicas": replicas}})
+    for step in steps:
+        writer.write_step(step)
+    writer.close()
+    return tmp_path / "run"
+
+
+def test_tier_columns_hold_each_tiers_occupancy_and_moves_per_step() -> None:
+    steps = [_tier_step(0, held=2, written=2, prefill=32), _tier_step(1, held=2, loaded=1, hits=16, prefill=16),
+             _tier_step(2, held=3, written=1)]
+    columns = tier_columns(steps, EngineSizes(kv_tiers={"host": 4 * MIB}))
+    host = columns["host"]
+    assert list(columns) == ["host"] and host["step"] == [0, 1, 2] and host["t"] == pytest.approx([0.1, 0.2, 0.3])
+    assert host["blocks"] == [2, 2, 3] and host["mib"] == [2.0, 2.0, 3.0] and host["fraction"] == [0.5, 0.5, 0.75]
+    assert host["blocks_loaded"] == [0, 1, 0] and host["mib_loaded"] == [0.0, 1.0, 0.0]
+    assert host["blocks_written"] == [2, 0, 1] and host["mib_written"] == [2.0, 0.0, 1.0]
+    assert host["hit_tokens"] == [0, 16, 0]
+    unknown = tier_columns(steps, EngineSizes())["host"]["fraction"]   # no capacity stated: a gap, not a 0
+    assert all(math.isnan(f) for f in unknown)
+    assert tier_columns([_step(0, 1, 0, 1)], EngineSizes()) == {}   # steps without tiers: no rows
+    # A cluster: replicas interleave; a tier holds every replica's latest together, the shared store the largest.
+    cluster = [_tier_step(0, held=2, replica=0), _tier_step(1, held=5, replica=1), _tier_step(2, held=3, replica=0),
+               _tier_step(3, held=4, name="shared", replica=0), _tier_step(4, held=6, name="shared", replica=1)]
+    later = tier_columns(cluster[2:], EngineSizes(), history=cluster[:2])
+    assert later["host"]["blocks"] == [8] and later["shared"]["blocks"] == [4, 6]
+
+
+def test_tier_totals_sum_the_moves_and_keep_the_latest_holdings() -> None:
+    totals = TierTotals()
+    assert totals.counts == {} and totals.figures("host")["hit_rate"] is None
+    totals.add([_tier_step(0, held=2, written=2, prefill=32), _step(1, 1, 0, 1),
+                _tier_step(2, held=1, loaded=1, hits=16, prefill=16)])
+    figures = totals.figures("host", capacity=4 * MIB)
+    assert figures == {"blocks": 1, "mib": 1.0, "fraction": 0.25, "hit_tokens": 16, "hit_rate": 0.25,
+                       "blocks_loaded": 1, "mib_loaded": 1.0, "blocks_written": 2, "mib_written": 2.0,
+                       "load_seconds": 0.001}
+    assert totals.figures("host")["fraction"] is None   # no capacity: no fraction
+    assert has_tiers([], EngineSizes(kv_tiers={"host": MIB}))
+    assert has_tiers([_step(0, 1, 0, 1), _tier_step(1, held=0)], EngineSizes())   # a step carried tier counters
+    assert not has_tiers([_step(0, 1, 0, 1)], EngineSizes())
+
+
+def test_tier_sizes_come_from_the_run_config(tmp_path: Path) -> None:
+    stack = {"name": "host", "capacity": 4 * MIB, "policy": "evict", "below": {"name": "disk", "capacity": 64 * MIB}}
+    assert EngineSizes.read(_tier_run(tmp_path / "on", [], stack)).kv_tiers == {"host": 4 * MIB, "disk": 64 * MIB}
+    assert EngineSizes.read(_tier_run(tmp_path / "off", [], {"name": "none"})).kv_tiers is None
+    # A cluster of 2: each replica's host tier counts (occupancy is summed), the shared store is one.
+    shared = {"name": "host", "capacity": MIB, "below": {"name": "shared"}}
+    assert EngineSizes.read(_tier_run(tmp_path / "two", [], shared, replicas=2)).kv_tiers == {"host": 2 * MIB,
+                                                                                              "shared": None}
+    # Two tiers of one kind go by their position, as their step records name them.
+    from nanovllm.engine.kv_offload import tier_capacities
+    assert tier_capacities({"name": "host", "capacity": 8, "below": {"name": "host", "capacity": 16}}) == {
+        "host0": 8, "host1": 16}
+
+
+def test_dashboard_shows_tiers_only_when_on_and_keeps_a_bounded_window(tmp_path: Path, monkeypatch) -> None:
+    from bokeh.document import Document
+
+    from nanovllm.harness.live import web
+
+    def build(run: Path) -> web.RunDashboard:
+        view = web.RunDashboard(run)
+        Document().add_root(view.layout())   # the tab's document, as make_app builds it
+        view.update()
+        return view
+
+    off = build(_spec_run(tmp_path / "off", [_step(i, 1, 0, 1) for i in range(5)], k=None))
+    assert not off.tier_section.visible and off.tier_srcs == {} and off.tier_held.renderers == []
+
+    monkeypatch.setattr(web, "TIER_ROLLOVER", 8)
+    steps = [_tier_step(i, held=i, loaded=1, written=2, hits=16, prefill=16) for i in range(12)]
+    run = _tier_run(tmp_path / "on", steps[:10], {"name": "host", "capacity": 16 * MIB})
+    view = build(run)
+    assert view.tier_section.visible and not view.spec_section.visible
+    assert len(view.tier_held.renderers) == len(view.tier_moves.renderers) - 1 == 1   # one line a tier; two
+    assert view.tier_held.renderers[0].glyph.y == "fraction"
+    assert view.tier_srcs["host"].data["step"] == list(range(2, 10))   # the latest 8 of 10 steps
+    assert view.tier_srcs["host"].data["fraction"][-1] == 9 / 16
+    header = view.tier_header.text
+    assert "nv-tier-loaded'>10.00<" in header and "nv-tier-hit'>0.50<" in header   # over all 10 steps
+    assert "nv-tier-written'>20.00<" in header and "nv-tier-blocks'>9<" in header and "56.2% of 16.0 MiB" in header
+    with open(run / "steps.jsonl", "a") as f:   # the run goes on: two more steps stream in, two scroll out
+        f.writelines(json.dumps(s) + "\n" for s in steps[10:])
+    view.update()
+    assert view.tier_srcs["host"].data["step"] == list(range(4, 12))
+    assert "nv-tier-loaded'>12.00<" in view.tier_header.text
+    view._on_scrub("value_throttled", 1.2, 0.45)   # back to t = 0.45: steps 0-3
+    assert view.tier_srcs["host"].data["step"] == [0, 1, 2, 3] and "nv-tier-loaded'>4.00<" in view.tier_header.text
+    view._on_follow()
+    assert view.tier_srcs["host"].data["step"][-1] == 11 and "nv-tier-loaded'>12.00<" in view.tier_header.text
+
+    # A replayed run with no config: the row appears with the first step that carries tier counters (the
+    # earlier ones carry none), drawn in MiB (no capacity known).
+    bare = tmp_path / "bare" / "run"
+    bare.mkdir(parents=True)
+    (bare / "steps.jsonl").write_text("".join(json.dumps(_step(i, 1, 0, 1)) + "\n" for i in range(3)))
+    view = build(bare)
+    assert not view.tier_section.visible
+    with open(bare / "steps.jsonl", "a") as f:
+        f.write(json.dumps(_tier_step(3, held=2, written=2)) + "\n")
+    view.update()
+    assert view.tier_section.visible and view.tier_srcs["host"].data["mib"] == [2.0]
+    assert view.tier_held.renderers[0].glyph.y == "mib" and view.tier_held.yaxis[0].axis_label == "MiB held"
+
+
 def test_a_long_run_is_held_as_a_rolling_window_by_the_feed_and_the_dashboard(tmp_path: Path) -> None:
     """A server appends steps, requests and snapshots without end: the feed keeps the latest ``window`` of each
     (``snapshot_window`` snapshots), counts every one, drops preemption intervals older than its snapshots, and
@@ -351,6 +478,14 @@ def test_terminal_view_shows_the_essentials() -> None:
     assert "running 4  waiting 1  preempted 1 (total)  finished 1 / 3" in text
     assert "5 used, 0 cached, 3 free of 8" in text and "TTFT" in text and "p50 200" in text
     assert sparkline([0, 2, 4], 4) == "▁▅█"
+    assert "KV tiers" not in text   # no tiers: no tier line
+
+    tiered = TuiView(max_num_seqs=4, num_requests=3, tier_capacities={"host": 4 * MIB})
+    tiered.add_step(_tier_step(0, held=2, written=2, prefill=32))
+    tiered.add_step(_tier_step(1, held=3, loaded=1, hits=16, prefill=16))
+    console = Console(record=True, width=140)
+    console.print(tiered)
+    assert "host: 3 blocks (3.0 MiB 75%)  hit rate 0.25  loaded 1 (1.0 MiB)  written 2" in console.export_text()
 
 
 def test_live_config_group(tmp_path: Path) -> None:
@@ -375,7 +510,6 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (apt-get install -y chromium)")
 def _dashboard_url(proc: subprocess.Popen) -> str:
     """The live dashboard's URL, as the run prints it."""
     for line in proc.stdout:
@@ -399,16 +533,22 @@ def _open_dashboard(pw, playwright, url: str, height: int):  # type: ignore[no-u
     return browser, page
 
 
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine (apt-get install -y chromium)")
 def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
+    """A real run with a host KV tier below a pool too small for its prompts' shared prefixes: the charts draw,
+    the counts grow while it runs, and the tier row shows blocks loaded back from the tier."""
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    # Arrivals spread over ~30 s, so the run is still going while the page loads and is read twice.
+    # Arrivals spread over ~30 s, so the run is still going while the page loads and is read twice. Four
+    # 48-token prefixes (12 blocks) do not fit the 8-block pool beside the requests: the prefix allocator
+    # evicts them to the host tier, and a later request of the same prefix loads them back.
     command = [sys.executable, "-m", "nanovllm.run", "live=web", "live.port=0", "workload=synthetic",
                "workload.num_requests=16", "workload.request_rate=0.5", "workload.input_len.kind=fixed",
                "workload.input_len.mean=8", "workload.output_len.kind=fixed", "workload.output_len.mean=3",
-               "engine.num_kv_blocks=16", "engine.max_model_len=512", "monitor.calibrate=false", "progress=false",
-               f"hydra.run.dir={run_dir}"]
+               "workload.num_prefix_groups=4", "workload.prefix_len=48", "engine.num_kv_blocks=8",
+               "engine.max_model_len=512", "allocator=prefix", "kv_offload=host", f"kv_offload.capacity={32 * MIB}",
+               "monitor.calibrate=false", "progress=false", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = _dashboard_url(proc)
@@ -427,12 +567,20 @@ def test_watch_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
             assert page.locator("canvas").count() >= 6  # the time series, the Gantt and the block map drew
             assert not page.locator(".nv-proposed").is_visible()  # no speculation: no speculation charts
             assert page.locator(".bk-data-table").count() >= 1 or page.locator("text=p50 ttft").count() >= 1
+            page.wait_for_selector(".nv-tier-loaded", state="visible", timeout=60_000)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and float(page.locator(".nv-tier-loaded").inner_text()) == 0:
+                time.sleep(1)
+            assert float(page.locator(".nv-tier-loaded").inner_text()) > 0   # MiB loaded back from the host tier
+            assert page.locator(".nv-tier-name").inner_text() == "host"
+            assert page.locator("canvas").count() >= 8  # and the tier row's two charts
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # kept in pytest's tmp dir
             browser.close()  # the browser goes away mid-run: the run must not care
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        assert metrics["completed"] == 16
+        assert metrics["completed"] == 16 and metrics["kv_tiers"]["host"]["blocks_loaded"] > 0
+        assert json.loads((run_dir / "engine.json").read_text())["kv_tiers"] == {"host": 32 * MIB}
         assert (run_dir / "blocks.jsonl").stat().st_size > 0 and (tmp_path / "dashboard.png").stat().st_size > 10_000
     finally:
         if proc.poll() is None:
@@ -472,6 +620,7 @@ def test_watch_speculative_decoding_in_headless_chromium(tmp_path: Path) -> None
             assert 0.0 <= float(acceptance) <= 1.0
             assert float(page.locator(".nv-accepted-length").inner_text()) >= 1.0
             assert page.locator("canvas").count() >= 10  # the six run charts and the four speculation charts
+            assert not page.locator(".nv-tier-loaded").is_visible()  # no kv_offload: no tier row
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # kept in pytest's tmp dir
             browser.close()
         _, stderr = proc.communicate(timeout=600)

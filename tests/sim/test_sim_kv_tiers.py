@@ -5,6 +5,8 @@ option. Fast: the default model's config, no weights, a token-cost step time."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nanovllm.cluster.config import ClusterConfig
@@ -143,6 +145,37 @@ def test_a_prefix_computed_on_one_replica_is_a_hit_on_another_through_the_shared
     for replica in shared.engine.replicas:
         replica.engine.close()
     assert (stores[0].store, stores[0].context.namespace) not in _SIMULATED_STORES
+
+
+def test_the_live_dashboard_draws_a_clusters_tiers_as_its_summary_counts_them(tmp_path):
+    """``live=web`` on a simulated cluster with a host tier over a shared store: ``engine.json`` names each
+    tier's capacity (the host tiers' together, the store's once), and the dashboard's tier row, built from the
+    run's files, ends where the run's summary does: each replica's host tier summed, the shared store's largest
+    view, the same moves and hit rates (nothing was preempted, so every prompt token was admitted once)."""
+    from helpers import serve_with_live_loggers
+    from nanovllm.harness.live.web import RunDashboard
+
+    served = _cluster({"name": "host", "capacity": 1 << 22, "policy": "write_through",
+                       "below": {"name": "shared", "capacity": 1 << 26}})
+    work = sessions(served.engine.replicas[0].engine.tokenizer, rate=2.0, num_sessions=4, turns=4)
+    result = serve_with_live_loggers(served, work, tmp_path)
+    capacities = {"host": 2 << 22, "shared": 1 << 26}
+    assert json.loads((tmp_path / "engine.json").read_text())["kv_tiers"] == capacities
+    view = RunDashboard(tmp_path)
+    view.layout()
+    view.update()
+    summary = result.summary["kv_tiers"]
+    assert result.summary["num_preemptions"] == 0 and summary["shared"]["blocks_loaded"] > 0
+    assert view.tier_section.visible and sorted(view.tier_srcs) == ["host", "shared"]
+    for name, totals in summary.items():
+        figures = view.tier_totals.figures(name, capacities[name])
+        assert figures["blocks"] == totals["blocks"] and figures["mib"] == totals["bytes"] / 2**20
+        assert figures["mib_loaded"] == totals["bytes_loaded"] / 2**20
+        assert figures["blocks_written"] == totals["blocks_written"]
+        assert figures["hit_rate"] == pytest.approx(totals["hit_rate"])
+        source = view.tier_srcs[name].data
+        assert source["blocks"][-1] == totals["blocks"] and source["fraction"][-1] == totals["bytes"] / capacities[name]
+        assert sum(source["blocks_loaded"]) == totals["blocks_loaded"]
 
 
 def _view(index, by_tier, free=10):

@@ -13,8 +13,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from nanovllm.engine.kv_offload import tier_capacities
 from nanovllm.serving.metrics import breakdown, summarize
 from nanovllm.serving.records import (
     BLOCKS_FILE,
@@ -26,6 +27,7 @@ from nanovllm.serving.records import (
     is_run_dir,
     read_metrics,
 )
+from nanovllm.serving.step_records import merge_tier_counts
 
 PHASES = ("queued", "prefill", "decoding", "preempted", "finished", "failed")
 
@@ -65,6 +67,9 @@ class EngineSizes:
     max_num_batched_tokens: int | None = None
     num_requests: int | None = None
     num_speculative_tokens: int | None = None   # K when speculative decoding is on, else None
+    # The KV tiers (``kv_offload``) by record name, with their capacity in bytes (a cluster's: every replica's
+    # together, as its occupancy is summed; None where unstated); None when the run has none or does not say
+    kv_tiers: dict[str, int | None] | None = None
 
     @classmethod
     def read(cls, run_dir: Path) -> "EngineSizes":
@@ -79,12 +84,30 @@ class EngineSizes:
                 replicas = (data.get("cluster") or {}).get("replicas") or 1
                 spec = data.get("speculative") or {}
                 data = {**engine, "num_requests": workload.get("num_requests") or workload.get("max_requests"),
-                        "num_speculative_tokens": spec.get("num_tokens") if spec.get("method") else None}
+                        "num_speculative_tokens": spec.get("num_tokens") if spec.get("method") else None,
+                        "kv_tiers": _config_tiers(data.get("kv_offload"), replicas)}
                 for key in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):  # a cluster's: totals
                     if isinstance(data.get(key), int):
                         data[key] *= replicas
             return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
         return cls()
+
+
+def cluster_tier_capacities(capacities: Mapping[str, int | None], replicas: int) -> dict[str, int | None]:
+    """A cluster's tier capacities from one replica's: each replica has its own tiers (their occupancy is
+    summed, so their capacity is too), but ``shared`` is one store every replica sees (the largest replica's
+    view of it is drawn, and each replica bounds what it adds to ``capacity``)."""
+    return {name: capacity if capacity is None or name == "shared" else capacity * replicas
+            for name, capacity in capacities.items()}
+
+
+def _config_tiers(spec: Any, replicas: int) -> dict[str, int | None] | None:
+    """The tiers of a run's ``kv_offload`` config (None: off, or not a spec the engine would take)."""
+    try:
+        capacities = tier_capacities(spec)
+    except ValueError:
+        return None
+    return cluster_tier_capacities(capacities, replicas) or None
 
 
 # How much of a run the live views hold: the latest steps and ended requests, and the latest block snapshots (each
@@ -333,6 +356,88 @@ class SpecTotals:
         accepted = self.per_pos + [0] * (count - len(self.per_pos))
         return {"position": list(range(1, count + 1)), "accepted": accepted, "drafts": [self.drafts] * count,
                 "rate": [a / self.drafts if self.drafts else 0.0 for a in accepted]}
+
+
+TIER_COLUMNS = ("t", "step", "blocks", "mib", "fraction", "blocks_loaded", "blocks_written", "mib_loaded",
+                "mib_written", "hit_tokens")
+
+
+def has_tiers(steps: Sequence[dict], sizes: EngineSizes) -> bool:
+    """Whether the run has KV tiers below its pool: its sizes say so (``engine.json`` or ``config.json``), or a
+    step carries their counters (a replayed run that has neither file)."""
+    return bool(sizes.kv_tiers) or any(s.get("kv_tiers") for s in steps)
+
+
+def _holding(replicas: Mapping[Any, Mapping[str, float]], name: str) -> tuple[float, float]:
+    """(blocks, bytes) one tier holds: each replica's latest, summed; ``shared`` is one store every replica
+    sees, so the largest (as ``metrics.json`` counts it)."""
+    combine = max if name == "shared" else sum
+    return (combine(c.get("blocks", 0) for c in replicas.values()),
+            combine(c.get("bytes", 0) for c in replicas.values()))
+
+
+def tier_columns(steps: Sequence[dict], sizes: EngineSizes, history: Sequence[dict] = ()) -> dict[str, dict[str, list]]:
+    """Per tier (by record name), one row per step that carries its counters: what the tier holds after the
+    step (blocks, MiB, and the fraction of its capacity where the run states one, else NaN) and what the step
+    moved (blocks and MiB loaded from it and written to it, prompt tokens it served). ``history``: the steps
+    before these; a cluster's steps interleave replicas, and a tier's holdings are then every replica's latest
+    together (``_holding``)."""
+    latest: dict[str, dict[Any, Mapping[str, float]]] = {}   # tier -> replica -> its latest counters
+    for s in history:
+        for name, counts in (s.get("kv_tiers") or {}).items():
+            latest.setdefault(name, {})[s.get("replica")] = counts
+    capacities = sizes.kv_tiers or {}
+    columns: dict[str, dict[str, list]] = {}
+    for s in steps:
+        for name, counts in (s.get("kv_tiers") or {}).items():
+            latest.setdefault(name, {})[s.get("replica")] = counts
+            blocks, held = _holding(latest[name], name)
+            capacity = capacities.get(name)
+            row = {"t": step_end(s), "step": s["step"], "blocks": blocks, "mib": held / 2**20,
+                   "fraction": held / capacity if capacity else math.nan,
+                   "blocks_loaded": counts.get("blocks_loaded", 0), "blocks_written": counts.get("blocks_written", 0),
+                   "mib_loaded": counts.get("bytes_loaded", 0) / 2**20,
+                   "mib_written": counts.get("bytes_written", 0) / 2**20, "hit_tokens": counts.get("hit_tokens", 0)}
+            mine = columns.setdefault(name, {column: [] for column in TIER_COLUMNS})
+            for column in TIER_COLUMNS:
+                mine[column].append(row[column])
+    return columns
+
+
+@dataclass
+class TierTotals:
+    """KV tier counters summed over the steps added so far, and what each tier holds after the latest (a few
+    numbers per tier and replica, whatever the run's length): the tier section's headline. ``add`` takes steps
+    in order; the dashboard adds new steps as they arrive and starts a fresh one when the slider goes back."""
+
+    counts: dict[str, dict[str, float]] = field(default_factory=dict)   # tier -> summed counters
+    held: dict[str, dict[Any, Mapping[str, float]]] = field(default_factory=dict)  # tier -> replica -> latest
+    # Prompt tokens the steps admitted, computed as prefill or found cached: the hit rate's denominator (all
+    # prompt tokens, as metrics.json's hit_rate, unless a preempted request was readmitted: its tokens count again)
+    admitted_tokens: int = 0
+
+    def add(self, steps: Sequence[dict]) -> None:
+        for s in steps:
+            self.admitted_tokens += s.get("num_prefill_tokens", 0) + s.get("prefix_hit_tokens", 0)
+            tiers = s.get("kv_tiers")
+            if not tiers:
+                continue
+            self.counts = merge_tier_counts(self.counts, tiers)
+            for name, counts in tiers.items():
+                self.held.setdefault(name, {})[s.get("replica")] = counts
+
+    def figures(self, name: str, capacity: int | None = None) -> dict[str, float | None]:
+        """The tier's headline: what it holds after the latest step added (``blocks``, ``mib``, and with its
+        ``capacity`` in bytes the ``fraction`` of it, else None), its ``hit_rate`` (None before any admission),
+        and over the steps added the blocks and MiB loaded and written and the seconds spent loading."""
+        blocks, held = _holding(self.held.get(name, {}), name)
+        counts = self.counts.get(name, {})
+        hits = counts.get("hit_tokens", 0)
+        return {"blocks": blocks, "mib": held / 2**20, "fraction": held / capacity if capacity else None,
+                "hit_tokens": hits, "hit_rate": hits / self.admitted_tokens if self.admitted_tokens else None,
+                "blocks_loaded": counts.get("blocks_loaded", 0), "mib_loaded": counts.get("bytes_loaded", 0) / 2**20,
+                "blocks_written": counts.get("blocks_written", 0),
+                "mib_written": counts.get("bytes_written", 0) / 2**20, "load_seconds": counts.get("load_seconds", 0.0)}
 
 
 GANTT_COLUMNS = ("row", "start", "end", "phase", "request_id", "priority", "client", "prompt_tokens",

@@ -21,6 +21,8 @@ import time
 from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.kv_cache import bytes_per_block
+from nanovllm.engine.kv_offload import tier_capacities
+from nanovllm.harness.live.feed import cluster_tier_capacities
 from nanovllm.request import Request
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.records import RunWriter
@@ -75,6 +77,8 @@ def engine_info(engine: LLMEngine, num_requests: int) -> dict[str, Any]:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_requests": num_requests,
         "num_speculative_tokens": (config.speculative or {}).get("num_speculative_tokens"),  # None: off
+        # The KV tiers by record name, with their capacity in bytes (None: no kv_offload)
+        "kv_tiers": None if engine.offload is None else engine.offload.capacities(),
     }
 
 
@@ -125,6 +129,7 @@ def cluster_info(cluster: Any, num_requests: int) -> dict[str, Any]:
         "max_num_batched_tokens": sum(r["max_num_batched_tokens"] for r in replicas),
         "num_requests": num_requests,
         "num_speculative_tokens": (cluster.config.speculative or {}).get("num_speculative_tokens"),
+        "kv_tiers": cluster_tier_capacities(tier_capacities(cluster.config.kv_offload), len(replicas)) or None,
         "replicas": replicas,
     }
 

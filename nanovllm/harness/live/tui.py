@@ -1,9 +1,9 @@
 """``live=tui``: the essentials of a run in the terminal, for headless sessions (rich ``Live``).
 
 Counts of running / waiting / preempted requests, a sparkline of the batch size, a KV usage bar, the output
-throughput and running TTFT/TPOT percentiles. The logger only appends each step and request to bounded
-buffers; rich's own refresh thread draws the panel ``1000 / update_ms`` times a second, so the engine never
-waits on the terminal.
+throughput and running TTFT/TPOT percentiles, and with KV tiers (``kv_offload``) one line of each tier's
+figures. The logger only appends each step and request to bounded buffers; rich's own refresh thread draws the
+panel ``1000 / update_ms`` times a second, so the engine never waits on the terminal.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from nanovllm.harness.live.feed import TierTotals
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.metrics import tpot_s, ttft_s
 
@@ -42,9 +43,12 @@ def _percentiles(values: list[float]) -> str:
 class TuiView:
     """The panel's state; ``__rich__`` renders it (called from rich's refresh thread)."""
 
-    def __init__(self, max_num_seqs: int, num_requests: int, history: int = 60) -> None:
+    def __init__(self, max_num_seqs: int, num_requests: int, history: int = 60,
+                 tier_capacities: Mapping[str, int | None] | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.num_requests = num_requests
+        self.tier_capacities = dict(tier_capacities or {})   # KV tier -> its bytes, for the fraction held
+        self.tiers = TierTotals()
         self.batch: deque[int] = deque(maxlen=history)
         self.last_step: dict[str, Any] | None = None
         self.preemptions = 0
@@ -59,6 +63,7 @@ class TuiView:
         self.batch.append(step["num_running"])
         self.preemptions += step["num_preempted"]
         self.recent.append((step["start_time"] + step["duration"], step.get("num_sampled", 0)))
+        self.tiers.add([step])
 
     def add_request(self, record: dict) -> None:
         if record["error"] is not None:
@@ -99,14 +104,26 @@ class TuiView:
         table.add_row("throughput", f"{self.throughput():.1f} output tok/s")
         table.add_row("TTFT", _percentiles(self.ttfts))
         table.add_row("TPOT", _percentiles(self.tpots))
+        if self.tiers.counts:
+            table.add_row("KV tiers", "  |  ".join(self._tier_text(name) for name in list(self.tiers.counts)))
         return Panel(table, title="nano-vllm live")
+
+
+    def _tier_text(self, name: str) -> str:
+        f = self.tiers.figures(name, self.tier_capacities.get(name))
+        share = f" {f['fraction']:.0%}" if f["fraction"] is not None else ""
+        rate = f"{f['hit_rate']:.2f}" if f["hit_rate"] is not None else "-"
+        return (f"{name}: {f['blocks']:.0f} blocks ({f['mib']:.1f} MiB{share})  hit rate {rate}  "
+                f"loaded {f['blocks_loaded']:.0f} ({f['mib_loaded']:.1f} MiB)  written {f['blocks_written']:.0f}")
 
 
 class TuiLogger(RunLogger):
     """Shows a ``TuiView`` of the run in a rich ``Live`` display from ``start`` to ``finish``."""
 
     def __init__(self, engine: Any, num_requests: int, update_ms: int = 500, console: Console | None = None) -> None:
-        self.view = TuiView(engine.config.max_num_seqs, num_requests)
+        offload = engine.offload
+        self.view = TuiView(engine.config.max_num_seqs, num_requests,
+                            tier_capacities=None if offload is None else offload.capacities())
         self.update_ms = update_ms
         self.console = console
         self._live: Live | None = None

@@ -16,12 +16,18 @@ A run that decodes speculatively (``speculative=...``) adds two rows: the accept
 length over a rolling window, proposed and accepted tokens per step, and the acceptance per proposal position
 so far. Their per-step source keeps the last ``SPEC_ROLLOVER`` steps (older ones scroll out), so a long run
 costs the browser a bounded amount; the per-position counts are a few running sums.
+
+A run with KV tiers below its pool (``kv_offload=...``) adds a row: what each tier holds over time (one line a
+tier: the fraction of its capacity, or MiB where a capacity is not stated) and the MiB loaded from and written
+to each tier per step, under a line of each tier's totals (hit rate, MiB loaded and written, load time). Each
+tier's source keeps the last ``TIER_ROLLOVER`` steps; the totals are running sums (``TierTotals``).
 """
 
 from __future__ import annotations
 
 import errno
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,17 +61,21 @@ from nanovllm.harness.live.feed import (
     REPLICA_COLUMNS,
     SPEC_COLUMNS,
     STEP_COLUMNS,
+    TIER_COLUMNS,
     RunFeed,
     SpecTotals,
+    TierTotals,
     block_map,
     check_run_dir,
     gantt_rows,
+    has_tiers,
     latency_table,
     replica_columns,
     spec_columns,
     speculating,
     step_columns,
     sweep_runs,
+    tier_columns,
 )
 
 PHASE_COLORS = ("#bbbbbb", "#e4572e", "#4c72b0", "#f2a900", "#59a14f", "#222222")
@@ -76,6 +86,8 @@ SPEC_ROLLOVER = 2000
 #: ``SPEC_HISTORY`` steps before the new ones (a window of very short steps is cut there).
 SPEC_WINDOW = 5.0
 SPEC_HISTORY = 2000
+#: Steps each KV tier's charts keep in the browser (and in its source): the latest, older ones scroll out.
+TIER_ROLLOVER = 2000
 
 
 def _empty(names: tuple[str, ...]) -> dict[str, list]:
@@ -87,6 +99,13 @@ def _time_figure(title: str, y_label: str, **kw: Any):
                  y_axis_label=y_label, tools="pan,xwheel_zoom,box_zoom,reset,save", **kw)
     fig.toolbar.logo = None
     return fig
+
+
+def _tier_bars(columns: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """``tier_columns`` with ``mib_written_down`` (MiB written, negated): the moves chart draws writes below 0."""
+    for data in columns.values():
+        data["mib_written_down"] = [-mib for mib in data["mib_written"]]
+    return columns
 
 
 class RunDashboard:
@@ -112,6 +131,10 @@ class RunDashboard:
         self.position_src = ColumnDataSource(_empty(POSITION_COLUMNS))
         self.spec_totals = SpecTotals()   # over the steps shown: the per-position chart and the spec header
         self.spec_header = Div(text="", width=2 * WIDTH)
+        self.tier_srcs: dict[str, ColumnDataSource] = {}   # per KV tier, as its steps appear
+        self.tier_totals = TierTotals()   # over the steps shown: the tier section's header
+        self.tier_header = Div(text="", width=2 * WIDTH)
+        self._tier_by_fraction = False   # set with the first tier's lines (``_tier_source``)
         self._shown_steps = 0
         self._rows_key: tuple = ()
         self.moment = 0.0  # the time shown while not following
@@ -124,7 +147,7 @@ class RunDashboard:
         return column(
             self.header, self.notice, row(self.slider, self.follow_button),
             row(charts[0], charts[1]), row(charts[2], charts[3]),
-            self._replica_charts(), self._spec_charts(),
+            self._replica_charts(), self._spec_charts(), self._tier_charts(),
             row(self._gantt_chart(), column(self._block_chart(), self._latency_table())),
         )
 
@@ -200,6 +223,98 @@ class RunDashboard:
             f"<span class='nv-accepted'>{totals.accepted}</span> · acceptance rate "
             f"<span class='nv-acceptance'>{rate}</span> · mean accepted length "
             f"<span class='nv-accepted-length'>{length}</span>")
+
+    def _tier_charts(self):
+        """The KV tier row, hidden until the run is known to have tiers (``has_tiers``); a tier's lines are drawn
+        when its steps first appear (``_tier_source``)."""
+        self.tier_held = _time_figure("KV tiers: what each tier holds", "fraction of its capacity")
+        self.tier_moves = _time_figure("KV tiers: MiB loaded from each tier (up) and written to it (down) per step",
+                                       "MiB / step")
+        for fig in (self.tier_held, self.tier_moves):
+            self._cursor(fig)
+        self.tier_section = column(self.tier_header, row(self.tier_held, self.tier_moves), visible=False)
+        return self.tier_section
+
+    def _tier_source(self, name: str) -> ColumnDataSource:
+        """The tier's source, with its lines drawn the first time its steps appear (``_add_tier_lines``)."""
+        source = self.tier_srcs.get(name)
+        if source is not None:
+            return source
+        document = self.tier_held.document
+        # Each glyph added to a document's figure recomputes its whole model graph; the tier's four changes
+        # (lines, hover tools, legends) are one recomputation this way.
+        with document.models.freeze() if document is not None else nullcontext():
+            return self._add_tier_lines(name)
+
+    def _add_tier_lines(self, name: str) -> ColumnDataSource:
+        """A source for tier ``name`` and its lines and hovers. Occupancy is drawn as the fraction of each tier's
+        capacity when the run states every tier's, else in MiB (one axis for all, chosen with the first tier)."""
+        if not self.tier_srcs:   # the first tier: choose the occupancy axis for all
+            capacities = self.feed.sizes.kv_tiers or {}
+            self._tier_by_fraction = bool(capacities) and all(capacities.values()) and name in capacities
+            if not self._tier_by_fraction:
+                self.tier_held.yaxis.axis_label = "MiB held"
+        source = self.tier_srcs[name] = ColumnDataSource(_empty(TIER_COLUMNS + ("mib_written_down",)))
+        color = Category10[10][(len(self.tier_srcs) - 1) % 10]
+        # A tier holds what it held after a step until the next one: a step line, not a ramp between steps.
+        held = self.tier_held.step("t", "fraction" if self._tier_by_fraction else "mib", source=source, mode="after",
+                                   color=color, legend_label=name, line_width=2)
+        self.tier_held.add_tools(HoverTool(tooltips=[("tier", name), ("t", "@t{0.00} s"), ("blocks", "@blocks"),
+                                                     ("held", "@mib{0.0} MiB (@fraction{0.0%} of capacity)")],
+                                           mode="vline", renderers=[held]))
+        # One bar per step that moved something (steps are far apart while the run idles: a line would ramp).
+        loaded = self.tier_moves.vbar(x="t", top="mib_loaded", width=0.02, source=source, color=color,
+                                      legend_label=f"{name} loaded")
+        self.tier_moves.vbar(x="t", top=0, bottom="mib_written_down", width=0.02, source=source, color=color,
+                             alpha=0.5, legend_label=f"{name} written")
+        self.tier_moves.add_tools(HoverTool(tooltips=[
+            ("tier", name), ("step", "@step"), ("loaded", "@blocks_loaded blocks (@mib_loaded{0.00} MiB)"),
+            ("written", "@blocks_written blocks (@mib_written{0.00} MiB)"), ("hit tokens", "@hit_tokens")],
+            mode="vline", renderers=[loaded]))
+        for fig in (self.tier_held, self.tier_moves):
+            fig.legend.location = "top_left"
+            fig.legend.background_fill_alpha = 0.6
+            fig.legend.click_policy = "hide"
+        return source
+
+    def _show_tiers(self, steps: list[dict], history: list[dict], replace: bool) -> None:
+        """Stream (or, after a scrub, replace with) the tier rows of ``steps`` (``history``: the steps before
+        them, for a cluster's holdings); reveal the row once the run is known to have tiers."""
+        if not self.tier_section.visible:
+            if not has_tiers(steps, self.feed.sizes):
+                return
+            self.tier_section.visible = True
+            if not replace:   # revealed while following: draw every step shown so far, not only the new ones
+                replace, steps = True, self.feed.steps_between(0, self._shown_steps + len(steps))
+                history = []
+        if replace:
+            self.tier_totals = TierTotals()
+            self.tier_totals.add(steps)
+            cut = max(0, len(steps) - TIER_ROLLOVER)
+            columns = _tier_bars(tier_columns(steps[cut:], self.feed.sizes, steps[max(0, cut - TIER_ROLLOVER):cut]))
+            for name, source in self.tier_srcs.items():
+                source.data = columns.pop(name, _tier_bars({name: _empty(TIER_COLUMNS)})[name])
+            for name, data in columns.items():
+                self._tier_source(name).data = data
+        else:
+            self.tier_totals.add(steps)
+            for name, data in _tier_bars(tier_columns(steps, self.feed.sizes, history)).items():
+                self._tier_source(name).stream(data, rollover=TIER_ROLLOVER)
+        figures = " | ".join(self._tier_text(name) for name in self.tier_totals.counts)
+        self.tier_header.text = f"<b>KV tiers</b> · {figures or 'waiting for the first step'}"
+
+    def _tier_text(self, name: str) -> str:
+        """One tier's headline, its figures in spans a browser test can read (``nv-tier-*``)."""
+        capacity = (self.feed.sizes.kv_tiers or {}).get(name)
+        f = self.tier_totals.figures(name, capacity)
+        share = f" = {f['fraction']:.1%} of {capacity / 2**20:.1f} MiB" if f["fraction"] is not None and capacity \
+            else ""
+        rate = f"{f['hit_rate']:.2f}" if f["hit_rate"] is not None else "n/a"
+        return (f"<b class='nv-tier-name'>{name}</b> holds <span class='nv-tier-blocks'>{f['blocks']:.0f}</span> "
+                f"blocks ({f['mib']:.1f} MiB{share}) · hit rate <span class='nv-tier-hit'>{rate}</span> "
+                f"({f['hit_tokens']:.0f} tokens) · loaded <span class='nv-tier-loaded'>{f['mib_loaded']:.2f}</span> "
+                f"MiB ({f['blocks_loaded']:.0f} blocks, {(f['load_seconds'] or 0.0) * 1000:.1f} ms) · written "
+                f"<span class='nv-tier-written'>{f['mib_written']:.2f}</span> MiB ({f['blocks_written']:.0f} blocks)")
 
     def _replica_source(self, replica: int) -> ColumnDataSource:
         """The replica's source, with its two lines drawn the first time its steps appear."""
@@ -343,6 +458,7 @@ class RunDashboard:
         self._show_replicas(steps, replace=False)
         self._show_spec(steps, self.feed.steps_between(self._shown_steps - SPEC_HISTORY, self._shown_steps),
                         replace=False)
+        self._show_tiers(steps, history, replace=False)
         marks = [s for s in steps if s["num_preempted"]]
         if marks:
             self.preempt_src.stream({"t": [s["start_time"] + s["duration"] for s in marks],
@@ -405,6 +521,7 @@ class RunDashboard:
         self.steps_src.data = step_columns(steps, self.feed.sizes)
         self._show_replicas(steps, replace=True)
         self._show_spec(steps, [], replace=True)
+        self._show_tiers(steps, [], replace=True)
         marks = [s for s in steps if s["num_preempted"]]
         self.preempt_src.data = {"t": [s["start_time"] + s["duration"] for s in marks],
                                  "preempted": [s["num_preempted"] for s in marks],
