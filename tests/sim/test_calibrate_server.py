@@ -30,8 +30,8 @@ from nanovllm.serving.metrics import summarize
 
 SERVER = ["engine.warmup=false", "monitor.calibrate=false", "engine.num_kv_blocks=128", "engine.max_model_len=512",
           "engine.dtype=float32"]
-PLAN = dict(prompt_lens=(8, 32, 96, 192), concurrency=(1, 2, 4), output_len=6, burst_prompt_len=16,
-            burst_output_len=12, repeats=2)
+PLAN = dict(prompt_lens=(8, 32, 96, 192), concurrency=(1, 2, 4), output_len=6, burst_prompt_lens=(16, 64),
+            burst_output_len=12, max_burst_tokens=200, repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,8 @@ def test_the_fitted_profile_run_by_the_simulator_reproduces_the_batch1_ttft_and_
     assert yaml.safe_load(out.read_text()) == profile
     assert client_overhead(out) == profile["client_overhead"] >= 0
     observed = {(o["kind"], o["prompt_len"], o["batch"]): o for o in profile["observations"]}
-    assert len(observed) == 2 * len(PLAN["prompt_lens"]) + len(PLAN["concurrency"])
+    # Every burst within max_burst_tokens: 3 sizes of 16-token prompts, 2 of 64 (4 x 76 tokens is over 200).
+    assert len(observed) == 2 * len(PLAN["prompt_lens"]) + 3 + 2
     # One request at a time, each alone in the engine, as the calibration sent them (prompts sharing no block).
     workload = [workload_request(f"r{length}", list(range(1000 * (i + 1), 1000 * (i + 1) + length)), PLAN["output_len"],
                                  arrival=100.0 * i) for i, length in enumerate(PLAN["prompt_lens"])]
@@ -135,7 +136,8 @@ def test_a_server_that_answers_errors_is_one_error_naming_the_request_and_the_me
 
 @pytest.mark.parametrize("field, value", [("url", "127.0.0.1:8000"), ("prompt_lens", (8, 8, 16)),
                                           ("prompt_lens", (8, 0, 16)), ("concurrency", (4,)),
-                                          ("output_len", 2), ("burst_output_len", 5), ("repeats", 0)])
+                                          ("output_len", 2), ("burst_output_len", 5), ("repeats", 0),
+                                          ("burst_prompt_lens", ()), ("max_burst_tokens", 10)])
 def test_a_bad_plan_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         CalibrationPlan(**{**PLAN, "url": "http://127.0.0.1:1/v1", field: value})

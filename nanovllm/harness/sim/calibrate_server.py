@@ -1,8 +1,9 @@
 """Calibrate the simulator to whatever serves an OpenAI-compatible API, from what a client sees::
 
     python -m nanovllm.harness.sim.calibrate_server --url http://127.0.0.1:8000/v1 --out profile.yaml
-        [--model NAME] [--dtype bfloat16] [--prompt-lens 16,64,256,512,1024] [--concurrency 1,2,4,8,16,32]
-        [--output-len 32] [--burst-output-len 48] [--burst-prompt-len 32] [--repeats 3]
+        [--model NAME] [--dtype bfloat16] [--prompt-lens 16,64,256,512,1024] [--concurrency 1,2,4,8,16,32,64,128]
+        [--output-len 32] [--burst-output-len 48] [--burst-prompt-lens 32,512] [--max-burst-tokens 40000]
+        [--repeats 3]
 
 then ``python -m nanovllm.run runner=sim runner.step_time=calibrated runner.profile=profile.yaml``. No step
 timings are needed from the server: the calibration workload is sent through the HTTP client of ``runner=http``
@@ -13,8 +14,11 @@ known sequence of engine steps:
   request, so a prefix cache finds nothing): the TTFT is one prefill step of L tokens (L up to the server's
   token budget) plus the client-side overhead; the mean inter-token latency after it is a decode step of one
   sequence at context L + its position;
-- bursts of N identical requests sent at once, N over ``--concurrency``: the mean inter-token latency over the
-  middle of their outputs (all N decoding together) is a decode step of N sequences.
+- bursts of N requests of the same lengths sent at once, N over ``--concurrency``, at each of the
+  ``--burst-prompt-lens`` (two lengths tell the cost per sequence from the cost per context token at batch N;
+  a burst of more than ``--max-burst-tokens`` tokens in all is left out, so it fits the server's KV cache),
+  each once per round (``--repeats`` rounds): the mean inter-token latency over the middle of their outputs
+  (all N decoding together) is a decode step of N sequences.
 
 These observations are fitted by non-negative least squares (each row weighted by 1 / its measured time, so
 short ITLs count as much as long TTFTs) on the ``calibrated`` profile's terms: the per-step intercept (which
@@ -69,15 +73,17 @@ class ServerCalibrationError(RuntimeError):
 class CalibrationPlan:
     """The calibration workload. ``url``: the API's base, ending in ``/v1``; ``model``: the name to send (None:
     the server's first). ``prompt_lens``: single-request prompt lengths, each sent ``repeats`` times with
-    ``output_len`` tokens; ``concurrency``: burst sizes, each burst of ``burst_prompt_len``-token prompts with
-    ``burst_output_len`` tokens."""
+    ``output_len`` tokens; ``concurrency``: burst sizes, each burst of ``burst_prompt_lens``-token prompts with
+    ``burst_output_len`` tokens, sent ``repeats`` times (the median of the rounds is fitted), unless it holds
+    more than ``max_burst_tokens`` tokens."""
 
     url: str
     model: str | None = None
     prompt_lens: tuple[int, ...] = (16, 64, 256, 512, 1024)
-    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     output_len: int = 32
-    burst_prompt_len: int = 32
+    burst_prompt_lens: tuple[int, ...] = (32, 512)
+    max_burst_tokens: int = 40000
     burst_output_len: int = 48
     repeats: int = 3
     seed: int = 0
@@ -86,7 +92,7 @@ class CalibrationPlan:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {self.url!r}")
-        for name in ("prompt_lens", "concurrency"):
+        for name in ("prompt_lens", "concurrency", "burst_prompt_lens"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
                 raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {values!r}")
@@ -99,9 +105,17 @@ class CalibrationPlan:
             raise ValueError(f"output_len must be at least 3 (a TTFT and inter-token latencies), got {self.output_len}")
         if self.burst_output_len < 2 * BURST_EDGE + 2:
             raise ValueError(f"burst_output_len must be at least {2 * BURST_EDGE + 2}, got {self.burst_output_len}")
-        for name in ("burst_prompt_len", "repeats"):
+        if not self.bursts():
+            raise ValueError(f"max_burst_tokens={self.max_burst_tokens} leaves no burst of concurrency "
+                             f"{self.concurrency!r} and burst_prompt_lens {self.burst_prompt_lens!r}")
+        for name in ("max_burst_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def bursts(self) -> list[tuple[int, int]]:
+        """The (prompt length, burst size) pairs sent: every pair within ``max_burst_tokens``."""
+        return [(length, batch) for length in self.burst_prompt_lens for batch in self.concurrency
+                if batch * (length + self.burst_output_len) <= self.max_burst_tokens]
 
 
 @dataclass
@@ -206,15 +220,20 @@ def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
             print(f"  prompt {length:5d}: TTFT {observations[-2].measured_s * 1e3:8.1f} ms, "
                   f"ITL {observations[-1].measured_s * 1e3:7.1f} ms", file=sys.stderr, flush=True)
     first, last = BURST_EDGE, plan.burst_output_len - 1 - BURST_EDGE
-    for batch in plan.concurrency:
-        burst = [WorkloadRequest(0.0, _prompt(rng, plan.burst_prompt_len), plan.burst_output_len, ignore_eos=True,
-                                 request_id=f"burst{batch}-{i}") for i in range(batch)]
-        itls = [_window_itl(rec, first, last) for rec in _send(plan, burst, None, f"burst of {batch}")]
-        context = plan.burst_prompt_len + (first + 1 + last) / 2
-        observations.append(Observation("itl", plan.burst_prompt_len, batch, statistics.median(itls),
+    bursts: dict[tuple[int, int], list[float]] = {pair: [] for pair in plan.bursts()}
+    for r in range(plan.repeats):   # each burst once per round, so a slow spell of the machine hits them all
+        for length, batch in bursts:
+            burst = [WorkloadRequest(0.0, _prompt(rng, length), plan.burst_output_len, ignore_eos=True,
+                                     request_id=f"burst{batch}x{length}-{r}-{i}") for i in range(batch)]
+            records = _send(plan, burst, None, f"burst of {batch} x {length} tokens")
+            bursts[length, batch].append(statistics.median(_window_itl(rec, first, last) for rec in records))
+    for (length, batch), itls in bursts.items():
+        context = length + (first + 1 + last) / 2
+        observations.append(Observation("itl", length, batch, statistics.median(itls),
                                         decode_features(batch, context), samples=len(itls)))
         if progress:
-            print(f"  burst {batch:4d}: ITL {observations[-1].measured_s * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+            print(f"  burst {batch:4d} x {length:4d}: ITL {observations[-1].measured_s * 1e3:7.1f} ms "
+                  f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in itls)})", file=sys.stderr, flush=True)
     return observations
 
 
@@ -272,7 +291,8 @@ def calibrate_server(plan: CalibrationPlan, out: str | Path | None = None, *, dt
         "step_gap": 0.0,   # the intercept is the whole step cycle as a client sees it
         **fitted,
         "calibration": {"prompt_lens": list(plan.prompt_lens), "concurrency": list(plan.concurrency),
-                        "output_len": plan.output_len, "burst_prompt_len": plan.burst_prompt_len,
+                        "output_len": plan.output_len, "burst_prompt_lens": list(plan.burst_prompt_lens),
+                        "max_burst_tokens": plan.max_burst_tokens,
                         "burst_output_len": plan.burst_output_len, "repeats": plan.repeats, "seed": plan.seed,
                         "seconds": round(time.time() - started, 1)},
         **({"command": command} if command else {}),
@@ -322,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompt-lens", type=_ints, default=defaults.prompt_lens)
     parser.add_argument("--concurrency", type=_ints, default=defaults.concurrency)
     parser.add_argument("--output-len", type=int, default=defaults.output_len)
-    parser.add_argument("--burst-prompt-len", type=int, default=defaults.burst_prompt_len)
+    parser.add_argument("--burst-prompt-lens", type=_ints, default=defaults.burst_prompt_lens)
+    parser.add_argument("--max-burst-tokens", type=int, default=defaults.max_burst_tokens)
     parser.add_argument("--burst-output-len", type=int, default=defaults.burst_output_len)
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -332,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         url += "/v1"
     try:
         plan = CalibrationPlan(url=url, model=args.model, prompt_lens=args.prompt_lens, concurrency=args.concurrency,
-                               output_len=args.output_len, burst_prompt_len=args.burst_prompt_len,
+                               output_len=args.output_len, burst_prompt_lens=args.burst_prompt_lens,
+                               max_burst_tokens=args.max_burst_tokens,
                                burst_output_len=args.burst_output_len, repeats=args.repeats, seed=args.seed)
     except ValueError as exc:
         parser.error(str(exc))
