@@ -155,7 +155,7 @@ def stop_vllm(proc: subprocess.Popen) -> list[int]:
 
 
 def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str, list[WorkloadRequest]],
-                 out: Path) -> tuple[dict[str, Any], dict[str, list[list[dict]]]]:
+                 out: Path) -> tuple[dict[str, Any], dict[str, list[list[Any]]]]:
     """Start vLLM, calibrate, serve every held-out workload; vLLM stopped whatever happens."""
     from nanovllm.harness.http_client import HttpRunnerConfig, serve_over_http
 
@@ -173,7 +173,7 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str,
               f"{profile['client_overhead'] * 1e3:.1f} ms, median |fit error| "
               f"{profile['fit']['median_abs_rel_error']:.1%}", flush=True)
         config = HttpRunnerConfig(url=url, model=SERVED_NAME, timeout_s=600.0)
-        real: dict[str, list[list[dict]]] = {name: [] for name in workloads}
+        real: dict[str, list[list[Any]]] = {name: [] for name in workloads}
         for round_ in range(1, args.rounds + 1):   # the workloads take turns, so drift hits each alike
             for name, workload in workloads.items():
                 reset_prefix_cache(url)   # each round starts cold, as the simulation does
@@ -192,8 +192,8 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str,
     return profile, real
 
 
-def simulate(workload: list[WorkloadRequest], real: list[dict], profile_path: Path, dtype: str,
-             num_kv_blocks: int, overhead: float) -> list[dict]:
+def simulate(workload: list[WorkloadRequest], real: list[Any], profile_path: Path, dtype: str,
+             num_kv_blocks: int, overhead: float) -> list[Any]:
     """The workload on ``runner=sim`` with vLLM's scheduler and settings; each request stops at vLLM's output
     length; the client overhead added."""
     from nanovllm.config import EngineConfig

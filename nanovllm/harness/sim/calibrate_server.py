@@ -209,7 +209,8 @@ def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
     observations = []
     for length in plan.prompt_lens:
         mine = [rec for w, rec in zip(singles, records) if len(w.prompt) == length]
-        ttfts = [rec["first_token_time"] - rec["arrival_time"] for rec in mine]
+        # ``_send`` checked that every token came back, so each first token has a time.
+        ttfts = [float(rec["first_token_time"] or 0.0) - rec["arrival_time"] for rec in mine]
         itls = [_window_itl(rec, 0, plan.output_len - 1) for rec in mine]
         observations.append(Observation("ttft", length, 1, statistics.median(ttfts), prefill_features(length),
                                         client=1, samples=len(ttfts)))
@@ -304,9 +305,8 @@ def calibrate_server(plan: CalibrationPlan, out: str | Path | None = None, *, dt
 
 def client_overhead(profile: Mapping[str, Any] | str | Path) -> float:
     """The profile's ``client_overhead`` in seconds (0 for a profile fitted from an engine's own steps)."""
-    if not isinstance(profile, Mapping):
-        profile = yaml.safe_load(Path(profile).read_text(encoding="utf-8"))
-    return float(profile.get("client_overhead") or 0.0)
+    data = profile if isinstance(profile, Mapping) else yaml.safe_load(Path(profile).read_text(encoding="utf-8"))
+    return float(data.get("client_overhead") or 0.0)
 
 
 def with_client_overhead(records: Sequence[RequestRecord], seconds: float) -> list[RequestRecord]:
