@@ -166,7 +166,8 @@ def test_every_builtin_policy_declares_its_waiting_key():
     assert declared == {"edf": ("static", "timed"), "fair": ("dynamic", "never"), "fcfs": ("static", "never"),
                         "lpm": ("dynamic", "never"), "mlfq": ("static", "never"),
                         "prefill_first": ("static", "never"), "priority": ("static", "never"),
-                        "random": ("static", "never"), "sarathi": ("static", "never"), "sjf": ("timed", "never")}
+                        "random": ("static", "never"), "sarathi": ("static", "never"), "sjf": ("timed", "never"),
+                        "vllm_v1": ("static", "never")}
     assert POLICIES.build({"name": "sjf", "predictor": "client_history"}).waiting_key == "dynamic"
     assert POLICIES.build({"name": "sjf", "predictor": lambda r: 1}).waiting_key == "dynamic"
     assert type(bare_scheduler({"name": "lpm", "waiting_window": 128}).waiting) is WindowQueue
