@@ -137,7 +137,8 @@ def test_a_server_that_answers_errors_is_one_error_naming_the_request_and_the_me
 @pytest.mark.parametrize("field, value", [("url", "127.0.0.1:8000"), ("prompt_lens", (8, 8, 16)),
                                           ("prompt_lens", (8, 0, 16)), ("concurrency", (4,)),
                                           ("output_len", 2), ("burst_output_len", 5), ("repeats", 0),
-                                          ("burst_prompt_lens", ()), ("max_burst_tokens", 10)])
+                                          ("burst_prompt_lens", ()), ("max_burst_tokens", 10),
+                                          ("warmup_rounds", -1)])
 def test_a_bad_plan_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         CalibrationPlan(**{**PLAN, "url": "http://127.0.0.1:1/v1", field: value})

@@ -75,7 +75,9 @@ class CalibrationPlan:
     the server's first). ``prompt_lens``: single-request prompt lengths, each sent ``repeats`` times with
     ``output_len`` tokens; ``concurrency``: burst sizes, each burst of ``burst_prompt_lens``-token prompts with
     ``burst_output_len`` tokens, sent ``repeats`` times (the median of the rounds is fitted), unless it holds
-    more than ``max_burst_tokens`` tokens."""
+    more than ``max_burst_tokens`` tokens. ``warmup_rounds``: untimed rounds of every single request and burst
+    first: a server's first pass over a batch shape can be far slower than its later ones (vLLM's CPU build's
+    kernels prepare themselves per shape), and the held-out workloads meet the shapes warm."""
 
     url: str
     model: str | None = None
@@ -86,6 +88,7 @@ class CalibrationPlan:
     max_burst_tokens: int = 40000
     burst_output_len: int = 48
     repeats: int = 3
+    warmup_rounds: int = 1
     seed: int = 0
     timeout_s: float = 300.0
 
@@ -111,6 +114,8 @@ class CalibrationPlan:
         for name in ("max_burst_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not isinstance(self.warmup_rounds, int) or self.warmup_rounds < 0:
+            raise ValueError(f"warmup_rounds must be an integer >= 0, got {self.warmup_rounds!r}")
 
     def bursts(self) -> list[tuple[int, int]]:
         """The (prompt length, burst size) pairs sent: every pair within ``max_burst_tokens``."""
@@ -195,12 +200,20 @@ def check_reachable(url: str, timeout_s: float = 10.0) -> None:
 def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
     """Run the calibration workload against ``plan.url`` and return its observations: per prompt length the
     median TTFT and the median of the requests' mean ITL, per burst size the median mean ITL of the middle of
-    the outputs. A warm-up request goes first (untimed)."""
+    the outputs. A warm-up request goes first, then ``plan.warmup_rounds`` rounds of every shape (untimed)."""
     check_reachable(plan.url)
     rng = np.random.default_rng(plan.seed)
     warm = [WorkloadRequest(0.0, _prompt(rng, max(plan.prompt_lens)), plan.output_len, ignore_eos=True,
                             request_id="warmup")]
     _send(plan, warm, 1, "warm-up")
+    for r in range(plan.warmup_rounds):
+        _send(plan, [WorkloadRequest(0.0, _prompt(rng, length), plan.output_len, ignore_eos=True,
+                                     request_id=f"warmup-{r}-{length}") for length in plan.prompt_lens], 1,
+              "warm-up single requests")
+        for length, batch in plan.bursts():
+            _send(plan, [WorkloadRequest(0.0, _prompt(rng, length), plan.burst_output_len, ignore_eos=True,
+                                         request_id=f"warmup-burst{batch}x{length}-{r}-{i}") for i in range(batch)],
+                  None, f"warm-up burst of {batch} x {length} tokens")
     # One at a time (max_concurrency 1), the lengths interleaved so a slow spell of the machine hits them all.
     singles = [WorkloadRequest(0.0, _prompt(rng, length), plan.output_len, ignore_eos=True,
                                request_id=f"single-{r}-{length}")
@@ -294,7 +307,8 @@ def calibrate_server(plan: CalibrationPlan, out: str | Path | None = None, *, dt
         "calibration": {"prompt_lens": list(plan.prompt_lens), "concurrency": list(plan.concurrency),
                         "output_len": plan.output_len, "burst_prompt_lens": list(plan.burst_prompt_lens),
                         "max_burst_tokens": plan.max_burst_tokens,
-                        "burst_output_len": plan.burst_output_len, "repeats": plan.repeats, "seed": plan.seed,
+                        "burst_output_len": plan.burst_output_len, "repeats": plan.repeats,
+                        "warmup_rounds": plan.warmup_rounds, "seed": plan.seed,
                         "seconds": round(time.time() - started, 1)},
         **({"command": command} if command else {}),
     }
@@ -346,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-burst-tokens", type=int, default=defaults.max_burst_tokens)
     parser.add_argument("--burst-output-len", type=int, default=defaults.burst_output_len)
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--warmup-rounds", type=int, default=defaults.warmup_rounds)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args(argv)
     url = args.url.rstrip("/")
@@ -355,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan = CalibrationPlan(url=url, model=args.model, prompt_lens=args.prompt_lens, concurrency=args.concurrency,
                                output_len=args.output_len, burst_prompt_lens=args.burst_prompt_lens,
                                max_burst_tokens=args.max_burst_tokens,
-                               burst_output_len=args.burst_output_len, repeats=args.repeats, seed=args.seed)
+                               burst_output_len=args.burst_output_len, repeats=args.repeats,
+                               warmup_rounds=args.warmup_rounds, seed=args.seed)
     except ValueError as exc:
         parser.error(str(exc))
     command = "python -m nanovllm.harness.sim.calibrate_server " + shlex.join(sys.argv[1:] if argv is None else argv)
