@@ -26,12 +26,10 @@ serve: setup
 
 # lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) and mypy the types of the
 # core and the built-in plugins ([tool.mypy]) before the suite runs.
-# The suite runs on every core (pytest-xdist, work-stealing), each worker with one torch thread: two workers'
-# OpenMP threads on the same cores would spin against each other and slow every step tenfold. One worker more
-# than the cores this process may use: a third of the suite's worker time is spent waiting (servers, Ray and
-# browsers starting, requests arriving at their rate), and the extra worker computes meanwhile.
-# TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= $(shell $(PY) -c "import os; print(len(os.sched_getaffinity(0)) + 1)")
+# The suite runs on every core (pytest-xdist, one worker per core, work-stealing), each worker with one torch
+# thread: two workers' OpenMP threads on the same cores would spin against each other and slow every step
+# tenfold. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/lint-imports
 	$(BIN)/mypy
