@@ -35,6 +35,7 @@ within 15%, and against how many single rounds it is. The client and the simulat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -139,10 +140,8 @@ def stop_vllm(proc: subprocess.Popen) -> list[int]:
         family = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         family = []
-    try:
+    with contextlib.suppress(ProcessLookupError):   # the group is gone already
         os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
