@@ -163,6 +163,16 @@ def _prompt(rng: np.random.Generator, length: int) -> list[int]:
     return [int(t) for t in rng.integers(*TOKEN_RANGE, length)]
 
 
+def _request(rng: np.random.Generator, length: int, output_len: int, request_id: str) -> WorkloadRequest:
+    """One calibration request: a fresh random prompt of ``length`` tokens, exactly ``output_len`` tokens back."""
+    return WorkloadRequest(0.0, _prompt(rng, length), output_len, ignore_eos=True, request_id=request_id)
+
+
+def _burst(plan: CalibrationPlan, rng: np.random.Generator, length: int, batch: int, name: str) -> list[WorkloadRequest]:
+    """``batch`` requests of ``length``-token prompts, sent at once (``name``-0, ``name``-1, ...)."""
+    return [_request(rng, length, plan.burst_output_len, f"{name}-{i}") for i in range(batch)]
+
+
 def _send(plan: CalibrationPlan, requests: Sequence[WorkloadRequest], max_concurrency: int | None,
           what: str) -> list[RequestRecord]:
     """Serve ``requests`` over HTTP; every one must come back complete, else ``ServerCalibrationError``."""
@@ -203,20 +213,15 @@ def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
     the outputs. A warm-up request goes first, then ``plan.warmup_rounds`` rounds of every shape (untimed)."""
     check_reachable(plan.url)
     rng = np.random.default_rng(plan.seed)
-    warm = [WorkloadRequest(0.0, _prompt(rng, max(plan.prompt_lens)), plan.output_len, ignore_eos=True,
-                            request_id="warmup")]
-    _send(plan, warm, 1, "warm-up")
+    _send(plan, [_request(rng, max(plan.prompt_lens), plan.output_len, "warmup")], 1, "warm-up")
     for r in range(plan.warmup_rounds):
-        _send(plan, [WorkloadRequest(0.0, _prompt(rng, length), plan.output_len, ignore_eos=True,
-                                     request_id=f"warmup-{r}-{length}") for length in plan.prompt_lens], 1,
-              "warm-up single requests")
+        _send(plan, [_request(rng, length, plan.output_len, f"warmup-{r}-{length}") for length in plan.prompt_lens],
+              1, "warm-up single requests")
         for length, batch in plan.bursts():
-            _send(plan, [WorkloadRequest(0.0, _prompt(rng, length), plan.burst_output_len, ignore_eos=True,
-                                         request_id=f"warmup-burst{batch}x{length}-{r}-{i}") for i in range(batch)],
-                  None, f"warm-up burst of {batch} x {length} tokens")
+            _send(plan, _burst(plan, rng, length, batch, f"warmup-burst{batch}x{length}-{r}"), None,
+                  f"warm-up burst of {batch} x {length} tokens")
     # One at a time (max_concurrency 1), the lengths interleaved so a slow spell of the machine hits them all.
-    singles = [WorkloadRequest(0.0, _prompt(rng, length), plan.output_len, ignore_eos=True,
-                               request_id=f"single-{r}-{length}")
+    singles = [_request(rng, length, plan.output_len, f"single-{r}-{length}")
                for r in range(plan.repeats) for length in plan.prompt_lens]
     records = _send(plan, singles, 1, "single requests")
     observations = []
@@ -237,9 +242,8 @@ def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
     bursts: dict[tuple[int, int], list[float]] = {pair: [] for pair in plan.bursts()}
     for r in range(plan.repeats):   # each burst once per round, so a slow spell of the machine hits them all
         for length, batch in bursts:
-            burst = [WorkloadRequest(0.0, _prompt(rng, length), plan.burst_output_len, ignore_eos=True,
-                                     request_id=f"burst{batch}x{length}-{r}-{i}") for i in range(batch)]
-            records = _send(plan, burst, None, f"burst of {batch} x {length} tokens")
+            records = _send(plan, _burst(plan, rng, length, batch, f"burst{batch}x{length}-{r}"), None,
+                            f"burst of {batch} x {length} tokens")
             bursts[length, batch].append(statistics.median(_window_itl(rec, first, last) for rec in records))
     for (length, batch), itls in bursts.items():
         context = length + (first + 1 + last) / 2
