@@ -194,16 +194,28 @@ class RunDashboard:
         self.spec_section = column(self.spec_header, row(rate, length), row(tokens, positions), visible=False)
         return self.spec_section
 
+    def _reveal(self, section, present: Callable[[list[dict], Any], bool], steps: list[dict],
+                replace: bool) -> tuple[bool, list[dict]] | None:
+        """A section shown only for some runs (speculation, KV tiers): None while it stays hidden, else how to
+        draw ``steps`` into it, ``(replace, steps)``. While hidden, ``present(steps, sizes)`` looks at the steps
+        not seen before (had an earlier one shown the feature, the section would be visible already); revealed
+        while following, it draws every step shown so far, not only the new ones."""
+        if section.visible:
+            return replace, steps
+        if not present(steps, self.feed.sizes):
+            return None
+        section.visible = True
+        if replace:
+            return replace, steps
+        return True, self.feed.steps_between(0, self._shown_steps + len(steps))
+
     def _show_spec(self, steps: list[dict], history: list[dict], replace: bool) -> None:
         """Stream (or, after a scrub, replace with) the speculation rows of ``steps``; reveal the charts once the
         run is known to speculate."""
-        if not self.spec_section.visible:
-            # Only the steps not seen before need a look: had an earlier one proposed, the rows would be shown.
-            if not speculating(steps, self.feed.sizes):
-                return
-            self.spec_section.visible = True
-            if not replace:   # revealed while following: draw every step shown so far, not only the new ones
-                replace, steps = True, self.feed.steps_between(0, self._shown_steps + len(steps))
+        revealed = self._reveal(self.spec_section, speculating, steps, replace)
+        if revealed is None:
+            return
+        replace, steps = revealed
         if replace:
             self.spec_totals = SpecTotals()
             self.spec_totals.add(steps)
@@ -280,13 +292,10 @@ class RunDashboard:
     def _show_tiers(self, steps: list[dict], history: list[dict], replace: bool) -> None:
         """Stream (or, after a scrub, replace with) the tier rows of ``steps`` (``history``: the steps before
         them, for a cluster's holdings); reveal the row once the run is known to have tiers."""
-        if not self.tier_section.visible:
-            if not has_tiers(steps, self.feed.sizes):
-                return
-            self.tier_section.visible = True
-            if not replace:   # revealed while following: draw every step shown so far, not only the new ones
-                replace, steps = True, self.feed.steps_between(0, self._shown_steps + len(steps))
-                history = []
+        revealed = self._reveal(self.tier_section, has_tiers, steps, replace)
+        if revealed is None:
+            return
+        replace, steps = revealed
         if replace:
             self.tier_totals = TierTotals()
             self.tier_totals.add(steps)
