@@ -35,11 +35,9 @@ within 15%, and against how many single rounds it is. The client and the simulat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +46,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +54,7 @@ from policies.vllm_v1 import VLLM_CPU_BLOCK_SIZE, VLLM_CPU_MAX_NUM_BATCHED_TOKEN
 
 from nanovllm.harness.sim.calibrate_server import CalibrationPlan, calibrate_server, with_client_overhead  # noqa: E402
 from nanovllm.harness.workload import WorkloadRequest  # noqa: E402
+from vllm_server import stop_vllm, wait_up  # noqa: E402
 
 MEASURING = Path("/tmp/vllm_measuring")   # while it exists, the machine's other jobs keep quiet
 KV_CACHE_GIB = 1
@@ -111,19 +109,6 @@ def start_vllm(python: str, model_dir: Path, dtype: str, port: int, core: int, l
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def wait_up(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: vLLM's server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url + "/models", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"error: vLLM's server was not up after {timeout:.0f} s (its log: {log_path})")
-
-
 def reset_prefix_cache(url: str) -> None:
     """Empty vLLM's prefix cache (its dev-mode endpoint), so a workload served again finds none of its own
     prompts cached from the round before."""
@@ -131,26 +116,6 @@ def reset_prefix_cache(url: str) -> None:
     with urllib.request.urlopen(request, timeout=60) as response:
         if response.status != 200:
             raise SystemExit(f"error: vLLM's POST /reset_prefix_cache answered HTTP {response.status}")
-
-
-def stop_vllm(proc: subprocess.Popen) -> list[int]:
-    """Stop the server's process group, then kill (by id) any of its descendants still alive (vLLM's
-    EngineCore); returns the ids that had to be killed."""
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    with contextlib.suppress(ProcessLookupError):   # the group is gone already
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    _, alive = psutil.wait_procs(family, timeout=15)
-    for child in alive:
-        child.kill()
-    return [child.pid for child in alive]
 
 
 def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str, list[WorkloadRequest]],
@@ -163,7 +128,10 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str,
     MEASURING.touch()
     proc = start_vllm(args.vllm_python, model_dir, args.dtype, args.port, args.vllm_core, log_path)
     try:
-        wait_up(url, proc, log_path)
+        try:
+            wait_up(url, proc, log_path=log_path)
+        except RuntimeError as exc:
+            raise SystemExit(f"error: {exc}") from None
         started = time.monotonic()
         plan = CalibrationPlan(url=url, model=SERVED_NAME, repeats=args.repeats)
         command = f"python experiments/sim_predicts_vllm.py {' '.join(sys.argv[1:])}".strip()

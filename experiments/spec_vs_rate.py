@@ -36,6 +36,7 @@ import numpy as np
 
 from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.harness.workload.distributions import sample_arrival_times
+from vllm_server import stop_vllm, wait_up
 
 FRUITS = ("apple", "banana", "cherry", "date", "elderberry", "fig", "grape", "honeydew", "kiwi", "lemon", "mango",
           "nectarine", "orange", "papaya", "quince", "raspberry", "strawberry", "tangerine")
@@ -121,19 +122,6 @@ def run_real(args: argparse.Namespace, results: Results) -> None:
                   f"{result.summary['output_throughput']:.1f} tok/s", flush=True)
 
 
-def _wait_up(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode} before serving")
-        try:
-            urllib.request.urlopen(url + "/models", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"vLLM's server was not up after {timeout:.0f} s")
-
-
 def run_vllm(args: argparse.Namespace, results: Results) -> None:
     """vLLM without and with n-gram speculation, each its own server, stopped afterwards whatever happens; a
     server that fails to start is recorded as the part's error and the next one still runs."""
@@ -158,11 +146,11 @@ def run_vllm(args: argparse.Namespace, results: Results) -> None:
                    "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
                    "--max-model-len", "1024", "--max-num-seqs", str(args.max_num_seqs), "--seed", "0", *extra]
         log = open(Path(args.out) / f"{name.replace(' ', '_')}.log", "w")
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}/v1"
             try:
-                _wait_up(url, proc, args.vllm_start_timeout)
+                wait_up(url, proc, args.vllm_start_timeout)
             except RuntimeError as exc:
                 results.data["error"] = f"{name}: {exc} (its log: {log.name})"
                 results.save()
@@ -182,12 +170,7 @@ def run_vllm(args: argparse.Namespace, results: Results) -> None:
                 results.add(_row("vllm", rate, name, summary))
                 print(f"vllm rate={rate:g} {name}: {summary['output_throughput']:.1f} tok/s", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_vllm(proc)   # its EngineCore too
             log.close()
 
 
