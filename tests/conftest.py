@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -13,6 +15,17 @@ from nanovllm import machine
 # The suite's simulated runs use the shipped step-time profiles, never one a developer calibrated on this machine
 # (python -m nanovllm.harness.sim.calibrate --this-machine): an empty per-machine cache, inherited by subprocesses.
 os.environ["NANOVLLM_SIM_PROFILES"] = tempfile.mkdtemp(prefix="nanovllm-sim-profiles-")
+
+
+def _remove_sim_profiles(path: str = os.environ["NANOVLLM_SIM_PROFILES"], owner: int = os.getpid()) -> None:
+    """Remove this process's empty profile cache at exit (each xdist worker makes its own), so runs leave no
+    directory in the temp dir. A forked child that runs atexit handlers leaves it to the process that made it."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+atexit.register(_remove_sim_profiles)
+
 from nanovllm.kernels import kernel_build
 
 # Every kernel build this CPU can run (amx shares avx512_bf16's), best first: the kernel tests run each one, so
