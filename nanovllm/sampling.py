@@ -116,9 +116,8 @@ class Sampler:
             k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
             limited = k < vocab
             if limited.any():
-                # The k-th largest value from topk over the largest k, not a sort of the whole vocabulary (a
-                # 49k-wide sort per row cost ~20 ms a step on one core). A row that keeps every token has
-                # -inf as its bound, which, like its own smallest logit did, masks nothing.
+                # The k-th largest value from topk over the largest k: sorting the whole vocabulary per row
+                # costs far more. A row that keeps every token has -inf as its bound, which masks nothing.
                 k_max = int(k[limited].max())
                 kth = logits.topk(k_max, dim=-1).values.gather(1, (k.clamp(max=k_max) - 1).unsqueeze(1))
                 kth = kth.masked_fill(~limited.unsqueeze(1), float("-inf"))
