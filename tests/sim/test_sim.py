@@ -25,6 +25,7 @@ from nanovllm.harness.runners import check_runner
 from nanovllm.harness.serving import serve
 from nanovllm.harness.sim import Hardware, Simulation, step_time, this_machine
 from nanovllm.harness.sim.calibrate import MIN_STEPS, calibrate, fit_profile
+from nanovllm.harness.sim.calibrate import main as calibrate_main
 from nanovllm.serving.loggers import JsonlLogger
 from nanovllm.serving.monitor import MonitorConfig
 from nanovllm.serving.records import RunWriter, read_run
@@ -265,12 +266,13 @@ def test_calibration_finds_a_kernel_switch_from_the_steps_where_the_engine_decla
     assert "gemv_max_rows" not in profile and profile["kernel_switch"] == "none (BIC)"
 
 
-def test_calibrate_cli_refuses_a_negative_kernel_switch(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", str(tmp_path), "--out",
-                           str(tmp_path / "p.yaml"), "--gemv-max-rows", "-1"], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == ["error: --gemv-max-rows must be >= 0, got -1"]
+def test_calibrate_cli_refuses_a_negative_kernel_switch(tmp_path, capsys) -> None:
+    # The CLI's main in this process: its argument checks are the same, without a second Python importing torch
+    # (test_sim_speculation runs the module as ``python -m``).
+    with pytest.raises(SystemExit) as exited:
+        calibrate_main([str(tmp_path), "--out", str(tmp_path / "p.yaml"), "--gemv-max-rows", "-1"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --gemv-max-rows must be >= 0, got -1"]
 
 
 def _h100() -> Hardware:
@@ -642,7 +644,7 @@ def test_calibrate_writes_the_machine_of_the_runs(tmp_path) -> None:
         calibrate([*runs, run_on("other", 4, {**recorded, "threads": 1})], tmp_path / "r.yaml")
 
 
-def test_a_real_run_records_its_machine_and_calibrate_cli_checks_its_arguments(tmp_path) -> None:
+def test_a_real_run_records_its_machine_and_calibrate_cli_checks_its_arguments(tmp_path, capsys) -> None:
     run_dir = tmp_path / "run"
     proc = _cli("workload=synthetic", "workload.num_requests=2", "workload.request_rate=100",
                 "workload.input_len.mean=16", "workload.output_len.kind=fixed", "workload.output_len.mean=4",
@@ -654,9 +656,9 @@ def test_a_real_run_records_its_machine_and_calibrate_cli_checks_its_arguments(t
     for args, message in [(["--this-machine", str(run_dir)], "--this-machine makes its own runs; give it no RUN_DIRs"),
                           ([str(run_dir)], "give RUN_DIR... and --out PROFILE, or --this-machine"),
                           (["--this-machine", "--full", "--rounds", "2"], "give --full or --rounds, not both")]:
-        done = subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *args], capture_output=True,
-                              text=True, cwd=ROOT)
-        assert (done.returncode, done.stderr.strip().splitlines()) == (1, [f"error: {message}"])
+        with pytest.raises(SystemExit) as exited:
+            calibrate_main(args)
+        assert (exited.value.code, capsys.readouterr().err.strip().splitlines()) == (1, [f"error: {message}"])
 
 
 def test_cli_simulation_on_another_machines_profile_prints_and_logs_one_line(tmp_path) -> None:
