@@ -45,10 +45,17 @@ def _generate(speculative: bool | str, prompts=PROMPTS, params=GREEDY, **options
     return _llm(speculative, **options).generate(prompts, params, use_tqdm=False)
 
 
-def _assert_identical_and_accepted(options: dict, prompts=PROMPTS, params=GREEDY, method: str = "ngram") -> list:
-    plain = _llm(False, **options).generate(prompts, params, use_tqdm=False)
+@functools.cache
+def _plain(prompts: tuple[str, ...], **options) -> list:
+    """Greedy output without speculation of ``prompts`` in one configuration: the standard every proposer's run
+    in that configuration is held to, generated once for the module rather than once per proposer."""
+    return _llm(False, **options).generate(list(prompts), GREEDY, use_tqdm=False)
+
+
+def _assert_identical_and_accepted(options: dict, prompts=PROMPTS, method: str = "ngram") -> list:
+    plain = _plain(tuple(prompts), **options)
     spec_llm = _llm(method, **options)
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    spec = spec_llm.generate(prompts, GREEDY, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason, b.prompt
     accepted = sum(o.metrics.spec_decode_num_accepted_tokens for o in spec)
@@ -102,7 +109,7 @@ def test_identical_with_the_prefix_cache_on_shared_prefixes():
 
 
 def test_stop_tokens_and_max_tokens_inside_accepted_runs_end_the_output_where_plain_decoding_does():
-    base = _generate(False, num_kv_blocks=256)[0].token_ids
+    base = _plain((PROMPTS[0],), num_kv_blocks=256)[0].token_ids
     stop = base[12]            # a token of the copied list, deep inside accepted runs
     cuts = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop])]
     cuts += [SamplingParams(temperature=0.0, max_tokens=n) for n in (2, 5, 9, 14)]
@@ -125,7 +132,7 @@ def test_logprobs_of_emitted_tokens_match_plain_decoding():
 
 
 def test_an_aborted_request_keeps_every_token_it_accepted():
-    full = _generate(False, [PROMPTS[0]], num_kv_blocks=256)[0].token_ids
+    full = _plain((PROMPTS[0],), num_kv_blocks=256)[0].token_ids
     engine = _llm(True, num_kv_blocks=256).engine
     request = engine.make_request(PROMPTS[0], GREEDY)
     engine.add_request(request)
