@@ -16,6 +16,7 @@ Choose it per allocator: ``allocator=prefix allocator.eviction=lfu`` or ``LLM(al
 from __future__ import annotations
 
 import abc
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Callable
@@ -23,7 +24,7 @@ from typing import Callable
 from nanovllm.registry import Registry
 
 
-@dataclass
+@dataclass(slots=True)
 class BlockUse:
     """What the tracker knows of one cached block, in ticks of its own clock (one per event)."""
 
@@ -88,17 +89,23 @@ class EvictionTracker:
         self._clock = itertools.count()
         self._use: dict[int, BlockUse] = {}
         self._candidates: set[int] = set()
+        # The candidates by key, smallest first, found without scanning them all (a GPU-sized cache holds tens of
+        # thousands): each candidate has an entry with its current key; entries made stale by a later change of
+        # its key, or by it being pinned or forgotten, are dropped when they come up (``victim``).
+        self._heap: list[tuple[tuple[int, ...], int]] = []
 
     def cached(self, block: int) -> None:
         """``block`` now holds reusable content (its creator is its first use)."""
         tick = next(self._clock)
         self._use[block] = BlockUse(cached_at=tick, last_used=tick)
+        self._queue(block)
 
     def hit(self, block: int) -> None:
         """A request matched ``block`` as part of its prefix."""
         use = self._use[block]
         use.uses += 1
         use.last_used = next(self._clock)
+        self._queue(block)
 
     def release(self, block: int, touch: bool = True) -> None:
         """``block`` may be evicted now (no request holds it); with ``touch`` its last use ends now (a tree
@@ -106,6 +113,15 @@ class EvictionTracker:
         if touch:
             self._use[block].last_used = next(self._clock)
         self._candidates.add(block)
+        self._queue(block)
+
+    def _queue(self, block: int) -> None:
+        """An entry for candidate ``block`` at its current key (its older entries are stale now)."""
+        if block in self._candidates:
+            heapq.heappush(self._heap, (self._order.key(self._use[block]), block))
+            if len(self._heap) > 2 * len(self._candidates) + 64:   # mostly stale: rebuild from the candidates
+                self._heap = [(self._order.key(self._use[b]), b) for b in self._candidates]
+                heapq.heapify(self._heap)
 
     def pin(self, block: int) -> None:
         """``block`` may not be evicted now (a request holds it, or a tree node grew a child under it)."""
@@ -127,7 +143,12 @@ class EvictionTracker:
         """The evictable block to drop first under this policy (``KeyError`` when none is evictable)."""
         if not self._candidates:
             raise KeyError("no evictable cached block")
-        return min(self._candidates, key=lambda block: self._order.key(self._use[block]))
+        heap = self._heap
+        while True:
+            key, block = heap[0]
+            if block in self._candidates and self._order.key(self._use[block]) == key:
+                return block   # (left in the heap: the allocator forgets or pins it next, which stales it)
+            heapq.heappop(heap)
 
     def num_evictable(self) -> int:
         return len(self._candidates)

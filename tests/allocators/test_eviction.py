@@ -4,6 +4,8 @@ and token-verified cache hits. Driven through the allocator interface as the sch
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from helpers import make_request
 from nanovllm import ALLOCATORS, EvictionTracker
@@ -136,3 +138,45 @@ def test_eviction_tracker_knows_which_blocks_hold_cached_content():
     assert tracker.is_cached(3) and tracker.num_evictable() == 1   # evictable, still cached
     tracker.forget(3)
     assert not tracker.is_cached(3) and tracker.num_evictable() == 0
+
+
+@settings(max_examples=150, deadline=None)
+# A block made evictable, held again (its key moves on) and released again: its first, now stale, entry must not
+# make it the victim ahead of a block whose key is smaller than its current one.
+@example(policy="lru", ops=[("cached", 0), ("cached", 1), ("release", 0), ("pin", 0), ("release", 1),
+                            ("release", 0), ("victim", 0)])
+@given(policy=st.sampled_from(["lru", "lfu", "fifo"]),
+       ops=st.lists(st.tuples(st.sampled_from(["cached", "hit", "release", "release_untouched", "pin", "forget",
+                                               "victim"]), st.integers(0, 4)), max_size=120))
+def test_the_victim_is_the_smallest_key_among_the_evictable_blocks_after_any_events(policy, ops):
+    """``EvictionTracker.victim`` keeps its candidates in a heap rather than scanning them: after any sequence of
+    events its victim is the evictable block with the smallest key, as a scan of all of them finds it."""
+    tracker = EvictionTracker(policy)
+    held: set[int] = set()        # cached blocks a request holds (not evictable)
+    evictable: set[int] = set()
+    for op, block in ops:
+        cached = tracker.is_cached(block)
+        if op == "cached" and not cached:
+            tracker.cached(block)
+            held.add(block)
+        elif op == "hit" and block in held:
+            tracker.hit(block)
+        elif op in ("release", "release_untouched") and block in held:
+            tracker.release(block, touch=op == "release")
+            held.discard(block)
+            evictable.add(block)
+        elif op == "pin" and block in evictable:
+            tracker.pin(block)
+            evictable.discard(block)
+            held.add(block)
+            tracker.hit(block)
+        elif op == "forget" and block in evictable:
+            tracker.forget(block)
+            evictable.discard(block)
+        elif op == "victim" and evictable:
+            order = tracker._order
+            assert tracker.victim() == min(evictable, key=lambda b: order.key(tracker._use[b]))
+        assert tracker.num_evictable() == len(evictable)
+    if not evictable:
+        with pytest.raises(KeyError):
+            tracker.victim()
