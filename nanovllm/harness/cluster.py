@@ -38,7 +38,7 @@ from nanovllm.engine.engine import PluginSpec
 from nanovllm.engine.kv_offload import with_shared_store
 from nanovllm.harness.serving import ServedEngine, WallClock
 from nanovllm.harness.sim.hardware import Hardware
-from nanovllm.harness.sim.simulate import Simulation
+from nanovllm.harness.sim.simulate import Simulation, simulation_gc
 from nanovllm.harness.sim.step_time import STEP_TIME_MODELS
 from nanovllm.router import ROUTERS
 from nanovllm.serving.formatting import format_value
@@ -131,9 +131,11 @@ class ServedCluster(ServedEngine):
         return self.simulations[0].monitor_config(configured) if self.simulations else configured
 
     def serve(self, workload: Sequence[Any], **kwargs: Any) -> Any:
-        if self.simulations:
-            kwargs.setdefault("progress", False)
-        return super().serve(workload, **kwargs)
+        if not self.simulations:
+            return super().serve(workload, **kwargs)
+        kwargs.setdefault("progress", False)
+        with simulation_gc():
+            return super().serve(workload, **kwargs)
 
     def close(self) -> None:
         """Stop real replicas (and the Ray instance they started); nothing for simulated ones."""
