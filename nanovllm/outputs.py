@@ -1,10 +1,14 @@
-"""What the engine hands out: ``RequestOutput`` (what ``LLM.generate`` returns) and ``StepRecord`` (what one
-``LLMEngine.step()`` did, the raw material of every serving metric and plot)."""
+"""What the engine hands out: ``RequestOutput`` (what ``LLM.generate`` returns), ``StepRecord`` (what one
+``LLMEngine.step()`` did, the raw material of every serving metric and plot) and ``StepColumns`` (many steps'
+records at once, column by column: the steps a simulated engine computed ahead)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NotRequired, TypedDict, cast
+
+import numpy as np
 
 
 class StepRecord(TypedDict):
@@ -47,6 +51,86 @@ class StepRecord(TypedDict):
     swapped_tokens: NotRequired[int]
     kv_tiers: NotRequired[dict[str, dict[str, float]]]
     replica: NotRequired[int]           # on a cluster: the replica that ran the step
+
+
+@dataclass
+class StepColumns:
+    """The records of ``len(self)`` consecutive steps, column by column: step ``i``'s record has, in ``keys``
+    order, ``columns[key][i]`` (a numpy array, one value a step) or ``constants[key]`` (the same value in every
+    step). A simulated engine hands out the steps it computed ahead (decode stretches) this way, so that a
+    driver keeps the books of thousands of steps with a few array operations (``StepLoop.keep_steps_ahead``);
+    ``records()`` gives the very records ``step()`` would have, one by one."""
+
+    keys: list[str]
+    columns: dict[str, np.ndarray]
+    constants: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def value(self, key: str) -> np.ndarray:
+        """``key``'s values, one a step (a constant broadcast; a non-numeric constant is an object array)."""
+        if key in self.columns:
+            return self.columns[key]
+        constant = self.constants[key]
+        if isinstance(constant, (int, float)) and not isinstance(constant, bool):
+            return np.full(len(self), constant)
+        out = np.empty(len(self), dtype=object)
+        out[:] = [constant] * len(self)
+        return out
+
+    def record(self, index: int) -> StepRecord:
+        """Step ``index``'s record, with Python numbers (and a fresh copy of a list constant) as ``step()`` gives."""
+        return self.records(index, index + 1)[0]
+
+    def records(self, start: int = 0, stop: int | None = None) -> list[StepRecord]:
+        """The records of steps ``start:stop``, each a new dict."""
+        stop = len(self) if stop is None else stop
+        values = {key: column[start:stop].tolist() for key, column in self.columns.items()}
+        out = []
+        for i in range(stop - start):
+            record: dict[str, Any] = {}
+            for key in self.keys:
+                if key in values:
+                    record[key] = values[key][i]
+                else:
+                    constant = self.constants[key]
+                    record[key] = list(constant) if isinstance(constant, list) else constant
+            out.append(cast(StepRecord, record))
+        return out
+
+    def take(self, start: int, stop: int) -> StepColumns:
+        """Steps ``start:stop`` as columns of their own (views of these arrays)."""
+        return StepColumns(list(self.keys), {key: column[start:stop] for key, column in self.columns.items()},
+                           dict(self.constants))
+
+    def with_column(self, key: str, values: np.ndarray) -> StepColumns:
+        """These steps with ``key`` set to ``values`` (appended to ``keys`` when new)."""
+        keys = self.keys if key in self.keys else [*self.keys, key]
+        constants = {k: v for k, v in self.constants.items() if k != key}
+        return StepColumns(list(keys), {**self.columns, key: values}, constants)
+
+    @staticmethod
+    def interleave(parts: Sequence[StepColumns], sources: np.ndarray) -> StepColumns:
+        """One run of steps from ``parts`` (each in its own order): step ``g`` is the next step of
+        ``parts[sources[g]]``. A constant every part shares stays one; any other becomes a column."""
+        keys = list(parts[0].keys)
+        if any(part.keys != keys for part in parts):
+            raise ValueError("steps with different record fields cannot be interleaved")
+        # Stable: each part's steps keep their order, and parts lie in index order, as the concatenation below.
+        order = np.argsort(sources, kind="stable")
+        columns: dict[str, np.ndarray] = {}
+        constants: dict[str, Any] = {}
+        for key in keys:
+            if all(key in part.constants for part in parts) and \
+                    all(part.constants[key] == parts[0].constants[key] for part in parts):
+                constants[key] = parts[0].constants[key]
+                continue
+            joined = np.concatenate([part.value(key) for part in parts])
+            column = np.empty_like(joined)
+            column[order] = joined
+            columns[key] = column
+        return StepColumns(keys, columns, constants)
 
 
 @dataclass

@@ -18,14 +18,18 @@ step old, as a report from a replica mid-step is.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import EngineClient, StepOutput
+from nanovllm.outputs import StepColumns
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import Router, RouterError, StepTimeEstimate, check_route
 from nanovllm.sampling import SamplingParams
@@ -414,6 +418,56 @@ class Cluster(ClusterBase):
         self._stepped(replica, output, replica.engine.clock())
         self._mark_ready(index)
         return output
+
+    def take_steps_ahead(self) -> StepColumns | None:
+        """The steps ``step()`` would run next while each is a step its replica computed ahead (a decode stretch:
+        no request starts or ends, nothing is routed), in the order ``step()`` runs them (earliest start first,
+        ties by replica), with each record's ``replica``; None when the next step is not one. They count as run.
+        Without faults only: a fault may move requests between replicas at any step."""
+        if self._reports or self._injector is not None or self._detections or any(self._parked.values()):
+            return None
+        delivery = self._next_delivery()
+        # ``step()`` pops (start, replica) pairs in order; the run ends at the first pair that is not a step
+        # computed ahead: a replica's ordinary step, the step after a stretch, a K/V delivery due first.
+        bound: tuple[float, float] = (math.inf if delivery is None else delivery, -1)
+        stretches: dict[int, StepColumns] = {}
+        for start, index in sorted(self._ready):
+            if (start, index) >= bound:
+                break
+            engine = self.replicas[index].engine
+            engine.set_horizon(self._replica_horizon(index))
+            ahead = engine.steps_ahead()
+            if ahead is None:
+                bound = (start, index)
+                break
+            stretches[index] = ahead
+            bound = min(bound, (engine.clock(), index))   # (after its stretch, its clock is where it ends)
+        runs, sources, starts = [], [], []
+        for index in sorted(stretches):
+            ahead = stretches[index]
+            # Its steps before the bound: a tie at the bound's start goes to the lower replica, as the heap pops.
+            count = int(np.searchsorted(ahead.columns["start_time"], bound[0],
+                                        side="right" if index < bound[1] else "left"))
+            if count == 0:
+                continue
+            engine = self.replicas[index].engine
+            engine.hand_out_steps_ahead(count)
+            run = ahead.take(0, count)
+            run.keys.append("replica")
+            run.constants["replica"] = index
+            runs.append(run)
+            sources.append(np.full(count, len(runs) - 1))
+            starts.append(run.columns["start_time"])
+        if not runs:
+            return None
+        # The replicas' next steps go back on the heap as ``step()`` would have left them.
+        self._ready = [(self.replicas[index].engine.next_step_time() if index in stretches else start, index)
+                       for start, index in self._ready]
+        heapq.heapify(self._ready)
+        part = np.concatenate(sources)
+        # Start, then replica (parts are in replica order), then each replica's own order (lexsort is stable).
+        order = np.lexsort((part, np.concatenate(starts)))
+        return StepColumns.interleave(runs, part[order])
 
     def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
         """After ``replica``'s step: the router hears of the requests that ended there."""

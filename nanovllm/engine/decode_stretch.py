@@ -7,8 +7,11 @@ computes the next run of those steps at once, in the order stepping would: per s
 duration (the same call with the same features: context lengths grow by one a request a step), the block
 allocations and prefix-cache publications at the steps where a request crosses a block boundary (in batch
 order), and the step's record from the allocator's state after them; per request its stand-in tokens and
-their times. The engine then hands those steps out one ``step()`` at a time (``LLMEngine.step``), so drivers,
-clusters and records see exactly the steps stepping would have given.
+their times. The records come as columns (``StepColumns``: the step-time model is asked for a chunk of steps at
+once where it can, ``StepTimeModel.predict_decodes``). The engine hands those steps out one ``step()`` at a time
+(``LLMEngine.step``), or all at once to a driver that keeps its books in bulk (``EngineClient.take_steps_ahead``:
+a cluster interleaves its replicas' stretches in the order it would step them), so drivers, clusters and records
+see exactly the steps stepping would have given.
 
 A stretch is taken only where it is provably what stepping would do (``stretch_blocker`` says why not):
 
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanovllm.engine.protocol import StepOutput
+import numpy as np
+
 from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.outputs import StepColumns, StepRecord
 from nanovllm.request import Request
 
 # The engine is an ``LLMEngine`` on a ``SimulatedRunner`` (neither imported: both import this module's users).
@@ -70,9 +75,9 @@ def _steps_to_finish(engine: Engine, request: Request) -> int:
     return max(1, steps)
 
 
-def decode_stretch(engine: Engine, horizon: float) -> list[StepOutput]:
+def decode_stretch(engine: Engine, horizon: float) -> StepColumns | None:
     """Run the engine's next pure-decode steps that end before ``horizon`` (and before any request's finishing
-    step, and within the free blocks) and return their outputs in order; [] when fewer than ``MIN_STRETCH``
+    step, and within the free blocks) and return their records in order; None when fewer than ``MIN_STRETCH``
     qualify (nothing was changed then). The caller has checked ``stretch_blocker``."""
     runner, scheduler, allocator = engine.runner, engine.scheduler, engine.allocator
     clock = runner.clock
@@ -83,7 +88,7 @@ def decode_stretch(engine: Engine, horizon: float) -> list[StepOutput]:
     size = len(batch)
     max_steps = min(_steps_to_finish(engine, request) for request in batch) - 1
     if max_steps < MIN_STRETCH:
-        return []
+        return None
     block_size = allocator.block_size
     computed = [request.num_computed_tokens for request in batch]
     # Step j (0-based) computes each request's token at position computed + j: it takes a block first when that
@@ -93,30 +98,59 @@ def decode_stretch(engine: Engine, horizon: float) -> list[StepOutput]:
     takes = _steps_where(batch, [len(r.block_table) * block_size - c for r, c in zip(batch, computed)],
                          block_size, max_steps)
     fills = _steps_where(batch, [(-c - 1) % block_size for c in computed], block_size, max_steps)
-    free = allocator.num_free_blocks()
-    durations: list[float] = []
-    allocated = 0
-    context = sum(computed) + size        # context_tokens of the first step (each request: computed + 1)
-    t = now
-    step_time = runner.step_time
-    for j in range(max_steps):
-        allocated += len(takes.get(j, ()))
-        if allocated > free:
-            break
-        # The features ``batch_features`` gives a pure-decode batch, in its key order.
-        features = {"num_prefill_tokens": 0, "num_decode_tokens": size, "num_prefill_seqs": 0,
-                    "num_decode_seqs": size, "context_tokens": context, "attn_pairs": context,
-                    "num_sampled": size}
-        duration = float(step_time(features, t))
-        if not duration >= 0 or t + duration >= horizon:
-            break   # (a negative duration is left to the step itself, which raises the model's error)
-        durations.append(duration)
-        t += duration
-        context += size
-    num_steps = len(durations)
-    if num_steps < MIN_STRETCH:
-        return []
+    taken = np.zeros(max_steps, dtype=np.int64)   # blocks step j takes
+    for j, positions in takes.items():
+        taken[j] = len(positions)
+    # Free blocks must cover every allocation up to the step (no preemption inside).
+    within = int(np.searchsorted(np.cumsum(taken) > allocator.num_free_blocks(), True))
+    durations = _durations(runner, size, sum(computed) + size, now, horizon, within)
+    if len(durations) < MIN_STRETCH:
+        return None
     return _apply(engine, batch, computed, durations, takes, fills)
+
+
+#: Steps whose durations a model with ``predict_decodes`` is asked for at once, at first (then twice as many).
+FIRST_CHUNK = 32
+
+
+def _durations(runner: Any, size: int, context: int, now: float, horizon: float, limit: int) -> np.ndarray:
+    """The durations of the next pure-decode steps of ``size`` requests (the first over ``context`` tokens of
+    context, each one ``size`` more), at most ``limit`` of them, all ending before ``horizon``: the step-time
+    model asked with the features ``batch_features`` gives such a batch, step by step or (``predict_decodes``)
+    a chunk at once. A step the model gives a negative (or NaN) duration ends the stretch before it: the step
+    itself then raises the model's error."""
+    model = getattr(runner.step_time, "__self__", None)
+    predict_decodes = getattr(model, "predict_decodes", None)
+    if predict_decodes is None or predict_decodes(size, np.array([context])) is None:
+        durations: list[float] = []
+        t = now
+        for j in range(limit):
+            # The features ``batch_features`` gives a pure-decode batch, in its key order.
+            c = context + size * j
+            duration = float(runner.step_time({"num_prefill_tokens": 0, "num_decode_tokens": size,
+                                               "num_prefill_seqs": 0, "num_decode_seqs": size, "context_tokens": c,
+                                               "attn_pairs": c, "num_sampled": size}, t))
+            if not duration >= 0 or t + duration >= horizon:
+                break
+            durations.append(duration)
+            t += duration
+        return np.array(durations, dtype=np.float64)
+    out: list[np.ndarray] = []
+    t, done, chunk = now, 0, FIRST_CHUNK
+    while done < limit:
+        count = min(chunk, limit - done)
+        chunk_durations = predict_decodes(size, context + size * np.arange(done, done + count))
+        # Each step's end as the clock adds it up; the first step ending at the horizon ends the stretch.
+        ends = np.add.accumulate(np.concatenate(([t], chunk_durations)))[1:]
+        bad = ~(chunk_durations >= 0) | (ends >= horizon)
+        stop = int(np.argmax(bad)) if bad.any() else count
+        out.append(chunk_durations[:stop])
+        done += stop
+        if stop < count:
+            break
+        t = float(ends[-1])
+        chunk *= 2
+    return np.concatenate(out) if out else np.empty(0)
 
 
 def _steps_where(batch: list[Request], first: list[int], period: int, limit: int) -> dict[int, list[int]]:
@@ -129,10 +163,10 @@ def _steps_where(batch: list[Request], first: list[int], period: int, limit: int
     return steps
 
 
-def _apply(engine: Engine, batch: list[Request], computed: list[int], durations: list[float],
-           takes: dict[int, list[int]], fills: dict[int, list[int]]) -> list[StepOutput]:
-    """Make the steps of ``durations`` happen: the allocator's events in step and batch order, the clock, each
-    step's record, then every request's tokens and token times."""
+def _apply(engine: Engine, batch: list[Request], computed: list[int], durations: np.ndarray,
+           takes: dict[int, list[int]], fills: dict[int, list[int]]) -> StepColumns:
+    """Make the steps of ``durations`` happen: the allocator's events in step and batch order, the clock, the
+    steps' records (as columns), then every request's tokens and token times."""
     runner, allocator = engine.runner, engine.allocator
     clock = runner.clock
     block_size = allocator.block_size
@@ -141,43 +175,64 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     # a step are never read before it: appends and publications go by num_computed_tokens, set per event).
     for request in batch:
         request.token_ids.extend(runner.stand_in_tokens(request, num_steps))
-    outputs: list[StepOutput] = []
-    times: list[float] = []
-    slots = sum(len(request.block_table) for request in batch) * block_size
-    total_computed = sum(computed)
-    context = total_computed + size
-    record = None
-    for j in range(num_steps):
-        start = clock.time
-        taking, filling = takes.get(j, ()), fills.get(j, ())
-        for i in taking:
+    # The clock as stepping moves it, one addition a step: starts[j] is step j's start, starts[j + 1] its end.
+    starts = np.add.accumulate(np.concatenate(([clock.time], durations)))
+    ends = starts[1:]
+    steps = np.arange(engine._num_steps, engine._num_steps + num_steps)
+    context = (sum(computed) + size) + size * np.arange(num_steps)
+    # Slots allocated to the batch minus tokens it computed, after each step (blocks taken before it).
+    taken = np.zeros(num_steps, dtype=np.int64)
+    takes = {j: positions for j, positions in takes.items() if j < num_steps}   # (found up to the longest stretch)
+    fills = {j: positions for j, positions in fills.items() if j < num_steps}
+    for j, positions in takes.items():
+        taken[j] = len(positions)
+    slots = sum(len(request.block_table) for request in batch) * block_size + block_size * np.cumsum(taken)
+    unused = slots - (sum(computed) + size * np.arange(1, num_steps + 1))
+    # The allocator's counts move only at steps with events: read them there (and at the first step), in step
+    # order, and hold them in between, as stepping's records would show.
+    events = sorted({0, *takes, *fills})
+    counts = {key: np.empty(num_steps, dtype=np.int64) for key in _ALLOCATOR_FIELDS}
+    first: StepRecord | None = None
+    for e, j in enumerate(events):
+        clock.time = float(starts[j])
+        for i in takes.get(j, ()):
             request = batch[i]
             request.num_computed_tokens = computed[i] + j
             allocator.append(request, 1)
-            slots += block_size
-        clock.advance(durations[j])
-        for i in filling:   # after the step: the blocks this step's tokens filled are published
+        clock.time = float(ends[j])
+        for i in fills.get(j, ()):   # after the step: the blocks this step's tokens filled are published
             request = batch[i]
             request.num_computed_tokens = computed[i] + j + 1
             allocator.on_tokens_computed(request)
-        total_computed += size
-        times.append(clock.time)
-        if record is None or taking or filling:   # the allocator's counts may have moved: read them
-            record = engine._step_record(start, SchedulerOutput(), _DecodeLayout(size, context), size,
-                                         kv_slots_unused=slots - total_computed)
-        else:   # only the step's number, times, context and free slots differ from the step before
-            record = record.copy()
-            record.update(step=engine._num_steps, start_time=start, duration=clock.time - start,
-                          context_tokens=context, attn_pairs=context, kv_slots_unused=slots - total_computed,
-                          num_evictions=0, spec_decode_num_accepted_tokens_per_pos=[])
-            engine._num_steps += 1
-        outputs.append(StepOutput([], record, None))
-        context += size
+        if first is None:   # the first step's whole record: what every step of the stretch shares
+            engine._num_steps = int(steps[0])
+            first = engine._step_record(float(starts[0]), SchedulerOutput(), _DecodeLayout(size, int(context[0])),
+                                        size, kv_slots_unused=int(unused[0]))
+            values = [first[key] for key in _ALLOCATOR_FIELDS]   # type: ignore[literal-required]
+        else:               # what the record of this step reads from the allocator (``LLMEngine._step_record``)
+            evictions, engine._evictions_seen = allocator.num_evictions - engine._evictions_seen, \
+                allocator.num_evictions
+            values = [allocator.num_used_blocks(), allocator.num_cached_blocks(), allocator.num_free_blocks(),
+                      evictions]
+        stop = events[e + 1] if e + 1 < len(events) else num_steps
+        for key, value in zip(_ALLOCATOR_FIELDS, values):
+            counts[key][j:stop] = value
+        counts["num_evictions"][j + 1:stop] = 0   # evictions happen at events; the steps between evict none
+    engine._num_steps = int(steps[-1]) + 1
+    clock.time = float(ends[-1])
     for i, request in enumerate(batch):
         request.num_computed_tokens = computed[i] + num_steps
         request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
-        request.token_times.extend(times)
-    return outputs
+        request.token_times.extend(ends.tolist())
+    assert first is not None   # step 0 is always an event
+    columns = {"step": steps, "start_time": starts[:-1], "duration": ends - starts[:-1],
+               "context_tokens": context, "attn_pairs": context, "kv_slots_unused": unused, **counts}
+    constants = {key: value for key, value in first.items() if key not in columns}
+    return StepColumns(list(first), columns, constants)
+
+
+# What a stretch's record reads from the allocator: constant between its events.
+_ALLOCATOR_FIELDS = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_free", "num_evictions")
 
 
 class _DecodeLayout:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,7 +30,7 @@ from nanovllm.engine.startup_checks import check_before_load
 from nanovllm.engine.warmup import warm_up
 from nanovllm.kv_tiers import TierContext
 from nanovllm.models.loader import resolve_model
-from nanovllm.outputs import StepRecord
+from nanovllm.outputs import StepColumns, StepRecord
 from nanovllm.policy import POLICIES, Policy
 from nanovllm.proposer import ProposerContext, ProposerError, check_speculative
 from nanovllm.request import KVHandoff, Request, RequestStatus
@@ -107,7 +106,8 @@ class LLMEngine(EngineClient):
         self._evictions_seen = 0
         # Decode stretches (a simulated engine with fast_forward): steps computed ahead, handed out by step().
         self._horizon: float | None = None
-        self._stretch: deque[StepOutput] = deque()
+        self._stretch: StepColumns | None = None   # the stretch's records; steps before _stretch_next handed out
+        self._stretch_next = 0
         self.num_steps_ahead = 0   # steps this engine took as parts of decode stretches (of ``num_steps``)
 
     def _init_kv_cache(self, attention: PluginSpec, device: torch.device, loads_model: bool) -> None:
@@ -320,7 +320,7 @@ class LLMEngine(EngineClient):
         return ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._stretch)
+        return self.scheduler.has_unfinished() or self.has_stretch()
 
     def set_horizon(self, t: float | None) -> None:
         """The driver's promise before a step: no request is added or aborted before ``t`` on ``clock``
@@ -332,11 +332,46 @@ class LLMEngine(EngineClient):
     def next_step_time(self) -> float:
         """When the next ``step()`` starts on ``clock``: a step computed ahead (a decode stretch) started at its
         recorded time, which the clock has already passed; otherwise now."""
-        return self._stretch[0].record["start_time"] if self._stretch else self.clock()
+        if self._stretch is not None:
+            return float(self._stretch.columns["start_time"][self._stretch_next])
+        return self.clock()
 
     def has_stretch(self) -> bool:
         """Whether the next ``step()`` hands out a step computed ahead (no request starts or ends in it)."""
-        return bool(self._stretch)
+        return self._stretch is not None
+
+    def steps_ahead(self) -> StepColumns | None:
+        """The steps computed ahead that ``step()`` would hand out next, as columns (none handed out yet); None
+        when the next step is not one. With a horizon set (``set_horizon``), a decode stretch is computed now if
+        one can be taken. A driver that keeps its books in bulk reads them here, then ``hand_out_steps_ahead``."""
+        if self._stretch is None and self._horizon is not None:
+            self._start_stretch()
+        if self._stretch is None:
+            return None
+        return self._stretch if self._stretch_next == 0 else self._stretch.take(self._stretch_next, len(self._stretch))
+
+    def hand_out_steps_ahead(self, count: int) -> None:
+        """The next ``count`` steps computed ahead are handed out (as ``step()`` would, without their records:
+        the caller read them from ``steps_ahead``)."""
+        assert self._stretch is not None and self._stretch_next + count <= len(self._stretch)
+        self._stretch_next += count
+        if self._stretch_next == len(self._stretch):
+            self._stretch, self._stretch_next = None, 0
+
+    def take_steps_ahead(self) -> StepColumns | None:
+        """``EngineClient.take_steps_ahead``: the rest of the decode stretch the next ``step()`` would start or
+        continue, handed out at once."""
+        ahead = self.steps_ahead()
+        if ahead is not None:
+            self.hand_out_steps_ahead(len(ahead))
+        return ahead
+
+    def _start_stretch(self) -> None:
+        if stretch_blocker(self) is None:
+            assert self._horizon is not None
+            self._stretch = decode_stretch(self, self._horizon)
+            if self._stretch is not None:
+                self.num_steps_ahead += len(self._stretch)
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests now, preempted ones among the waiting: what a server's gauges and its
@@ -377,13 +412,12 @@ class LLMEngine(EngineClient):
         return found
 
     def _step(self) -> StepOutput:
-        if self._stretch:
-            return self._stretch.popleft()
-        if self._horizon is not None and stretch_blocker(self) is None:
-            self._stretch.extend(decode_stretch(self, self._horizon))
-            self.num_steps_ahead += len(self._stretch)
-            if self._stretch:
-                return self._stretch.popleft()
+        if self._stretch is None and self._horizon is not None:
+            self._start_stretch()
+        if self._stretch is not None:
+            record = self._stretch.record(self._stretch_next)
+            self.hand_out_steps_ahead(1)
+            return StepOutput([], record, None)
         start = self.clock()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)

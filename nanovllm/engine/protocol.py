@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.outputs import StepRecord
+from nanovllm.outputs import StepColumns, StepRecord
 from nanovllm.request import Request
 from nanovllm.sampling import SamplingParams
 
@@ -120,6 +120,13 @@ class EngineClient(Protocol):
         before each ``step()``: no request is added or aborted before ``t`` on ``clock`` (``math.inf``: none
         will be). A simulated engine may then compute several steps at once (``LLMEngine.set_horizon``).
         Default: ignored."""
+        return None
+
+    def take_steps_ahead(self) -> StepColumns | None:
+        """Called by a driver that keeps its books in bulk, after ``set_horizon`` and instead of ``step()``: the
+        records of the next steps, as columns, while they are steps computed ahead (decode stretches of a
+        simulated engine: no request starts, ends or arrives in them), in the order ``step()`` would report
+        them; they count as run. None when the next step is not one (then ``step()`` runs it). Default: None."""
         return None
 
     def wait_for_step(self, timeout: float | None) -> bool:

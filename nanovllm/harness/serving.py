@@ -250,7 +250,8 @@ class _Run:
                 next_arrival = t0 + pending[0][1].arrival_time if pending else None
                 # A simulated engine may compute the steps before it at once (decode stretches).
                 engine.set_horizon(math.inf if next_arrival is None else next_arrival)
-                self.books.step(None if next_arrival is None else max(0.0, next_arrival - self.clock.now()))
+                if not self.books.step_ahead():
+                    self.books.step(None if next_arrival is None else max(0.0, next_arrival - self.clock.now()))
             elif pending:
                 self.clock.wait_until(t0 + pending[0][1].arrival_time, stop)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
+
 from nanovllm.engine.protocol import EngineClient, StepOutput
 from nanovllm.progress import RequestProgress
 from nanovllm.request import Request
@@ -95,6 +97,22 @@ class StepLoop:
         step = step_record(output.record, self.t0, self.keeper.num_steps)
         annotated = self.monitor.annotate(step) if self.monitor is not None else dict(step)
         self._keep(self.keeper.offer(annotated))
+
+    def step_ahead(self) -> bool:
+        """Keep the books of the steps the client computed ahead, all at once, if the next steps are such
+        (``EngineClient.take_steps_ahead``: decode stretches, where no request starts or ends); False when the
+        next step is not one (``step`` runs it). For a driver that set a horizon; the books are those ``step``
+        would keep one step at a time."""
+        ahead = self.client.take_steps_ahead()
+        if ahead is None:
+            return False
+        first = self.keeper.num_steps
+        steps = ahead.with_column("step", np.arange(first, first + len(ahead))) \
+            .with_column("start_time", ahead.columns["start_time"] - self.t0)
+        if self.monitor is not None:
+            steps = self.monitor.annotate_columns(steps)
+        self._keep(self.keeper.offer_columns(steps))
+        return True
 
     def flush_steps(self) -> None:
         """Keep and log the step aggregates still open (``records.steps=interval:...``); once, after the run."""

@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from nanovllm.attention.kv_quant import row_elements, storage_dtype
 from nanovllm.config import attention_biases, head_dim_of
+from nanovllm.outputs import StepColumns
 
 _MIB = 1 << 20
 
@@ -275,23 +277,34 @@ class ModelCost:
     def step_matmul_flops(self, step: Mapping[str, Any]) -> float:
         """The linears' and LM head's share of ``step_flops``: the products that run in int8 where
         ``int8_matmuls``."""
-        tokens = step["num_prefill_tokens"] + step["num_decode_tokens"]
-        dense = 2 * self.linear_params * tokens
-        # Logits are computed only for the rows that sample a token, not for every prompt token.
-        lm_head = 2 * self.hidden_size * self.vocab_size * step["num_sampled"]
-        return float(dense + lm_head)
+        return float(self.step_matmul_work(step))
 
     def step_attention_flops(self, step: Mapping[str, Any]) -> float:
         """Attention's share of ``step_flops`` (always in the model dtype): QK^T and PV, 2 FLOPs each per
         (query, key) pair per head dimension, in every head and layer."""
-        return float(4 * step["attn_pairs"] * self.num_heads * self.head_dim * self.num_layers)
+        return float(self.step_attention_work(step))
 
     def step_bytes(self, step: Mapping[str, Any]) -> float:
         """Bytes moved to/from device memory by one step: weights once, KV cache read, new KV written."""
+        return float(self.step_bytes_work(step))
+
+    # The three figures above before their conversion to float: for a step's numbers or, element-wise, for
+    # arrays of many steps' (``Monitor.annotate_columns``).
+    def step_matmul_work(self, step: Mapping[str, Any]) -> Any:
+        tokens = step["num_prefill_tokens"] + step["num_decode_tokens"]
+        dense = 2 * self.linear_params * tokens
+        # Logits are computed only for the rows that sample a token, not for every prompt token.
+        lm_head = 2 * self.hidden_size * self.vocab_size * step["num_sampled"]
+        return dense + lm_head
+
+    def step_attention_work(self, step: Mapping[str, Any]) -> Any:
+        return 4 * step["attn_pairs"] * self.num_heads * self.head_dim * self.num_layers
+
+    def step_bytes_work(self, step: Mapping[str, Any]) -> Any:
         tokens = step["num_prefill_tokens"] + step["num_decode_tokens"]
         kv_read = step["context_tokens"] * self.kv_bytes_per_token
         kv_written = tokens * self.kv_bytes_per_token
-        return float(self.weight_bytes + kv_read + kv_written)
+        return self.weight_bytes + kv_read + kv_written
 
 
 @dataclass
@@ -386,6 +399,15 @@ def measure_peak_bandwidth(
 # -- the monitor ----------------------------------------------------------------------------------------------
 
 
+# The record fields the cost model reads.
+_COST_FIELDS = ("num_prefill_tokens", "num_decode_tokens", "num_sampled", "attn_pairs", "context_tokens")
+
+
+def as_floats(values: np.ndarray) -> np.ndarray:
+    """An object array of Python numbers as float64, each converted as ``float()`` converts it."""
+    return np.array([float(value) for value in values], dtype=np.float64)
+
+
 def _ratio(numerator: float, seconds: float, peak: float | None) -> float | None:
     if peak is None or peak <= 0 or seconds <= 0:
         return None
@@ -425,6 +447,26 @@ class Monitor:
             "mfu": _ratio(flops, duration, self.peak_flops),
             "mbu": _ratio(nbytes, duration, self.peak_bandwidth),
         }
+
+    def annotate_columns(self, steps: StepColumns) -> StepColumns:
+        """``annotate`` for many steps at once (their records as columns): the same figures, step by step."""
+        # Object arrays of Python numbers: the cost model's own arithmetic, exactly as for one record.
+        values = {key: steps.value(key).astype(object) for key in _COST_FIELDS}
+        flops = (as_floats(self.cost.step_matmul_work(values)) + as_floats(self.cost.step_attention_work(values)))
+        nbytes = as_floats(self.cost.step_bytes_work(values))
+        duration = steps.value("duration")
+        out = steps.with_column("flops", flops).with_column("bytes", nbytes)
+        for key, work, peak in (("mfu", flops, self.peak_flops), ("mbu", nbytes, self.peak_bandwidth)):
+            if peak is None or peak <= 0:
+                out = StepColumns([*out.keys, key], out.columns, {**out.constants, key: None})
+                continue
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = work / duration / peak
+            if (duration <= 0).any():   # no time, no utilisation (``_ratio``)
+                ratio = ratio.astype(object)
+                ratio[duration <= 0] = None
+            out = out.with_column(key, ratio)
+        return out
 
     def overall(self, steps: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         """Run-level utilisation: total work over total step time (so long steps weigh more, as they should)."""

@@ -25,6 +25,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+import numpy as np
+
+from nanovllm.outputs import StepColumns
+
 logger = logging.getLogger(__name__)
 
 #: Steps after which a run that keeps every record says (once) that ``records.steps`` bounds them.
@@ -104,6 +108,46 @@ class _Sums:
             self.usage_peak = usage if self.usage_peak is None else max(self.usage_peak, usage)
 
 
+    def add_columns(self, steps: StepColumns, rows: np.ndarray | slice, count: int) -> None:
+        """``add`` for each of ``steps``' rows ``rows`` (``count`` of them), in order, at once (the same sums,
+        added in that order)."""
+        if not count:
+            return
+        self.num_steps += count
+        self.duration = running_sum(self.duration, steps.columns["duration"][rows])
+        self.outstanding += _int_sum(steps, "num_running", rows, count) + _int_sum(steps, "num_waiting", rows, count)
+        total = _values(steps, "kv_blocks_total", rows, count)
+        used = _values(steps, "kv_blocks_used", rows, count)
+        counted = total > 0
+        if counted.any():
+            usage = used[counted] / total[counted]
+            self.usage_sum = running_sum(self.usage_sum, usage)
+            self.usage_count += int(counted.sum())
+            peak = float(usage.max())
+            self.usage_peak = peak if self.usage_peak is None else max(self.usage_peak, peak)
+
+
+def _values(steps: StepColumns, key: str, rows: np.ndarray | slice, count: int) -> np.ndarray:
+    """``key``'s values at ``rows`` (``count`` of them), a constant broadcast."""
+    if key in steps.columns:
+        return steps.columns[key][rows]
+    return np.full(count, steps.constants[key])
+
+
+def _int_sum(steps: StepColumns, key: str, rows: np.ndarray | slice, count: int) -> int:
+    """The sum of an integer ``key`` over ``rows`` (``count`` of them)."""
+    if key in steps.columns:
+        return int(steps.columns[key][rows].sum())
+    return int(steps.constants[key]) * count
+
+
+def running_sum(start: float, values: np.ndarray) -> float:
+    """``start`` plus each of ``values`` in turn, as a loop of ``+=`` gives it (not numpy's pairwise sum)."""
+    if not len(values):
+        return start
+    return float(np.add.accumulate(np.concatenate(([start], values.astype(float))))[-1])
+
+
 @dataclass
 class StepTotals:
     """The step figures of a run's summary, accumulated from every step as it runs (``add``), so they hold
@@ -136,6 +180,32 @@ class StepTotals:
         self.bytes += step.get("bytes", 0.0)
         if "spec_decode_num_drafts" in step:
             self._add_spec(step)
+
+    def add_columns(self, steps: StepColumns) -> None:
+        """``add`` for each of ``steps`` in order, at once: steps computed ahead (``StepKeeper.offer_columns``
+        checked they are plain decodes: no speculative proposals, no KV tiers)."""
+        count = len(steps)
+        self.run.add_columns(steps, slice(None), count)
+        if "replica" in steps.columns:
+            replicas = steps.columns["replica"]
+            for replica in _in_order_of_appearance(replicas):
+                rows = np.flatnonzero(replicas == replica)
+                self.replicas.setdefault(replica, _Sums()).add_columns(steps, rows, len(rows))
+        elif "replica" in steps.constants:
+            self.replicas.setdefault(steps.constants["replica"], _Sums()).add_columns(steps, slice(None), count)
+        if self.has_memory_fields is None:
+            self.has_memory_fields = "kv_slots_unused" in steps.keys
+        if self.has_memory_fields:
+            every = slice(None)
+            self.num_evictions += _int_sum(steps, "num_evictions", every, count)
+            self.kv_slots_unused += _int_sum(steps, "kv_slots_unused", every, count)
+            self.kv_blocks_cached += _int_sum(steps, "kv_blocks_cached", every, count)
+        if "flops" in steps.columns:
+            self.flops = running_sum(self.flops, steps.columns["flops"])
+        if "bytes" in steps.columns:
+            self.bytes = running_sum(self.bytes, steps.columns["bytes"])
+        if "spec_decode_num_drafts" in steps.keys and self.spec_decode is None:
+            self.spec_decode = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
 
     def _add_spec(self, step: Mapping[str, Any]) -> None:
         spec = self.spec_decode
@@ -231,6 +301,42 @@ class StepKeeper:
             return [step] if (self.num_steps - 1) % spec.every == 0 else []
         return self._aggregate(step)
 
+    def offer_columns(self, steps: StepColumns) -> list[dict[str, Any]]:
+        """``offer`` for each of ``steps`` (numbered and annotated) in order, at once: the records to keep and
+        log now, the same as offering them one by one gives. Bounded records of plain steps are kept with array
+        operations; anything else goes step by step."""
+        if self.totals is None or not _plain(steps):
+            return [kept for step in steps.records() for kept in self.offer(dict(step))]
+        first = self.num_steps
+        self.num_steps += len(steps)
+        self.totals.add_columns(steps)
+        if self.spec.mode == "every":
+            rows = np.flatnonzero((np.arange(first, self.num_steps)) % self.spec.every == 0)
+            return [dict(steps.record(int(row))) for row in rows]
+        return self._aggregate_columns(steps)
+
+    def _aggregate_columns(self, steps: StepColumns) -> list[dict[str, Any]]:
+        """``_aggregate`` for each of ``steps`` in order: per replica, its steps in runs of one window each."""
+        windows = np.floor(steps.columns["start_time"] / self.spec.interval).astype(np.int64)
+        replicas = steps.columns.get("replica")
+        keys = [steps.constants.get("replica")] if replicas is None else _in_order_of_appearance(replicas)
+        done: list[tuple[int, dict[str, Any]]] = []   # (the row whose step closed it, the closed aggregate)
+        for key in keys:
+            rows = np.arange(len(steps)) if replicas is None else np.flatnonzero(replicas == key)
+            bounds = np.flatnonzero(np.diff(windows[rows])) + 1
+            for run in np.split(rows, bounds):
+                window = int(windows[run[0]])
+                current = self._open.get(key)
+                if current is not None and current["_window"] == window:
+                    _merge_columns(current, steps, run)
+                    continue
+                step = dict(steps.record(int(run[0])))
+                self._open[key] = {**step, "num_steps": 1, "_window": window, **_weighted(step)}
+                _merge_columns(self._open[key], steps, run[1:])
+                if current is not None:
+                    done.append((int(run[0]), _finished(current)))
+        return [record for _, record in sorted(done, key=lambda item: item[0])]
+
     def flush(self) -> list[dict[str, Any]]:
         """The aggregates still open (interval mode), in start order; called once after the last step."""
         done = sorted(self._open.values(), key=lambda record: record["start_time"])
@@ -278,6 +384,61 @@ def _merge(record: dict[str, Any], step: Mapping[str, Any]) -> None:
             record[key] = value
     for name, value in _weighted(step).items():
         record[name] = record.get(name, 0.0) + value
+
+
+def _merge_columns(record: dict[str, Any], steps: StepColumns, rows: np.ndarray) -> None:
+    """``_merge`` of each of ``steps``' rows ``rows`` into ``record``, in order, at once."""
+    if not len(rows):
+        return
+    record["num_steps"] += len(rows)
+    for key, constant in steps.constants.items():   # the same in every step: no arrays needed
+        if key in _FIRST_SET or key in _UTILISATION_SET:
+            continue
+        if key in _SUMMED_SET:
+            record[key] = record[key] + constant * len(rows) if isinstance(constant, int) else \
+                running_sum(record[key], np.full(len(rows), constant))
+        elif key in _MAXED_SET:
+            record[key] = max(record[key], constant)
+        elif key in _MINNED_SET:
+            record[key] = min(record[key], constant)
+        else:
+            record[key] = list(constant) if isinstance(constant, list) else constant
+    last = int(rows[-1])
+    for key, column in steps.columns.items():
+        if key in _FIRST_SET or key in _UTILISATION_SET:
+            continue
+        if key in _SUMMED_SET:
+            values = column[rows]
+            record[key] = running_sum(record[key], values) if values.dtype.kind == "f" or \
+                isinstance(record[key], float) else record[key] + int(values.sum())
+        elif key in _MAXED_SET:
+            record[key] = max(record[key], column[rows].max().item())
+        elif key in _MINNED_SET:
+            record[key] = min(record[key], column[rows].min().item())
+        else:
+            record[key] = column[last].item()
+    duration = steps.columns["duration"][rows]
+    for key in _UTILISATION:
+        if key in steps.columns:
+            name = f"_{key}_time"
+            record[name] = running_sum(record.get(name, 0.0), steps.columns[key][rows] * duration)
+
+
+def _plain(steps: StepColumns) -> bool:
+    """Whether ``offer_columns`` may keep ``steps`` with array operations: numeric columns (MFU/MBU known for
+    every step or for none), no KV-tier counters, no speculative proposals."""
+    if "kv_tiers" in steps.keys or any(column.dtype == object for column in steps.columns.values()):
+        return False
+    if any(key in steps.constants and steps.constants[key] is not None for key in _UTILISATION):
+        return False
+    drafts = steps.columns.get("spec_decode_num_drafts")
+    return not (steps.constants.get("spec_decode_num_drafts") or (drafts is not None and drafts.any()))
+
+
+def _in_order_of_appearance(values: np.ndarray) -> list[Any]:
+    """The distinct ``values`` in the order they first appear (as Python numbers)."""
+    distinct, first = np.unique(values, return_index=True)
+    return [distinct[i].item() for i in np.argsort(first)]
 
 
 def merge_tier_counts(total: Mapping[str, Mapping[str, float]],

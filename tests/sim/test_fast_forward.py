@@ -18,6 +18,7 @@ from nanovllm.harness.cluster import ServedCluster
 from nanovllm.harness.sim import Simulation
 from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+from nanovllm.serving.monitor import Monitor, MonitorConfig
 from nanovllm.serving.step_records import StepRecords
 
 H100 = yaml.safe_load(Path(REPO, "conf/hardware/h100_sxm.yaml").read_text())
@@ -48,11 +49,14 @@ def _cluster(fast_forward: bool, step_time: dict, scheduler: str, allocator: str
 
 
 def _served_both(build, workload, step_records=StepRecords()):
-    """(stepping, fast-forward) results of the same run, and the steps the fast one took ahead."""
+    """(stepping, fast-forward) results of the same run, and the steps the fast one took ahead. Each step is
+    annotated by a monitor (FLOPs, bytes, and MFU/MBU where the step-time model's hardware gives peaks)."""
     results, ahead = [], 0
     for fast in (False, True):
         served = build(fast)
-        results.append(served.serve(workload, step_records=step_records))
+        peaks = served.monitor_config(MonitorConfig(calibrate=False))
+        monitor = Monitor(served.cost, peaks.peak_flops, peaks.peak_bandwidth)
+        results.append(served.serve(workload, step_records=step_records, monitor=monitor))
         engines = [replica.engine for replica in served.engine.replicas] if hasattr(served.engine, "replicas") \
             else [served.engine]
         if fast:
@@ -74,12 +78,13 @@ def _assert_identical(slow, fast):
 @given(seed=st.integers(0, 10_000), n=st.integers(4, 30), rate=st.sampled_from([0.5, 5.0, 50.0]),
        prompt=st.integers(8, 200), output=st.integers(2, 120), blocks=st.integers(24, 200),
        seqs=st.integers(1, 8), scheduler=st.sampled_from(["fcfs", "priority", "sjf"]),
-       allocator=st.sampled_from(["paged", "prefix"]), step_time=st.sampled_from([TOKEN_COST, ANALYTICAL]))
+       allocator=st.sampled_from(["paged", "prefix"]), step_time=st.sampled_from([TOKEN_COST, ANALYTICAL]),
+       records=st.sampled_from(["all", "every:3", "interval:0.05"]))
 def test_one_engine_fast_forward_gives_the_records_of_stepping(tokenizer, seed, n, rate, prompt, output, blocks,
-                                                                seqs, scheduler, allocator, step_time):
+                                                                seqs, scheduler, allocator, step_time, records):
     workload = _workload(tokenizer, seed, n, rate, prompt, output)
     slow, fast, _ = _served_both(lambda ff: _engine(ff, step_time, scheduler, allocator, num_kv_blocks=blocks,
-                                                    max_num_seqs=seqs), workload)
+                                                    max_num_seqs=seqs), workload, StepRecords.parse(records))
     _assert_identical(slow, fast)
 
 
@@ -87,13 +92,14 @@ def test_one_engine_fast_forward_gives_the_records_of_stepping(tokenizer, seed, 
 @given(seed=st.integers(0, 10_000), n=st.integers(6, 40), rate=st.sampled_from([1.0, 10.0, 100.0]),
        replicas=st.integers(2, 4), router=st.sampled_from(["round_robin", "least_loaded", "cache_aware"]),
        blocks=st.integers(32, 160), allocator=st.sampled_from(["paged", "prefix"]),
-       step_time=st.sampled_from([TOKEN_COST, ANALYTICAL]))
+       step_time=st.sampled_from([TOKEN_COST, ANALYTICAL]), records=st.sampled_from(["all", "every:5", "interval:0.02"]))
 def test_a_cluster_fast_forward_gives_the_records_of_stepping(tokenizer, seed, n, rate, replicas, router, blocks,
-                                                              allocator, step_time):
+                                                              allocator, step_time, records):
     workload = _workload(tokenizer, seed, n, rate, 96, 60)
     slow, fast, _ = _served_both(lambda ff: _cluster(ff, step_time, "fcfs", allocator,
                                                      ClusterConfig(replicas=replicas), router,
-                                                     num_kv_blocks=blocks, max_num_seqs=4), workload)
+                                                     num_kv_blocks=blocks, max_num_seqs=4), workload,
+                                 StepRecords.parse(records))
     _assert_identical(slow, fast)
 
 

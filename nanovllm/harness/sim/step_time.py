@@ -40,7 +40,7 @@ from nanovllm.harness.sim.hardware import Hardware
 from nanovllm.harness.sim.operator_profile import read_attention_profile, read_mlp_profile, split_attention
 from nanovllm.harness.sim.this_machine import cached_profile, calibrate_command, mismatch
 from nanovllm.registry import Registry
-from nanovllm.serving.monitor import ModelCost
+from nanovllm.serving.monitor import ModelCost, as_floats
 from nanovllm.serving.records import read_run
 
 # What the calibrated model regresses on (besides a per-step intercept).
@@ -94,6 +94,13 @@ class StepTimeModel(abc.ABC):
     def describe(self) -> str:
         """What the run's ``metrics.json`` says under ``step_time_model``."""
         return str(getattr(self, "registered_name", type(self).__name__))
+
+    def predict_decodes(self, size: int, context: np.ndarray) -> np.ndarray | None:
+        """``predict`` of many pure-decode steps of ``size`` requests at once, step ``j`` over ``context[j]``
+        tokens of context, each value exactly what ``predict`` gives it (decode stretches ask for runs of
+        steps); None: this model has no such shortcut (the default), ask ``predict`` step by step. Only for a
+        model whose ``predict`` does not read ``now``."""
+        return None
 
 
 STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=StepTimeModel,
@@ -263,6 +270,19 @@ class AnalyticalStepTime(StepTimeModel):
         memory = self.cost.step_bytes(features) / self.bytes_per_s
         return (self.hardware.step_overhead + max(compute, memory) / self.tp
                 + tensor_parallel_seconds(self.cost, self.hardware, self.tp, features))
+
+    def predict_decodes(self, size: int, context: np.ndarray) -> np.ndarray:
+        """``predict`` of pure-decode steps, element-wise with the same operations in the same order."""
+        tokens = context.astype(object)   # Python ints: the cost model's integer products, exactly
+        features: dict[str, Any] = {"num_prefill_tokens": 0, "num_decode_tokens": size, "num_prefill_seqs": 0,
+                                    "num_decode_seqs": size, "context_tokens": tokens, "attn_pairs": tokens,
+                                    "num_sampled": size}
+        compute = (float(self.cost.step_matmul_work(features)) / self.matmul_flops_per_s
+                   + as_floats(self.cost.step_attention_work(features)) / self.flops_per_s)
+        memory = as_floats(self.cost.step_bytes_work(features)) / self.bytes_per_s
+        collectives = tensor_parallel_seconds(self.cost, self.hardware, self.tp, {**features, "context_tokens": 0,
+                                                                                   "attn_pairs": 0})
+        return self.hardware.step_overhead + np.maximum(compute, memory) / self.tp + collectives
 
     def kernel_seconds(self, flops: Any, nbytes: Any, floor: float = 0.0) -> Any:
         """One kernel's roofline on ``hardware`` at the rates ``predict`` uses: the slower of its FLOPs at the
