@@ -139,6 +139,13 @@ class Router(abc.ABC):
     def on_finish(self, request: Request, replica: int, now: float) -> None:
         """``request`` ended on replica ``replica`` (finished, failed or aborted)."""
 
+    def upcoming_routes(self, count: int, num_replicas: int) -> list[int] | None:
+        """The replicas the next ``count`` requests will be routed to, in order, when every replica is alive and
+        the choice depends on nothing but the requests' order; None (the default) when it reads the replicas'
+        views. A simulated cluster then lets each replica run ahead until the first request that can reach it
+        (``Cluster._replica_horizon``). Asked between steps; must not change the router's state."""
+        return None
+
     def bind_step_time(self, estimate: StepTimeEstimate) -> None:
         """Called by the cluster before the first request with its step-time estimate (batch features ->
         seconds), for routers that predict latency."""

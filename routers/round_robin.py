@@ -12,6 +12,9 @@ class RoundRobin(Router):
     def __init__(self) -> None:
         self._next = 0
 
+    def upcoming_routes(self, count: int, num_replicas: int) -> list[int]:
+        return [(self._next + k) % num_replicas for k in range(count)]
+
     def route(self, request: Request, replicas: Sequence[ReplicaView], now: float) -> int:
         for offset in range(len(replicas)):  # skip dead replicas, keeping the cycle's order
             index = (self._next + offset) % len(replicas)

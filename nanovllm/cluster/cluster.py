@@ -262,6 +262,7 @@ class Cluster(ClusterBase):
         self._parked: dict[int, list[tuple[Request, str | None, float | None]]] = {}
         self._reports: deque[StepOutput] = deque()   # what deaths ended, reported by the next steps
         self._horizon: float | None = None   # the driver's: no request added before it (set_horizon)
+        self._upcoming: Sequence[float] = ()  # the driver's: when the requests still to come arrive
         # Fault times count from where the replicas' clocks start (the run's start for a simulated cluster).
         start = min(engine.clock() for engine in engines)
         self._injector = FaultInjector(self.faults, len(engines), start) if self.faults.active else None
@@ -346,18 +347,38 @@ class Cluster(ClusterBase):
     def has_unfinished(self) -> bool:
         return bool(self._ready or self._reports or self._detections or any(self._parked.values()))
 
-    def set_horizon(self, t: float | None) -> None:
-        """No request is added or aborted before ``t`` (the driver's promise): each replica's engine is told, at
-        its step, the time before which nothing can reach it (``_replica_horizon``)."""
+    def set_horizon(self, t: float | None, upcoming: Sequence[float] = ()) -> None:
+        """No request is added or aborted before ``t`` (the driver's promise), and ``upcoming`` are the times of
+        the requests still to come: each replica's engine is told, at its step, the time before which nothing
+        can reach it (``_replica_horizon``)."""
         self._horizon = t
+        self._upcoming = upcoming
 
     def _replica_horizon(self, index: int) -> float | None:
         """Before when nothing from outside can change replica ``index`` (arrivals, K/V deliveries); None with
         faults, whose recovery may move requests between replicas at any step."""
         if self._horizon is None or self._injector is not None or self._detections:
             return None
+        arrival = self._next_arrival_at(index)
         delivery = self._next_delivery()
-        return self._horizon if delivery is None else min(self._horizon, delivery)
+        return arrival if delivery is None else min(arrival, delivery)
+
+    def _next_arrival_at(self, index: int) -> float:
+        """The time of the first coming request that can reach replica ``index``: where the router says where
+        the next requests go whatever the replicas' state (``Router.upcoming_routes``: round_robin), the first
+        of those routed to it (the others do not change it; a refused request is routed too); otherwise the
+        next request's."""
+        assert self._horizon is not None
+        upcoming, count = self._upcoming, len(self.replicas)
+        if not upcoming or not all(replica.alive for replica in self.replicas):
+            return self._horizon
+        routes = self.router.upcoming_routes(min(count, len(upcoming)), count)
+        if routes is None:
+            return self._horizon
+        for position, route in enumerate(routes):
+            if route == index:
+                return upcoming[position]
+        return upcoming[len(routes)] if len(routes) < len(upcoming) else math.inf
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests over every live replica."""
@@ -428,20 +449,23 @@ class Cluster(ClusterBase):
             return None
         delivery = self._next_delivery()
         # ``step()`` pops (start, replica) pairs in order; the run ends at the first pair that is not a step
-        # computed ahead: a replica's ordinary step, the step after a stretch, a K/V delivery due first.
-        bound: tuple[float, float] = (math.inf if delivery is None else delivery, -1)
+        # computed ahead: a replica's ordinary step, the step after a stretch, a K/V delivery due first, or the
+        # next arrival (the driver admits it before a step that starts at or after it: an idle replica it wakes
+        # steps from its arrival on).
+        due = [t for t in (delivery, self._horizon) if t is not None]
+        bound: tuple[float, float] = (min(due, default=math.inf), -1)
         stretches: dict[int, StepColumns] = {}
         for start, index in sorted(self._ready):
             if (start, index) >= bound:
                 break
-            engine = self.replicas[index].engine
-            engine.set_horizon(self._replica_horizon(index))
-            ahead = engine.steps_ahead()
+            replica = self.replicas[index]
+            replica.engine.set_horizon(self._replica_horizon(index))
+            ahead = replica.steps_ahead()
             if ahead is None:
                 bound = (start, index)
                 break
             stretches[index] = ahead
-            bound = min(bound, (engine.clock(), index))   # (after its stretch, its clock is where it ends)
+            bound = min(bound, (replica.engine.clock(), index))   # (after its stretch, its clock is where it ends)
         runs, sources, starts = [], [], []
         for index in sorted(stretches):
             ahead = stretches[index]

@@ -124,6 +124,12 @@ class DisaggregatedCluster(Cluster):
     def _next_delivery(self) -> float | None:
         return self._transit[0][0] if self._transit else None
 
+    def _next_arrival_at(self, index: int) -> float:
+        """Any replica's horizon is the next arrival: a prefill replica's pool router may send it anywhere, and
+        a decode replica's requests come from prefill steps (``_replica_horizon``)."""
+        assert self._horizon is not None
+        return self._horizon
+
     def _replica_horizon(self, index: int) -> float | None:
         """As ``Cluster``'s, and a decode replica's also ends at the next step of a busy prefill replica: that
         step may hand a request off, routed by the views of the decode replicas as of then."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import StepOutput
+from nanovllm.outputs import StepColumns
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import ReplicaView
 
@@ -81,6 +82,17 @@ class LocalReplica:
         wait_until = getattr(self.engine.runner.clock, "wait_until", None)
         if wait_until is not None:
             wait_until(t)
+
+    def steps_ahead(self) -> StepColumns | None:
+        """The engine's steps computed ahead (``LLMEngine.steps_ahead``). A stretch starting now is reported as
+        ``step`` reports a step (the view as of its start, for a router that asks while it runs)."""
+        if self.engine.has_stretch():
+            return self.engine.steps_ahead()
+        self._reported, self._since = self._build_view(), []
+        ahead = self.engine.steps_ahead()
+        if ahead is not None:
+            self._view = None   # as after any step: the next view is built anew
+        return ahead
 
     def step(self) -> StepOutput:
         """One engine step; the figures the views read follow what it did."""

@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -322,11 +322,12 @@ class LLMEngine(EngineClient):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.has_stretch()
 
-    def set_horizon(self, t: float | None) -> None:
+    def set_horizon(self, t: float | None, upcoming: Sequence[float] = ()) -> None:
         """The driver's promise before a step: no request is added or aborted before ``t`` on ``clock``
         (``math.inf``: none will be); None: nothing is promised (the default). With it, a simulated engine with
         ``fast_forward`` computes the pure-decode steps that end before ``t`` at once and hands them out one
-        ``step()`` at a time, each exactly as stepping would give it (``nanovllm.engine.decode_stretch``)."""
+        ``step()`` at a time, each exactly as stepping would give it (``nanovllm.engine.decode_stretch``).
+        ``upcoming`` (the later arrivals) is not needed by one engine: its next request is its next arrival."""
         self._horizon = t
 
     def next_step_time(self) -> float:

@@ -24,7 +24,7 @@ import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.scheduler import SchedulerOutput
@@ -115,11 +115,12 @@ class EngineClient(Protocol):
         Called only while ``has_unfinished()``. Raises ``StepError`` (or ``PolicyError``) when a step fails:
         the client's state is not to be trusted after that."""
 
-    def set_horizon(self, t: float | None) -> None:
+    def set_horizon(self, t: float | None, upcoming: Sequence[float] = ()) -> None:
         """Called by a driver that knows when its next request comes (the serving loop replaying a workload),
         before each ``step()``: no request is added or aborted before ``t`` on ``clock`` (``math.inf``: none
-        will be). A simulated engine may then compute several steps at once (``LLMEngine.set_horizon``).
-        Default: ignored."""
+        will be); ``upcoming``, where given: the times of all the requests still to come, in order (``t`` the
+        first). A simulated engine may then compute several steps at once (``LLMEngine.set_horizon``), a
+        simulated cluster per replica (``Cluster.set_horizon``). Default: ignored."""
         return None
 
     def take_steps_ahead(self) -> StepColumns | None:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, overload
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.engine import LLMEngine, PluginSpec
@@ -218,6 +218,28 @@ def serve(
     )
 
 
+class _ArrivalTimes(Sequence[float]):
+    """The arrival times (on the run's clock) of the requests still to come, read from the run's queue of them
+    when asked (``EngineClient.set_horizon``'s ``upcoming``)."""
+
+    def __init__(self, pending: deque[tuple[int, WorkloadRequest]], t0: float) -> None:
+        self._pending, self._t0 = pending, t0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[float]: ...
+
+    def __getitem__(self, index: int | slice) -> float | Sequence[float]:
+        if isinstance(index, slice):
+            return [self._t0 + w.arrival_time for _, w in list(self._pending)[index]]
+        return self._t0 + self._pending[index][1].arrival_time
+
+
 class _Run:
     """The state of one ``serve`` call: what was submitted and when; its books are its ``StepLoop``'s."""
 
@@ -249,7 +271,7 @@ class _Run:
                 # arrival, which is routed then, at its time, to a replica that may be idle (None: it came first).
                 next_arrival = t0 + pending[0][1].arrival_time if pending else None
                 # A simulated engine may compute the steps before it at once (decode stretches).
-                engine.set_horizon(math.inf if next_arrival is None else next_arrival)
+                engine.set_horizon(math.inf if next_arrival is None else next_arrival, _ArrivalTimes(pending, t0))
                 if not self.books.step_ahead():
                     self.books.step(None if next_arrival is None else max(0.0, next_arrival - self.clock.now()))
             elif pending:

@@ -305,7 +305,7 @@ class StepKeeper:
         """``offer`` for each of ``steps`` (numbered and annotated) in order, at once: the records to keep and
         log now, the same as offering them one by one gives. Bounded records of plain steps are kept with array
         operations; anything else goes step by step."""
-        if self.totals is None or not _plain(steps):
+        if self.totals is None or not _plain(steps) or len(steps) < MIN_STEPS_PER_RUN * _num_runs(steps):
             return [kept for step in steps.records() for kept in self.offer(dict(step))]
         first = self.num_steps
         self.num_steps += len(steps)
@@ -422,6 +422,17 @@ def _merge_columns(record: dict[str, Any], steps: StepColumns, rows: np.ndarray)
         if key in steps.columns:
             name = f"_{key}_time"
             record[name] = running_sum(record.get(name, 0.0), steps.columns[key][rows] * duration)
+
+
+#: Fewer steps than this a replica, on average, are kept one by one (the array operations' set-up per replica
+#: costs about as much as that many steps' books kept one at a time).
+MIN_STEPS_PER_RUN = 8
+
+
+def _num_runs(steps: StepColumns) -> int:
+    """How many replicas' runs of steps ``steps`` interleaves (1 on one engine)."""
+    replicas = steps.columns.get("replica")
+    return 1 if replicas is None else len(np.unique(replicas))
 
 
 def _plain(steps: StepColumns) -> bool:
