@@ -88,7 +88,7 @@ class LocalReplica:
         ``step`` reports a step (the view as of its start, for a router that asks while it runs)."""
         if self.engine.has_stretch():
             return self.engine.steps_ahead()
-        self._reported, self._since = self._build_view(), []
+        self._report_view()
         ahead = self.engine.steps_ahead()
         if ahead is not None:
             self._view = None   # as after any step: the next view is built anew
@@ -100,7 +100,7 @@ class LocalReplica:
             # A step of a decode stretch, computed ahead: no request starts, ends or changes its queued tokens,
             # and no request is routed here before the stretch is over, so the views need nothing new.
             return self.engine.step()
-        self._reported, self._since = self._build_view(), []
+        self._report_view()
         output = self.engine.step()
         self._view = None
         if output.plan is not None:
@@ -160,6 +160,10 @@ class LocalReplica:
         if self._view is None:
             self._view = self._build_view()
         return self._view.bind(request)
+
+    def _report_view(self) -> None:
+        """A step starts: the view as of now is what routers see until it ends (``view``)."""
+        self._reported, self._since = self._build_view(), []
 
     def _in_step_view(self) -> ReplicaView:
         assert self._reported is not None  # view() asks for it only while a step's view is reported

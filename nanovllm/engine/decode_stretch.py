@@ -121,25 +121,14 @@ def _durations(runner: Any, size: int, context: int, now: float, horizon: float,
     itself then raises the model's error."""
     model = getattr(runner.step_time, "__self__", None)
     predict_decodes = getattr(model, "predict_decodes", None)
-    if predict_decodes is None or predict_decodes(size, np.array([context])) is None:
-        durations: list[float] = []
-        t = now
-        for j in range(limit):
-            # The features ``batch_features`` gives a pure-decode batch, in its key order.
-            c = context + size * j
-            duration = float(runner.step_time({"num_prefill_tokens": 0, "num_decode_tokens": size,
-                                               "num_prefill_seqs": 0, "num_decode_seqs": size, "context_tokens": c,
-                                               "attn_pairs": c, "num_sampled": size}, t))
-            if not duration >= 0 or t + duration >= horizon:
-                break
-            durations.append(duration)
-            t += duration
-        return np.array(durations, dtype=np.float64)
     out: list[np.ndarray] = []
     t, done, chunk = now, 0, FIRST_CHUNK
     while done < limit:
         count = min(chunk, limit - done)
-        chunk_durations = predict_decodes(size, context + size * np.arange(done, done + count))
+        chunk_durations = None if predict_decodes is None else \
+            predict_decodes(size, context + size * np.arange(done, done + count))
+        if chunk_durations is None:   # no shortcut (asked once: the first chunk): step by step
+            return _durations_step_by_step(runner, size, context, now, horizon, limit)
         # Each step's end as the clock adds it up; the first step ending at the horizon ends the stretch.
         ends = np.add.accumulate(np.concatenate(([t], chunk_durations)))[1:]
         bad = ~(chunk_durations >= 0) | (ends >= horizon)
@@ -151,6 +140,24 @@ def _durations(runner: Any, size: int, context: int, now: float, horizon: float,
         t = float(ends[-1])
         chunk *= 2
     return np.concatenate(out) if out else np.empty(0)
+
+
+def _durations_step_by_step(runner: Any, size: int, context: int, now: float, horizon: float,
+                            limit: int) -> np.ndarray:
+    """``_durations`` by one call of the step-time model a step, each at the step's own start time."""
+    durations: list[float] = []
+    t = now
+    for j in range(limit):
+        # The features ``batch_features`` gives a pure-decode batch, in its key order.
+        c = context + size * j
+        duration = float(runner.step_time({"num_prefill_tokens": 0, "num_decode_tokens": size,
+                                           "num_prefill_seqs": 0, "num_decode_seqs": size, "context_tokens": c,
+                                           "attn_pairs": c, "num_sampled": size}, t))
+        if not duration >= 0 or t + duration >= horizon:
+            break
+        durations.append(duration)
+        t += duration
+    return np.array(durations, dtype=np.float64)
 
 
 def _steps_where(batch: list[Request], first: list[int], period: int, limit: int) -> dict[int, list[int]]:
