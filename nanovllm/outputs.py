@@ -58,7 +58,7 @@ class StepColumns:
     """The records of ``len(self)`` consecutive steps, column by column: step ``i``'s record has, in ``keys``
     order, ``columns[key][i]`` (a numpy array, one value a step) or ``constants[key]`` (the same value in every
     step). A simulated engine hands out the steps it computed ahead (decode stretches) this way, so that a
-    driver keeps the books of thousands of steps with a few array operations (``StepLoop.keep_steps_ahead``);
+    driver keeps the books of thousands of steps with a few array operations (``StepLoop.step_ahead``);
     ``records()`` gives the very records ``step()`` would have, one by one."""
 
     keys: list[str]
