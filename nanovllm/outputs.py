@@ -119,6 +119,7 @@ class StepColumns:
             raise ValueError("steps with different record fields cannot be interleaved")
         # Stable: each part's steps keep their order, and parts lie in index order, as the concatenation below.
         order = np.argsort(sources, kind="stable")
+        lengths = [len(part) for part in parts]
         columns: dict[str, np.ndarray] = {}
         constants: dict[str, Any] = {}
         for key in keys:
@@ -126,11 +127,24 @@ class StepColumns:
                     all(part.constants[key] == parts[0].constants[key] for part in parts):
                 constants[key] = parts[0].constants[key]
                 continue
-            joined = np.concatenate([part.value(key) for part in parts])
+            if all(key in part.constants for part in parts):   # a constant of each part: one repeat, not a fill each
+                joined = _repeated([part.constants[key] for part in parts], lengths)
+            else:
+                joined = np.concatenate([part.value(key) for part in parts])
             column = np.empty_like(joined)
             column[order] = joined
             columns[key] = column
         return StepColumns(keys, columns, constants)
+
+
+def _repeated(values: list[Any], lengths: list[int]) -> np.ndarray:
+    """``values[i]`` ``lengths[i]`` times, in order (``StepColumns.value`` of each part, concatenated)."""
+    if all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+        return np.repeat(np.array(values), lengths)
+    out = np.empty(sum(lengths), dtype=object)
+    for position, value in enumerate(value for value, length in zip(values, lengths) for _ in range(length)):
+        out[position] = value   # one by one: a list value must not be broadcast
+    return out
 
 
 @dataclass

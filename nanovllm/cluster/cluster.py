@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
-from nanovllm.cluster.replica import LocalReplica
+from nanovllm.cluster.replica import LocalReplica, ReplicaViews
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import EngineClient, StepOutput
 from nanovllm.outputs import StepColumns
@@ -105,7 +105,8 @@ class ClusterBase(EngineClient):
 
     @staticmethod
     def _note_imbalance(views: Sequence[Any], imbalance: list[float]) -> None:
-        loads = [view.num_outstanding for view in views if view.alive]
+        loads = views.loads() if isinstance(views, ReplicaViews) else \
+            [view.num_outstanding for view in views if view.alive]
         total = sum(loads)
         imbalance.append(max(loads) * len(loads) / total if total else 1.0)
 
@@ -263,6 +264,9 @@ class Cluster(ClusterBase):
         self._reports: deque[StepOutput] = deque()   # what deaths ended, reported by the next steps
         self._horizon: float | None = None   # the driver's: no request added before it (set_horizon)
         self._upcoming: Sequence[float] = ()  # the driver's: when the requests still to come arrive
+        # Each replica's first coming arrival under the horizon above (``_next_arrival_at``), worked out once per
+        # horizon and routing decision rather than once per replica per step; None: not worked out yet.
+        self._first_arrivals: tuple[dict[int, float], float] | None = None
         # Fault times count from where the replicas' clocks start (the run's start for a simulated cluster).
         start = min(engine.clock() for engine in engines)
         self._injector = FaultInjector(self.faults, len(engines), start) if self.faults.active else None
@@ -351,6 +355,8 @@ class Cluster(ClusterBase):
         """No request is added or aborted before ``t`` (the driver's promise), and ``upcoming`` are the times of
         the requests still to come: each replica's engine is told, at its step, the time before which nothing
         can reach it (``_replica_horizon``)."""
+        if t != self._horizon or len(upcoming) != len(self._upcoming):
+            self._first_arrivals = None
         self._horizon = t
         self._upcoming = upcoming
 
@@ -369,16 +375,25 @@ class Cluster(ClusterBase):
         of those routed to it (the others do not change it; a refused request is routed too); otherwise the
         next request's."""
         assert self._horizon is not None
+        if self._first_arrivals is None:
+            self._first_arrivals = self._first_arrival_per_replica()
+        first, otherwise = self._first_arrivals
+        return first.get(index, otherwise)
+
+    def _first_arrival_per_replica(self) -> tuple[dict[int, float], float]:
+        """``_next_arrival_at`` for every replica: the replicas the coming routes name, with the first arrival
+        routed to each, and the time for any other replica."""
+        assert self._horizon is not None
         upcoming, count = self._upcoming, len(self.replicas)
         if not upcoming or not all(replica.alive for replica in self.replicas):
-            return self._horizon
+            return {}, self._horizon
         routes = self.router.upcoming_routes(min(count, len(upcoming)), count)
         if routes is None:
-            return self._horizon
+            return {}, self._horizon
+        first: dict[int, float] = {}
         for position, route in enumerate(routes):
-            if route == index:
-                return upcoming[position]
-        return upcoming[len(routes)] if len(routes) < len(upcoming) else math.inf
+            first.setdefault(route, upcoming[position])
+        return first, (upcoming[len(routes)] if len(routes) < len(upcoming) else math.inf)
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests over every live replica."""
@@ -454,13 +469,13 @@ class Cluster(ClusterBase):
         # steps from its arrival on).
         due = [t for t in (delivery, self._horizon) if t is not None]
         bound: tuple[float, float] = (min(due, default=math.inf), -1)
-        stretches: dict[int, StepColumns] = {}
+        stretches: dict[int, np.ndarray] = {}   # replica -> when its steps computed ahead start
         for start, index in sorted(self._ready):
             if (start, index) >= bound:
                 break
             replica = self.replicas[index]
             replica.engine.set_horizon(self._replica_horizon(index))
-            ahead = replica.steps_ahead()
+            ahead = replica.steps_ahead_starts()
             if ahead is None:
                 bound = (start, index)
                 break
@@ -468,15 +483,11 @@ class Cluster(ClusterBase):
             bound = min(bound, (replica.engine.clock(), index))   # (after its stretch, its clock is where it ends)
         runs, sources, starts = [], [], []
         for index in sorted(stretches):
-            ahead = stretches[index]
             # Its steps before the bound: a tie at the bound's start goes to the lower replica, as the heap pops.
-            count = int(np.searchsorted(ahead.columns["start_time"], bound[0],
-                                        side="right" if index < bound[1] else "left"))
+            count = int(np.searchsorted(stretches[index], bound[0], side="right" if index < bound[1] else "left"))
             if count == 0:
                 continue
-            engine = self.replicas[index].engine
-            engine.hand_out_steps_ahead(count)
-            run = ahead.take(0, count)
+            run = self.replicas[index].take_steps_ahead(count)
             run.keys.append("replica")
             run.constants["replica"] = index
             runs.append(run)
@@ -501,7 +512,8 @@ class Cluster(ClusterBase):
     # -- helpers ---------------------------------------------------------------------------------------------
     def _route(self, request: Request, now: float) -> int:
         """The router's choice for ``request`` among the replicas' views, checked (RouterError otherwise)."""
-        return self._choose(request, [replica.view(request, now) for replica in self.replicas], now)
+        self._first_arrivals = None   # the router's state moves on: the coming routes change
+        return self._choose(request, ReplicaViews(self.replicas, request, now), now)
 
     def _mark_ready(self, index: int) -> None:
         replica = self.replicas[index]
@@ -580,6 +592,7 @@ class Cluster(ClusterBase):
         ended is reported by the next ``step`` with a model-free record of this replica."""
         replica = self.replicas[index]
         num_blocks = replica.engine.num_kv_blocks
+        self._first_arrivals = None   # the coming routes skip it now
         self._unready(index)
         self._detections.pop(index, None)
         held, ended = replica.die()

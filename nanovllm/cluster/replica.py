@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import statistics
 from collections import deque
-from typing import Any
+from typing import Any, Sequence, overload
+
+import numpy as np
 
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import StepOutput
@@ -83,15 +85,22 @@ class LocalReplica:
         if wait_until is not None:
             wait_until(t)
 
-    def steps_ahead(self) -> StepColumns | None:
-        """The engine's steps computed ahead (``LLMEngine.steps_ahead``). A stretch starting now is reported as
-        ``step`` reports a step (the view as of its start, for a router that asks while it runs)."""
+    def steps_ahead_starts(self) -> np.ndarray | None:
+        """When the engine's steps computed ahead start (``LLMEngine.steps_ahead_starts``). A stretch starting
+        now is reported as ``step`` reports a step (the view as of its start, for a router that asks while it
+        runs)."""
         if self.engine.has_stretch():
-            return self.engine.steps_ahead()
+            return self.engine.steps_ahead_starts()
         self._report_view()
-        ahead = self.engine.steps_ahead()
-        if ahead is not None:
+        starts = self.engine.steps_ahead_starts()
+        if starts is not None:
             self._view = None   # as after any step: the next view is built anew
+        return starts
+
+    def take_steps_ahead(self, count: int) -> StepColumns:
+        """The next ``count`` steps computed ahead (``steps_ahead_starts`` said there are), handed out."""
+        ahead = self.engine.take_steps_ahead(count)
+        assert ahead is not None   # the caller saw their start times
         return ahead
 
     def step(self) -> StepOutput:
@@ -160,6 +169,14 @@ class LocalReplica:
         if self._view is None:
             self._view = self._build_view()
         return self._view.bind(request)
+
+    def num_outstanding(self, now: float | None = None) -> int:
+        """``view(request, now).num_outstanding`` without building the view (the cluster's load-imbalance figure
+        reads it of every replica at every arrival)."""
+        if now is not None and self._reported is not None and now < self.engine.clock():
+            return self._reported.num_outstanding + len(self._since) + self.num_incoming
+        scheduler = self.engine.scheduler
+        return len(scheduler.running) + len(scheduler.waiting) + self.num_incoming
 
     def _report_view(self) -> None:
         """A step starts: the view as of now is what routers see until it ends (``view``)."""
@@ -235,3 +252,35 @@ def _tokens_to_compute(request: Request) -> int:
 def _mean_itl(request: Request) -> float | None:
     times = request.token_times
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+class ReplicaViews(Sequence[ReplicaView]):
+    """The views of ``replicas`` for routing ``request`` at ``now`` (``LocalReplica.view``), each built when a
+    router first reads it: a router that looks at one replica (round_robin) builds one view, not one a replica."""
+
+    def __init__(self, replicas: Sequence[LocalReplica], request: Request, now: float) -> None:
+        self._replicas = replicas
+        self._request = request
+        self._now = now
+        self._views: list[ReplicaView | None] = [None] * len(replicas)
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    @overload
+    def __getitem__(self, index: int) -> ReplicaView: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ReplicaView]: ...
+
+    def __getitem__(self, index: int | slice) -> ReplicaView | list[ReplicaView]:
+        if isinstance(index, slice):
+            return [self[position] for position in range(*index.indices(len(self)))]
+        view = self._views[index]
+        if view is None:
+            view = self._views[index] = self._replicas[index].view(self._request, self._now)
+        return view
+
+    def loads(self) -> list[int]:
+        """Each live replica's ``num_outstanding``, as its view would say, without building the views."""
+        return [replica.num_outstanding(self._now) for replica in self._replicas if replica.alive]

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
@@ -341,31 +342,37 @@ class LLMEngine(EngineClient):
         """Whether the next ``step()`` hands out a step computed ahead (no request starts or ends in it)."""
         return self._stretch is not None
 
-    def steps_ahead(self) -> StepColumns | None:
-        """The steps computed ahead that ``step()`` would hand out next, as columns (none handed out yet); None
-        when the next step is not one. With a horizon set (``set_horizon``), a decode stretch is computed now if
-        one can be taken. A driver that keeps its books in bulk reads them here, then ``hand_out_steps_ahead``."""
+    def steps_ahead_starts(self) -> np.ndarray | None:
+        """When each step computed ahead that ``step()`` would hand out next starts (a decode stretch's steps not
+        handed out yet, in order); None when the next step is not one. With a horizon set (``set_horizon``), a
+        decode stretch is computed now if one can be taken. A driver that keeps its books in bulk reads how many
+        it wants here, then takes them (``take_steps_ahead``)."""
         if self._stretch is None and self._horizon is not None:
             self._start_stretch()
         if self._stretch is None:
             return None
-        return self._stretch if self._stretch_next == 0 else self._stretch.take(self._stretch_next, len(self._stretch))
+        return self._stretch.columns["start_time"][self._stretch_next:]
 
-    def hand_out_steps_ahead(self, count: int) -> None:
-        """The next ``count`` steps computed ahead are handed out (as ``step()`` would, without their records:
-        the caller read them from ``steps_ahead``)."""
+    def take_steps_ahead(self, count: int | None = None) -> StepColumns | None:
+        """``EngineClient.take_steps_ahead``: the next ``count`` steps computed ahead (default: the rest of the
+        decode stretch the next ``step()`` would start or continue), handed out at once as columns, each record
+        what ``step()`` would have given; None when the next step is not one."""
+        starts = self.steps_ahead_starts()
+        if starts is None:
+            return None
+        assert self._stretch is not None   # (it has the starts)
+        first = self._stretch_next
+        stop = len(self._stretch) if count is None else first + count
+        ahead = self._stretch if first == 0 and stop == len(self._stretch) else self._stretch.take(first, stop)
+        self._hand_out(stop - first)
+        return ahead
+
+    def _hand_out(self, count: int) -> None:
+        """The next ``count`` steps computed ahead are handed out."""
         assert self._stretch is not None and self._stretch_next + count <= len(self._stretch)
         self._stretch_next += count
         if self._stretch_next == len(self._stretch):
             self._stretch, self._stretch_next = None, 0
-
-    def take_steps_ahead(self) -> StepColumns | None:
-        """``EngineClient.take_steps_ahead``: the rest of the decode stretch the next ``step()`` would start or
-        continue, handed out at once."""
-        ahead = self.steps_ahead()
-        if ahead is not None:
-            self.hand_out_steps_ahead(len(ahead))
-        return ahead
 
     def _start_stretch(self) -> None:
         if stretch_blocker(self) is None:
@@ -417,7 +424,7 @@ class LLMEngine(EngineClient):
             self._start_stretch()
         if self._stretch is not None:
             record = self._stretch.record(self._stretch_next)
-            self.hand_out_steps_ahead(1)
+            self._hand_out(1)
             return StepOutput([], record, None)
         start = self.clock()
         if self.speculator is not None:
