@@ -49,7 +49,11 @@ class ClusterClock:
 
     def now(self) -> float:
         busy = self._cluster.next_ready_time()
-        return self._idle_time if busy is None else busy
+        if busy is not None:
+            return busy
+        # Idle: where the last step ended (a replica's clock stands at its last step's end), or the last
+        # arrival waited for, whichever came later; the run's length reads it at the end.
+        return max(self._idle_time, max(engine.clock() for engine in self._cluster.engines))
 
     def __call__(self) -> float:
         return self.now()

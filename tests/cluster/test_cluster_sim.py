@@ -47,6 +47,7 @@ def test_one_replica_is_exactly_one_engine(scheduler):
         assert [{**r, "replica": None} for r in result.requests] == alone.requests
         assert [{k: v for k, v in s.items() if k != "replica"} for s in result.steps] == alone.steps
         assert {r["replica"] for r in result.requests} == {0}
+        assert result.wall_time == pytest.approx(alone.wall_time)   # the run's length, simulated seconds
 
 
 def test_replicas_step_in_time_order_and_every_request_ends_once():
@@ -61,6 +62,8 @@ def test_replicas_step_in_time_order_and_every_request_ends_once():
         assert all(a["start_time"] + a["duration"] <= b["start_time"] + 1e-9 for a, b in zip(mine, mine[1:]))
     for r in result.requests:         # no request starts before it arrived, on whichever replica
         assert r["first_scheduled_time"] >= r["arrival_time"] - 1e-9
+    # The run lasts until its last step ends (not until the last time every replica stood idle).
+    assert result.wall_time == pytest.approx(max(s["start_time"] + s["duration"] for s in result.steps))
 
 
 def test_a_request_routed_during_a_step_sees_the_replica_as_a_real_router_would():
