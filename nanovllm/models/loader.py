@@ -75,12 +75,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file with transformers and save it as an HF directory (atomic rename)."""
     # transformers and safetensors only when a GGUF is converted (once per file and machine).
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     _check_gguf_magic(gguf)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        # The class AutoTokenizer picks for a GGUF's tokenizer (transformers 5: PreTrainedTokenizerFast is the
+        # tokenizers backend), named here because AutoTokenizer first reads the whole GGUF once more for the config
+        # that tells it so: each read parses every metadata field (the ~50k-string vocabulary), seconds on one core.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                      trust_remote_code=False)
     except Exception as exc:  # the gguf reader fails in many ways on a damaged file; name the file
