@@ -97,6 +97,12 @@ class Request:
     num_drafts: int = field(default=0, init=False)            # steps that verified proposals of this request
     num_draft_tokens: int = field(default=0, init=False)      # tokens proposed and verified
     num_accepted_tokens: int = field(default=0, init=False)   # of those, the ones the target agreed with
+    # What the proposer itself did for this request, before the scheduler dropped anything: the steps it was asked
+    # for tokens, the steps it had some, and how many (the simulator's acceptance model reads these: how often and
+    # how much a proposer proposes is its own; how much of that rides along depends on the load).
+    num_proposer_asks: int = field(default=0, init=False)
+    num_proposals: int = field(default=0, init=False)
+    num_proposal_tokens: int = field(default=0, init=False)
     # Cluster faults (``RayCluster``; a simulated cluster's ``cluster.faults``): the replicas this request was on
     # when they died, in order (it resumed on another each time, its prompt and generated tokens recomputed
     # there), and how many tokens those replicas had computed that were computed again.

@@ -118,6 +118,9 @@ class Speculator:
                 raise ProposerError(f"proposer {name!r}: proposed ids must be integers in [0, {self.vocab_size}), "
                                     f"got {tokens!r}")
             request.spec_token_ids = tokens
+            request.num_proposer_asks += 1
+            request.num_proposals += bool(tokens)
+            request.num_proposal_tokens += len(tokens)
 
     def _ask_policy(self, request: Request, state: SpeculationState) -> int:
         name = self.policy.registered_name

@@ -288,6 +288,7 @@ class _StreamState:
             retry_recomputed_tokens=0,
             # Not in the OpenAI response either (the server's own records and /metrics carry them).
             spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0,
+            spec_proposer_asks=0, spec_proposals=0, spec_proposal_tokens=0,
         )
 
 

@@ -68,6 +68,11 @@ class RequestRecord(TypedDict):
     spec_decode_num_drafts: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
+    # What the proposer did for it before the scheduler dropped any proposal for lack of budget or KV blocks: steps
+    # it was asked for tokens, steps it proposed some, tokens it proposed (Request.num_proposer_asks ...).
+    spec_proposer_asks: int
+    spec_proposals: int
+    spec_proposal_tokens: int
 
 
 def request_record(request: Request, t0: float) -> RequestRecord:
@@ -112,6 +117,9 @@ def request_record(request: Request, t0: float) -> RequestRecord:
         spec_decode_num_drafts=request.num_drafts,
         spec_decode_num_draft_tokens=request.num_draft_tokens,
         spec_decode_num_accepted_tokens=request.num_accepted_tokens,
+        spec_proposer_asks=request.num_proposer_asks,
+        spec_proposals=request.num_proposals,
+        spec_proposal_tokens=request.num_proposal_tokens,
     )
 
 

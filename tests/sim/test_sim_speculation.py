@@ -22,6 +22,7 @@ from nanovllm.harness.sim.speculation import (
     ProfileAcceptance,
     RequestProfile,
     continuation_for_rate,
+    request_profiles,
     verify_features,
 )
 from nanovllm.harness.workload import WorkloadRequest
@@ -108,6 +109,26 @@ def test_proposals_count_against_the_token_budget_and_the_kv_blocks():
     assert all(s["kv_blocks_used"] <= 24 for s in steps)
     assert len(result.requests) == 12 and all(r["finish_reason"] == "length" for r in result.requests)
     assert sim.engine.allocator.num_used_blocks() == 0
+
+
+def test_fitted_acceptance_reads_the_proposers_own_rate_not_what_survived_the_scheduler(tmp_path):
+    # A cache so small that the scheduler drops proposals for lack of blocks: the records count what the proposer
+    # proposed apart from what rode along, and the profiles fitted on them take the proposer's own rate (a
+    # simulation on them drops proposals again itself: reading the survivors would count the drops twice).
+    _, squeezed = _serve(_spec(k=3), acceptance=1.0, num_kv_blocks=12, max_num_seqs=4)
+    records = squeezed.requests
+    assert all(r["spec_proposals"] == r["spec_proposer_asks"] > 0 for r in records)   # rate 1: always proposes
+    assert all(r["spec_proposal_tokens"] >= r["spec_decode_num_draft_tokens"] for r in records)
+    dropped = [r for r in records if r["spec_decode_num_drafts"] < r["spec_proposals"]]
+    assert dropped, "the small cache should have dropped some proposals"
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "steps.jsonl").write_text("")
+    (tmp_path / "metrics.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"speculative": {"method": "ngram"}}))
+    profiles, steps = request_profiles(tmp_path)
+    assert {profile.propose_rate for profile in profiles.values()} == {1.0}
+    # What survived the scheduler is lower for the squeezed requests: the rate a run without these counts gives.
+    assert any(r["spec_decode_num_drafts"] / steps[r["request_id"]] < 1.0 for r in dropped)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "off_above_batch", "adaptive"])

@@ -216,8 +216,10 @@ def request_profiles(run_dir: str | Path) -> tuple[dict[str, RequestProfile], di
     """request_id -> ``RequestProfile`` of every request of a real run that decoded at least once, and
     request_id -> its decode steps, from its
     ``requests.jsonl``: a request that emitted ``o`` tokens, ``a`` of them accepted proposals, decoded in
-    ``o - 1 - a`` steps; it had proposals in ``num_drafts`` of them, ``num_draft_tokens / num_drafts`` long, and
-    ``a / num_draft_tokens`` of its proposed tokens were accepted. ``ValueError`` naming
+    ``o - 1 - a`` steps; the proposer, asked ``spec_proposer_asks`` times, proposed ``spec_proposals`` times,
+    ``spec_proposal_tokens / spec_proposals`` tokens long (a record without those counts: proposals verified in
+    ``num_drafts`` of its steps, ``num_draft_tokens / num_drafts`` long), and ``a / num_draft_tokens`` of its
+    verified tokens were accepted. ``ValueError`` naming
     ``runner.acceptance_run`` for a run that proposed nothing."""
     data = read_run(run_dir, missing_ok=False)
     if data.metrics.get("simulated"):
@@ -232,9 +234,18 @@ def request_profiles(run_dir: str | Path) -> tuple[dict[str, RequestProfile], di
         if steps <= 0:
             continue
         rate = accepted / tokens if tokens else 0.0
-        length = tokens / drafts if drafts else None
+        asks = int(record.get("spec_proposer_asks") or 0)
+        if asks:
+            # The proposer's own rate and lengths, before the scheduler dropped any: the simulated scheduler drops
+            # proposals for lack of budget or blocks itself, so rates read after that would count the drops twice.
+            proposals = int(record.get("spec_proposals") or 0)
+            propose_rate = proposals / asks
+            length = int(record.get("spec_proposal_tokens") or 0) / proposals if proposals else None
+        else:   # a run recorded before the proposer's own counts: what rode along
+            propose_rate = min(1.0, drafts / steps)
+            length = tokens / drafts if drafts else None
         profiles[str(record["request_id"])] = RequestProfile(
-            min(1.0, drafts / steps), length, continuation_for_rate(rate, length or 1.0))
+            propose_rate, length, continuation_for_rate(rate, (tokens / drafts) if drafts else 1.0))
         decode_steps[str(record["request_id"])] = steps
     if not any(p.propose_rate > 0 for p in profiles.values()):
         raise ValueError(f"runner.acceptance_run: {run_dir} has no request with proposals (a real run with "
