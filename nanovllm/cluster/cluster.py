@@ -51,9 +51,12 @@ class ClusterClock:
         busy = self._cluster.next_ready_time()
         if busy is not None:
             return busy
-        # Idle: where the last step ended (a replica's clock stands at its last step's end), or the last
-        # arrival waited for, whichever came later; the run's length reads it at the end.
-        return max(self._idle_time, max(engine.clock() for engine in self._cluster.engines))
+        # Idle, time stands at the last arrival waited for. Once the driver says none is to come (an infinite
+        # horizon), the run is over where its last step ended (a replica's clock stands at its last step's end),
+        # which is what the run's length reads; only then, so nothing the run does depends on it.
+        if self._cluster.no_more_requests():
+            return max(self._idle_time, max(engine.clock() for engine in self._cluster.engines))
+        return self._idle_time
 
     def __call__(self) -> float:
         return self.now()
@@ -363,6 +366,10 @@ class Cluster(ClusterBase):
             self._first_arrivals = None
         self._horizon = t
         self._upcoming = upcoming
+
+    def no_more_requests(self) -> bool:
+        """Whether the driver promised that no request is to come (``set_horizon(math.inf)``)."""
+        return self._horizon == math.inf
 
     def _replica_horizon(self, index: int) -> float | None:
         """Before when nothing from outside can change replica ``index`` (arrivals, K/V deliveries); None with

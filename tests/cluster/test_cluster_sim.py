@@ -15,7 +15,7 @@ from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.harness.cluster import ServedCluster, format_per_replica
 from nanovllm.harness.sim import Simulation
-from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, generate_workload
+from nanovllm.harness.workload import LengthDist, SyntheticWorkloadConfig, WorkloadRequest, generate_workload
 from nanovllm.serving.loggers import JsonlLogger
 
 TOKEN_COST = {"name": "sim", "step_time": "token_cost"}
@@ -89,6 +89,35 @@ def test_a_request_routed_during_a_step_sees_the_replica_as_a_real_router_would(
     assert seen[1] == ("b", [1, 0], [96, 0])   # a as it was when its step started: waiting, 96 tokens queued
     assert seen[2] == ("c", [0, 0], [0, 0])
     assert {r["request_id"]: r["replica"] for r in result.requests} == {"a": 0, "b": 1, "c": 0}
+
+
+def test_routes_and_steps_happen_in_time_order_across_idle_gaps():
+    """The discrete-event order holds when the cluster idles between bursts: each arrival is routed at its time,
+    after every step that started before it (on any replica) and before any that starts after it, also when the
+    step before the idle gap ended after the next arrivals."""
+    from nanovllm import Router
+    from nanovllm.serving.loggers import RunLogger
+
+    events: list[tuple[float, str]] = []
+
+    class Recording(Router):
+        def route(self, request, replicas, now):
+            events.append((now, "route"))
+            return min(replicas, key=lambda view: (view.num_outstanding, view.index)).index
+
+    class Steps(RunLogger):
+        def log_step(self, step):
+            events.append((step["start_time"], "step"))
+
+    served = ServedCluster.simulated(ClusterConfig(replicas=3), Recording(), TOKEN_COST, None, EngineConfig(**ENGINE))
+    # Bursts: a 400-token prompt with one output token is one step, 0 to 0.416 s, after which the cluster idles;
+    # short requests arrive at 0.1 and 0.3 s, the first one's steps (0.1 to ~0.2 s) before the second's route.
+    requests = [WorkloadRequest(arrival_time=burst * 2.0 + offset, prompt=[7 + burst] * length, max_tokens=tokens)
+                for burst in range(3) for offset, length, tokens in ((0.0, 400, 1), (0.1, 8, 4), (0.3, 8, 4))]
+    served.serve(requests, loggers=[Steps()])
+    assert len([e for e in events if e[1] == "route"]) == len(requests)
+    times = [t for t, _ in events]
+    assert times == sorted(times), "a route or step ran before an earlier one"
 
 
 def test_per_replica_figures_add_up_to_the_cluster_and_are_printed():
