@@ -1,9 +1,10 @@
 """Chaos on a real cluster (issue 59): ``python -m nanovllm.serve`` on the default model (float32) on 127.0.0.1 with
 two colocated replicas, or a prefill/decode pair, greedy streams from the openai SDK, and a random replica's Ray
 actor SIGKILLed every few seconds while they run (each time both replicas are up again: ``cluster.max_restarts``
-relaunches the dead one). Every request ends exactly once, finished with the text of an undisturbed in-process
-run (each token once: no duplicate, no gap) or failed with its reason; none is lost from the run's records; no
-Ray daemon or replica process is left after the server exits."""
+relaunches the dead one), twice, the clients sending streams until both kills landed. Every request ends exactly
+once, finished with the text of an undisturbed in-process run (each token once: no duplicate, no gap) or failed
+with its reason; none is lost from the run's records; no Ray daemon or replica process is left after the server
+exits."""
 
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ ray = pytest.importorskip("ray")
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land",
            "The three primary colors are", "import numpy as np\n", "My favourite food is", "In 1969, the first"]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 KILL_EVERY_S = 3.0
-MAX_RESTARTS = 4
+# Two random kills, each relaunched: the second one lands once the first victim's relaunch is up, so it may hit
+# a relaunched actor. (Each kill-and-relaunch cycle adds seconds, the relaunched actor loading the model again.)
+MAX_RESTARTS = 2
+MAX_ROUNDS = 12   # bounds a client's streams should the kills never land (the test then fails on the count)
 ENGINE = ["engine.num_kv_blocks=256", "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32"]
 
 
@@ -47,18 +51,26 @@ def expected() -> list[str]:
 
 @dataclass
 class Chaos:
-    """What one chaos run saw: per request (prompt ``i % len(PROMPTS)``) its chunks and outcome, the actors
-    killed and every actor process seen."""
+    """What one chaos run saw: per request (request ``i`` is prompt ``i % len(PROMPTS)``; ``i`` counts the
+    streams in the order the clients opened them) its chunks and outcome, the actors killed and every actor
+    process seen."""
 
-    num_requests: int
     chunks: list[list[str]] = field(default_factory=list)
     outcomes: list[tuple[str, str | None]] = field(default_factory=list)
     kills: list[int] = field(default_factory=list)
     actor_pids: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __post_init__(self) -> None:
-        self.chunks = [[] for _ in range(self.num_requests)]
-        self.outcomes = [("lost", None)] * self.num_requests
+    def open_request(self) -> int:
+        """The next request's index, its chunks and (until it ends) "lost" outcome recorded."""
+        with self.lock:
+            self.chunks.append([])
+            self.outcomes.append(("lost", None))
+            return len(self.chunks) - 1
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.outcomes)
 
     @property
     def num_finished(self) -> int:
@@ -66,10 +78,11 @@ class Chaos:
 
 
 def run_chaos(tmp_path: Path, overrides: list[str], streams: int, rounds: int) -> tuple[Chaos, Path]:
-    """Serve with ``overrides`` (the cluster's shape) and run ``streams`` client threads, each sending ``rounds``
-    streams one after another (request ``i = thread + streams * round``), while a random replica's actor is
-    SIGKILLed every ``KILL_EVERY_S`` whenever both replicas are up (at most ``MAX_RESTARTS`` times); the server
-    then stops with SIGINT. Returns what the clients saw and the run directory."""
+    """Serve with ``overrides`` (the cluster's shape) and run ``streams`` client threads, each sending streams
+    one after another, at least ``rounds`` of them and more until ``MAX_RESTARTS`` kills landed (so every kill
+    hits running streams on any machine load), while a random replica's actor is SIGKILLed every
+    ``KILL_EVERY_S`` whenever both replicas are up (at most ``MAX_RESTARTS`` times); the server then stops with
+    SIGINT. Returns what the clients saw and the run directory."""
     import openai
 
     from helpers import cli_env, free_port, interrupt_server, wait_until_healthy
@@ -82,7 +95,7 @@ def run_chaos(tmp_path: Path, overrides: list[str], streams: int, rounds: int) -
         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    seen = Chaos(streams * rounds)
+    seen = Chaos()
     done = threading.Event()
     try:
         wait_until_healthy(proc, url, timeout=240)
@@ -100,9 +113,13 @@ def run_chaos(tmp_path: Path, overrides: list[str], streams: int, rounds: int) -
             except openai.APIError as exc:   # failed mid-stream (an error event) or at once: the reason
                 seen.outcomes[i] = ("failed", str(exc))
 
-        def client_thread(first: int) -> None:
-            for i in range(first, seen.num_requests, streams):   # its rounds, one after another
-                stream(i)
+        def client_thread() -> None:
+            # Its rounds one after another; past ``rounds``, more while a kill is still to come (the kills are
+            # what the test is about: a run that ended before them would prove nothing).
+            for done_rounds in range(MAX_ROUNDS):
+                if done_rounds >= rounds and len(seen.kills) >= MAX_RESTARTS:
+                    return
+                stream(seen.open_request())
 
         def chaos() -> None:
             # A random replica's actor is SIGKILLed every few seconds, each time both are up (a relaunch loads
@@ -119,7 +136,7 @@ def run_chaos(tmp_path: Path, overrides: list[str], streams: int, rounds: int) -
         killer = threading.Thread(target=chaos, daemon=True)
         killer.start()
         with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-            for future in [pool.submit(client_thread, t) for t in range(streams)]:
+            for future in [pool.submit(client_thread) for _ in range(streams)]:
                 future.result(timeout=600)
         done.set()
         killer.join(30)
@@ -138,7 +155,7 @@ def check_chaos(seen: Chaos, run_dir: Path, expected: list[str], ray_before: set
 
     from nanovllm.serving.records import read_run
 
-    assert seen.kills, "no replica was killed while the streams ran"
+    assert len(seen.kills) == MAX_RESTARTS, f"{len(seen.kills)} replicas killed while the streams ran"
     for i, (outcome, detail) in enumerate(seen.outcomes):
         assert outcome != "lost", f"stream {i} ended without a finish reason or an error"
         if outcome == "finished":
@@ -171,13 +188,13 @@ def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(t
 
 
 def test_a_prefill_decode_pair_over_http_survives_either_replica_killed_at_random(tmp_path, expected):
-    """One prefill and one decode replica; six clients send two streams each, one after the other, so requests
-    arrive while a replica is dead too. With one replica per pool, a death leaves its pool empty until the
-    relaunch: what it held, what arrives for it meanwhile and (a decode replica) the hand-offs wait for the
+    """One prefill and one decode replica; four clients send two streams or more each, one after the other, so
+    requests arrive while a replica is dead too. With one replica per pool, a death leaves its pool empty until
+    the relaunch: what it held, what arrives for it meanwhile and (a decode replica) the hand-offs wait for the
     relaunched actor, then finish with the undisturbed text; all of them decode on replica 1."""
     before = {p.pid for p in ray_processes()}
     seen, run_dir = run_chaos(tmp_path, ["cluster.prefill_replicas=1", "cluster.decode_replicas=1"],
-                              streams=6, rounds=2)
+                              streams=4, rounds=2)
     records = check_chaos(seen, run_dir, expected, before)
     assert seen.num_finished >= seen.num_requests // 2, seen.outcomes
     assert {r["replica"] for r in records if r["error"] is None} == {1}

@@ -46,6 +46,21 @@ def ray_processes() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for a module's in-process clusters, started as ``RayCluster`` starts its own (so
+    each cluster reuses it, not starting and stopping Ray, ~5 s each on one core); stopped after the module, which
+    must leave no Ray process. A cluster closed on it stops its actors only (``cluster_llm`` checks that a
+    cluster which started Ray stops it)."""
+    from nanovllm.cluster.ray_replicas import _start_ray
+
+    before = {p.pid for p in ray_processes()}
+    assert _start_ray(None, 2), "Ray is already initialized in this process"
+    yield
+    ray.shutdown()
+    assert not [p for p in ray_processes() if p.pid not in before]
+
+
+@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A 2-layer Llama with SmolLM2's tokenizer: the command-line runs below test the cluster's ends (Ctrl-C, a
     plugin that raises), not the model, and load it in every replica in a second."""

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation on real processes: a prefill and a decode replica in Ray actors, the K/V moved
 between them through shared memory (and through Ray's object store), generate what one engine does; a transfer
-that fails is recomputed by the decode replica (the same tokens), frees blocks on both sides and the rest go on; a dead decode replica fails what it
-held with the reason; nothing is left behind (no Ray process, no shared-memory file)."""
+that fails is recomputed by the decode replica (the same tokens), frees blocks on both sides and the rest go on; a
+dead decode replica fails what it held with the reason; nothing is left behind (no Ray process once the module's
+one Ray instance stops, no shared-memory file)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from test_ray_cluster import ENGINE, PROMPTS, ray_processes
+from test_ray_cluster import ENGINE, PROMPTS, local_ray  # noqa: F401 -- a fixture
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
@@ -48,18 +49,17 @@ def run(cluster, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def pd_llm(tmp_path_factory):
+def pd_llm(tmp_path_factory, local_ray):
+    """The module cluster, on the module's Ray instance (``local_ray`` checks that no Ray process is left)."""
     from nanovllm import LLM
 
     plugin = tmp_path_factory.mktemp("plugins") / "refuses_long.py"
     plugin.write_text(FAILING_TRANSFER)
-    before, files = {p.pid for p in ray_processes()}, shm_files()
+    files = shm_files()
     llm = LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="refuses_long"),
               plugins=[str(plugin)], allocator="prefix", **ENGINE)
     yield llm
     llm.close()
-    assert not ray.is_initialized()
-    assert not [p for p in ray_processes() if p.pid not in before]
     assert shm_files() <= files
 
 
@@ -70,18 +70,16 @@ def alone():
     return LLM(allocator="prefix", **ENGINE)
 
 
-def test_the_ray_object_store_moves_the_kv_as_well(alone):
-    """First: its own Ray instance, before the module cluster holds the cores."""
+def test_the_ray_object_store_moves_the_kv_as_well(alone, local_ray):
+    """First: its cluster closed (its actors stopped) before the module cluster holds the cores."""
     from nanovllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    before = {p.pid for p in ray_processes()}
     with LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="ray"), allocator="prefix",
              **ENGINE) as llm:
         served = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in served] == [o.token_ids for o in alone.generate(PROMPTS, params, use_tqdm=False)]
     assert all(o.metrics.kv_transfer_bytes > 0 for o in served)
-    assert not ray.is_initialized() and not [p for p in ray_processes() if p.pid not in before]
 
 
 def test_one_prefill_and_one_decode_process_generate_what_one_engine_does(pd_llm, alone):

@@ -2,7 +2,8 @@
 matches its own scheduler computes (the pool, then its host tier, then the shared store, which one replica's
 blocks reach for both), so ``cache_aware`` prefers the replica whose pool holds a prefix; and prefill/decode
 disaggregation through the shared store (``kv_transfer=shared_store``) generates what one engine does. No Ray
-process and no store file is left afterwards."""
+process (the module's one Ray instance, ``local_ray``, stopped after its tests) and no store file is left
+afterwards."""
 
 from __future__ import annotations
 
@@ -10,25 +11,10 @@ import os
 
 import pytest
 
-from helpers import REPO
-from test_ray_cluster import ray_processes as all_ray_processes
+from test_ray_cluster import local_ray  # noqa: F401 -- a fixture
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
-
-def ray_processes():
-    """Ray's daemons run from this checkout (other checkouts on the machine may run Ray of their own)."""
-    import psutil
-
-    found = []
-    for proc in all_ray_processes():
-        try:
-            if str(REPO) in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.Error:   # gone meanwhile
-            continue
-    return found
-
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4   # one float32 block of the default model (30 layers, 3 KV heads of 64)
 ENGINE = dict(num_kv_blocks=16, max_model_len=256, warmup=False, allocator="prefix")
@@ -45,20 +31,17 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture
-def tiered_llm(store):
-    """Two replicas with tiers; closed after its test (a cluster still running would hold the CPUs the next
-    test's actors need)."""
+def tiered_llm(store, local_ray):
+    """Two replicas with tiers on the module's Ray instance; closed after its test (a cluster still running would
+    hold the CPUs the next test's actors need)."""
     from nanovllm import LLM
 
-    before = {p.pid for p in ray_processes()}
     # A small pool, a host tier of 3 blocks written through, the shared store below it (what host evicts).
     llm = LLM(cluster=dict(replicas=2), router="round_robin", **ENGINE,
               kv_offload=dict(name="host", capacity=3 * BLOCK_BYTES, policy="write_through",
                               below=dict(name="shared", path=str(store), store="views")))
     yield llm
     llm.close()
-    assert not ray.is_initialized()
-    assert not [p for p in ray_processes() if p.pid not in before]
 
 
 def test_ray_views_carry_each_replicas_tier_aware_prefix_matches(tiered_llm):
@@ -93,12 +76,11 @@ def test_ray_views_carry_each_replicas_tier_aware_prefix_matches(tiered_llm):
     assert router.route(probe, views, 0.0) == 0                     # its pool has it: cache_aware prefers it
 
 
-def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(store):
+def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(store, local_ray):
     from nanovllm import LLM, SamplingParams
 
     from test_ray_cluster import PROMPTS
 
-    before = {p.pid for p in ray_processes()}
     params = SamplingParams(temperature=0.0, max_tokens=8)
     prompts = PROMPTS + [TEXTS[1] * 2]
     shared = dict(name="shared", path=str(store), store="pd")
@@ -108,7 +90,6 @@ def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(s
         served = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.close()
-    assert not [p for p in ray_processes() if p.pid not in before]
     alone = LLM(**ENGINE).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in served] == [o.token_ids for o in alone]
     for output in served:   # every prompt's blocks moved, none lost on the way
