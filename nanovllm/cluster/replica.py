@@ -87,14 +87,19 @@ class LocalReplica:
 
     def steps_ahead_starts(self) -> np.ndarray | None:
         """When the engine's steps computed ahead start (``LLMEngine.steps_ahead_starts``). A stretch starting
-        now is reported as ``step`` reports a step (the view as of its start, for a router that asks while it
-        runs)."""
+        now is reported as ``step`` reports its last step (the view as of that step's start, for a router that
+        asks while it runs): a request can reach this replica only during that step (the stretch ends at its
+        horizon), and while the earlier ones run a router reads no more than its counts, which no step of a
+        stretch changes; its free blocks are those the stretch's records show before its last step."""
         if self.engine.has_stretch():
             return self.engine.steps_ahead_starts()
         self._report_view()
         starts = self.engine.steps_ahead_starts()
         if starts is not None:
             self._view = None   # as after any step: the next view is built anew
+            assert self._reported is not None and len(starts) >= 2   # (a stretch has MIN_STRETCH steps)
+            free = self.engine.steps_ahead_column("kv_blocks_free")
+            self._reported.num_free_blocks = int(free[-2])
         return starts
 
     def take_steps_ahead(self, count: int) -> StepColumns:

@@ -23,8 +23,9 @@ A stretch is taken only where it is provably what stepping would do (``stretch_b
   ``step_budget`` of its own and a running order that never changes), the allocator's work happens only at
   block boundaries (``BlockAllocator.decode_stretches``), the batch fits the step's token budget;
 * it ends before any request's finishing step (that step runs as usual), before the step that would need more
-  blocks than are free (no preemption inside), and before the driver's ``horizon``: every step of it ends
-  before the time the driver says the next request may come (``LLMEngine.set_horizon``).
+  blocks than are free (no preemption inside), and before the driver's ``horizon``: every step of it starts
+  before the time the driver says the next request may come (``LLMEngine.set_horizon``; a request that comes
+  during a step waits for the next, which is not in the stretch).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from nanovllm.allocator import BlockAllocator
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.outputs import StepColumns, StepRecord
 from nanovllm.request import Request
@@ -76,7 +78,7 @@ def _steps_to_finish(engine: Engine, request: Request) -> int:
 
 
 def decode_stretch(engine: Engine, horizon: float) -> StepColumns | None:
-    """Run the engine's next pure-decode steps that end before ``horizon`` (and before any request's finishing
+    """Run the engine's next pure-decode steps that start before ``horizon`` (and before any request's finishing
     step, and within the free blocks) and return their records in order; None when fewer than ``MIN_STRETCH``
     qualify (nothing was changed then). The caller has checked ``stretch_blocker``."""
     runner, scheduler, allocator = engine.runner, engine.scheduler, engine.allocator
@@ -91,22 +93,28 @@ def decode_stretch(engine: Engine, horizon: float) -> StepColumns | None:
         return None
     block_size = allocator.block_size
     computed = [request.num_computed_tokens for request in batch]
+    # The steps before the horizon first (a prefix of a longer run's), then those the free blocks allow.
+    durations = _durations(runner, size, sum(computed) + size, now, horizon, max_steps)
+    if len(durations) < MIN_STRETCH:
+        return None
     # Step j (0-based) computes each request's token at position computed + j: it takes a block first when that
     # position is past its table (allocator.append, in batch order), and after the step publishes the block
-    # that token filled (allocator.on_tokens_computed). Free blocks must cover every allocation, so no step of
-    # the stretch could preempt.
+    # that token filled (allocator.on_tokens_computed, unless the allocator publishes nothing). Free blocks
+    # must cover every allocation, so no step of the stretch could preempt.
+    num_steps = len(durations)
     takes = _steps_where(batch, [len(r.block_table) * block_size - c for r, c in zip(batch, computed)],
-                         block_size, max_steps)
-    fills = _steps_where(batch, [(-c - 1) % block_size for c in computed], block_size, max_steps)
-    taken = np.zeros(max_steps, dtype=np.int64)   # blocks step j takes
+                         block_size, num_steps)
+    publishes = type(allocator).on_tokens_computed is not BlockAllocator.on_tokens_computed
+    fills = _steps_where(batch, [(-c - 1) % block_size for c in computed], block_size, num_steps) \
+        if publishes else {}
+    taken = np.zeros(num_steps, dtype=np.int64)   # blocks step j takes
     for j, positions in takes.items():
         taken[j] = len(positions)
     # Free blocks must cover every allocation up to the step (no preemption inside).
     within = int(np.searchsorted(np.cumsum(taken) > allocator.num_free_blocks(), True))
-    durations = _durations(runner, size, sum(computed) + size, now, horizon, within)
-    if len(durations) < MIN_STRETCH:
+    if within < MIN_STRETCH:
         return None
-    return _apply(engine, batch, computed, durations, takes, fills)
+    return _apply(engine, batch, computed, durations[:within], takes, fills)
 
 
 #: Steps whose durations a model with ``predict_decodes`` is asked for at once, at first (then twice as many).
@@ -115,7 +123,7 @@ FIRST_CHUNK = 32
 
 def _durations(runner: Any, size: int, context: int, now: float, horizon: float, limit: int) -> np.ndarray:
     """The durations of the next pure-decode steps of ``size`` requests (the first over ``context`` tokens of
-    context, each one ``size`` more), at most ``limit`` of them, all ending before ``horizon``: the step-time
+    context, each one ``size`` more), at most ``limit`` of them, all starting before ``horizon``: the step-time
     model asked with the features ``batch_features`` gives such a batch, step by step or (``predict_decodes``)
     a chunk at once. A step the model gives a negative (or NaN) duration ends the stretch before it: the step
     itself then raises the model's error."""
@@ -129,9 +137,11 @@ def _durations(runner: Any, size: int, context: int, now: float, horizon: float,
             predict_decodes(size, context + size * np.arange(done, done + count))
         if chunk_durations is None:   # no shortcut (asked once: the first chunk): step by step
             return _durations_step_by_step(runner, size, context, now, horizon, limit)
-        # Each step's end as the clock adds it up; the first step ending at the horizon ends the stretch.
-        ends = np.add.accumulate(np.concatenate(([t], chunk_durations)))[1:]
-        bad = ~(chunk_durations >= 0) | (ends >= horizon)
+        # Each step's start as the clock adds it up; the first step starting at the horizon ends the stretch (a
+        # request that comes during a step waits for the next one, as stepping admits it only between steps).
+        starts = np.add.accumulate(np.concatenate(([t], chunk_durations)))
+        ends = starts[1:]
+        bad = ~(chunk_durations >= 0) | (starts[:-1] >= horizon)
         stop = int(np.argmax(bad)) if bad.any() else count
         out.append(chunk_durations[:stop])
         done += stop
@@ -153,7 +163,7 @@ def _durations_step_by_step(runner: Any, size: int, context: int, now: float, ho
         duration = float(runner.step_time({"num_prefill_tokens": 0, "num_decode_tokens": size,
                                            "num_prefill_seqs": 0, "num_decode_seqs": size, "context_tokens": c,
                                            "attn_pairs": c, "num_sampled": size}, t))
-        if not duration >= 0 or t + duration >= horizon:
+        if not duration >= 0 or t >= horizon:
             break
         durations.append(duration)
         t += duration
@@ -227,10 +237,11 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
         counts["num_evictions"][j + 1:stop] = 0   # evictions happen at events; the steps between evict none
     engine._num_steps = int(steps[-1]) + 1
     clock.time = float(ends[-1])
+    times = ends.tolist()
     for i, request in enumerate(batch):
         request.num_computed_tokens = computed[i] + num_steps
         request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
-        request.token_times.extend(ends.tolist())
+        request.token_times.extend(times)
     assert first is not None   # step 0 is always an event
     columns = {"step": steps, "start_time": starts[:-1], "duration": ends - starts[:-1],
                "context_tokens": context, "attn_pairs": context, "kv_slots_unused": unused, **counts}

@@ -326,7 +326,7 @@ class LLMEngine(EngineClient):
     def set_horizon(self, t: float | None, upcoming: Sequence[float] = ()) -> None:
         """The driver's promise before a step: no request is added or aborted before ``t`` on ``clock``
         (``math.inf``: none will be); None: nothing is promised (the default). With it, a simulated engine with
-        ``fast_forward`` computes the pure-decode steps that end before ``t`` at once and hands them out one
+        ``fast_forward`` computes the pure-decode steps that start before ``t`` at once and hands them out one
         ``step()`` at a time, each exactly as stepping would give it (``nanovllm.engine.decode_stretch``).
         ``upcoming`` (the later arrivals) is not needed by one engine: its next request is its next arrival."""
         self._horizon = t
@@ -352,6 +352,12 @@ class LLMEngine(EngineClient):
         if self._stretch is None:
             return None
         return self._stretch.columns["start_time"][self._stretch_next:]
+
+    def steps_ahead_column(self, key: str) -> np.ndarray:
+        """``key``'s values over the steps computed ahead not handed out yet (``steps_ahead_starts`` said there
+        are such steps)."""
+        assert self._stretch is not None
+        return self._stretch.value(key)[self._stretch_next:]
 
     def take_steps_ahead(self, count: int | None = None) -> StepColumns | None:
         """``EngineClient.take_steps_ahead``: the next ``count`` steps computed ahead (default: the rest of the
