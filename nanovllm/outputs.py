@@ -110,6 +110,43 @@ class StepColumns:
         constants = {k: v for k, v in self.constants.items() if k != key}
         return StepColumns(list(keys), {**self.columns, key: values}, constants)
 
+    def select(self, rows: np.ndarray) -> StepColumns:
+        """The steps at positions ``rows``, in that order."""
+        return StepColumns(list(self.keys), {key: column[rows] for key, column in self.columns.items()},
+                           dict(self.constants))
+
+    @staticmethod
+    def of_records(records: Sequence[StepRecord]) -> StepColumns:
+        """Steps given one record each (every one with the same fields, ``step`` and ``start_time`` among them)
+        as columns: a field with the same value of the same type in every record is a constant; integers and
+        floats are numeric columns; anything else
+        (None, lists) an object column, so that ``records()`` gives each value back as it was."""
+        keys = list(records[0])
+        columns: dict[str, np.ndarray] = {}
+        constants: dict[str, Any] = {}
+        for key in keys:
+            values = [record[key] for record in records]   # type: ignore[literal-required]
+            first = values[0]
+            kinds = {type(value) for value in values}
+            # (a step's number and start are columns even in one record: the columns say how many steps there are)
+            if key not in ("step", "start_time") and len(kinds) == 1 and all(value == first for value in values):
+                constants[key] = first
+            elif kinds <= {int} or kinds <= {float}:   # (never bool: a bool column would read back as bool)
+                columns[key] = np.array(values)
+            else:
+                column = np.empty(len(values), dtype=object)
+                for position, value in enumerate(values):   # one by one: a list value must not be broadcast
+                    column[position] = value
+                columns[key] = column
+        return StepColumns(keys, columns, constants)
+
+    @staticmethod
+    def concatenate(parts: Sequence[StepColumns]) -> StepColumns:
+        """``parts``' steps one after the other."""
+        if len(parts) == 1:
+            return parts[0]
+        return StepColumns.interleave(parts, np.repeat(np.arange(len(parts)), [len(part) for part in parts]))
+
     @staticmethod
     def interleave(parts: Sequence[StepColumns], sources: np.ndarray) -> StepColumns:
         """One run of steps from ``parts`` (each in its own order): step ``g`` is the next step of

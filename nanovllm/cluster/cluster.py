@@ -23,7 +23,6 @@ import threading
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica, ReplicaViews
@@ -467,53 +466,41 @@ class Cluster(ClusterBase):
         return output
 
     def take_steps_ahead(self) -> StepColumns | None:
-        """The steps ``step()`` would run next while each is a step its replica computed ahead (a decode stretch:
-        no request starts or ends, nothing is routed), in the order ``step()`` runs them (earliest start first,
-        ties by replica), with each record's ``replica``; None when the next step is not one. They count as run.
-        Without faults only: a fault may move requests between replicas at any step."""
+        """Each replica's decode stretch whole, while the replica whose step comes next (earliest start, ties
+        by replica) has one to run: no request starts or ends in it, and none reaches the replica before its
+        last step starts (its engine's horizon, ``_replica_horizon``), so it is run ahead of the other
+        replicas' steps; its records (each with its ``replica``) settle as ``steps_settled_before`` says. None
+        when the next step is not one. Without faults only: a fault may move requests between replicas at any
+        step."""
         if self._reports or self._injector is not None or self._detections or any(self._parked.values()):
             return None
-        delivery = self._next_delivery()
-        # ``step()`` pops (start, replica) pairs in order; the run ends at the first pair that is not a step
-        # computed ahead: a replica's ordinary step, the step after a stretch, a K/V delivery due first, or the
-        # next arrival (the driver admits it before a step that starts at or after it: an idle replica it wakes
-        # steps from its arrival on).
-        due = [t for t in (delivery, self._horizon) if t is not None]
-        bound: tuple[float, float] = (min(due, default=math.inf), -1)
-        stretches: dict[int, np.ndarray] = {}   # replica -> when its steps computed ahead start
-        for start, index in sorted(self._ready):
-            if (start, index) >= bound:
-                break
+        runs: list[StepColumns] = []
+        while self._ready:
+            index = self._ready[0][1]
             replica = self.replicas[index]
             replica.engine.set_horizon(self._replica_horizon(index))
             ahead = replica.steps_ahead_starts()
             if ahead is None:
-                bound = (start, index)
                 break
-            stretches[index] = ahead
-            bound = min(bound, (replica.engine.clock(), index))   # (after its stretch, its clock is where it ends)
-        runs, sources, starts = [], [], []
-        for index in sorted(stretches):
-            # Its steps before the bound: a tie at the bound's start goes to the lower replica, as the heap pops.
-            count = int(np.searchsorted(stretches[index], bound[0], side="right" if index < bound[1] else "left"))
-            if count == 0:
-                continue
-            run = self.replicas[index].take_steps_ahead(count)
+            run = replica.take_steps_ahead(len(ahead))
             run.keys.append("replica")
             run.constants["replica"] = index
             runs.append(run)
-            sources.append(np.full(count, len(runs) - 1))
-            starts.append(run.columns["start_time"])
-        if not runs:
+            # Its next step goes back on the heap as ``step()`` would have left it after the stretch.
+            heapq.heapreplace(self._ready, (replica.engine.next_step_time(), index))
+        return StepColumns.concatenate(runs) if runs else None
+
+    def steps_settled_before(self) -> float | None:
+        """``EngineClient.steps_settled_before``: a replica's next step starts at its place on the heap, an idle
+        one's at the next arrival (the driver's horizon) or K/V delivery at the earliest. None until the
+        driver sets a horizon, and with faults (their steps come in order)."""
+        if self._horizon is None or self._injector is not None:
             return None
-        # The replicas' next steps go back on the heap as ``step()`` would have left them.
-        self._ready = [(self.replicas[index].engine.next_step_time() if index in stretches else start, index)
-                       for start, index in self._ready]
-        heapq.heapify(self._ready)
-        part = np.concatenate(sources)
-        # Start, then replica (parts are in replica order), then each replica's own order (lexsort is stable).
-        order = np.lexsort((part, np.concatenate(starts)))
-        return StepColumns.interleave(runs, part[order])
+        times = [self._horizon]
+        for t in (self.next_ready_time(), self._next_delivery()):
+            if t is not None:
+                times.append(t)
+        return min(times)
 
     def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
         """After ``replica``'s step: the router hears of the requests that ended there."""

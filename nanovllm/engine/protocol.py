@@ -127,7 +127,18 @@ class EngineClient(Protocol):
         """Called by a driver that keeps its books in bulk, after ``set_horizon`` and instead of ``step()``: the
         records of the next steps, as columns, while they are steps computed ahead (decode stretches of a
         simulated engine: no request starts, ends or arrives in them), in the order ``step()`` would report
-        them; they count as run. None when the next step is not one (then ``step()`` runs it). Default: None."""
+        them, or in any order where ``steps_settled_before`` says when they settle; they count as run. None
+        when the next step is not one (then ``step()`` runs it). Default: None."""
+        return None
+
+    def steps_settled_before(self) -> float | None:
+        """Called by a driver that keeps its books in bulk, between steps: no step this client reports from
+        now on (by ``step()`` or ``take_steps_ahead``) starts before the returned time on ``clock``, so the
+        records of those reported that start before it are final, and the driver keeps them in order of start
+        time, then replica, then the replica's own step number (the order a cluster runs its replicas' steps
+        in). None (the default): steps are reported in the order they run, and each is kept as it comes. A
+        simulated cluster hands out each replica's decode stretch whole, ahead of the other replicas' steps
+        (``Cluster.take_steps_ahead``), and says here how far its steps are settled."""
         return None
 
     def wait_for_step(self, timeout: float | None) -> bool:

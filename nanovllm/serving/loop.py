@@ -12,11 +12,13 @@ requests give the same records whichever drives them.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from nanovllm.engine.protocol import EngineClient, StepOutput
+from nanovllm.outputs import StepColumns, StepRecord
 from nanovllm.progress import RequestProgress
 from nanovllm.request import Request
 from nanovllm.serving.loggers import RunLogger
@@ -27,6 +29,11 @@ from nanovllm.serving.step_records import StepKeeper, StepRecords, StepTotals
 #: Called with each ended request and its record before the record is kept and logged; it may amend the record
 #: (the HTTP server ends a request at a stop string, which the engine reports as an abort).
 RecordHook = Callable[[Request, RequestRecord], None]
+
+#: Steps a loop holds before it keeps those settled, where a client reports steps out of order
+#: (``EngineClient.steps_settled_before``): enough that their records are kept with array operations, few
+#: enough that a long run holds a bounded number.
+SETTLE_EVERY = 16_384
 
 
 class StepLoop:
@@ -62,6 +69,13 @@ class StepLoop:
         self.keeper = StepKeeper(step_records)
         self.output_tokens = 0
         self.t0 = client.clock()
+        # Steps reported out of order (``EngineClient.steps_settled_before``): held, as their records' columns
+        # and as single records, until they are settled; then kept in order.
+        self._deferring = False
+        self._unsettled: list[StepColumns] = []
+        self._unsettled_records: list[StepRecord] = []
+        self._num_unsettled = 0
+        self._settle_at = SETTLE_EVERY
 
     def start(self) -> None:
         """Start the run's clock now (a server starts it when it starts serving, not when it was built)."""
@@ -93,7 +107,12 @@ class StepLoop:
         return self.keeper.totals
 
     def keep_step(self, output: StepOutput) -> None:
-        """Number, annotate, keep and log one step's record (``step`` calls it after each step)."""
+        """Number, annotate, keep and log one step's record (``step`` calls it after each step), or hold it
+        until it is settled where the client reports steps out of order."""
+        if self._defers():
+            self._unsettled_records.append(output.record)
+            self._hold(1)
+            return
         step = step_record(output.record, self.t0, self.keeper.num_steps)
         annotated = self.monitor.annotate(step) if self.monitor is not None else dict(step)
         self._keep(self.keeper.offer(annotated))
@@ -106,17 +125,60 @@ class StepLoop:
         ahead = self.client.take_steps_ahead()
         if ahead is None:
             return False
-        first = self.keeper.num_steps
-        steps = ahead.with_column("step", np.arange(first, first + len(ahead))) \
-            .with_column("start_time", ahead.columns["start_time"] - self.t0)
-        if self.monitor is not None:
-            steps = self.monitor.annotate_columns(steps)
-        self._keep(self.keeper.offer_columns(steps))
+        if self._defers():
+            self._unsettled.append(ahead)
+            self._hold(len(ahead))
+        else:
+            self._keep_columns(ahead)
         return True
 
     def flush_steps(self) -> None:
-        """Keep and log the step aggregates still open (``records.steps=interval:...``); once, after the run."""
+        """Keep and log the steps still held unsettled and the step aggregates still open
+        (``records.steps=interval:...``); once, after the run (no step comes after it)."""
+        self._settle(math.inf)
         self._keep(self.keeper.flush())
+
+    def _keep_columns(self, ahead: StepColumns) -> None:
+        """Number, annotate, keep and log the records of ``ahead``, in their order."""
+        first = self.keeper.num_steps
+        steps = ahead.with_column("step", np.arange(first, first + len(ahead))) \
+            .with_column("start_time", ahead.value("start_time") - self.t0)
+        if self.monitor is not None:
+            steps = self.monitor.annotate_columns(steps)
+        self._keep(self.keeper.offer_columns(steps))
+
+    def _defers(self) -> bool:
+        """Whether the client reports steps out of order (once it has, the loop holds its steps to the end)."""
+        if not self._deferring and self.client.steps_settled_before() is not None:
+            self._deferring = True
+        return self._deferring
+
+    def _hold(self, count: int) -> None:
+        """``count`` more steps are held: once enough are, keep those that are settled."""
+        self._num_unsettled += count
+        if self._num_unsettled >= self._settle_at:
+            settled = self.client.steps_settled_before()
+            self._settle(math.inf if settled is None else settled)
+            # What stays held is sorted again at the next settling: wait for as many new steps first.
+            self._settle_at = self._num_unsettled + SETTLE_EVERY
+
+    def _settle(self, before: float) -> None:
+        """Keep, in order (start time, replica, the replica's own step number), the held steps that start
+        before ``before``; hold the rest."""
+        parts = self._unsettled + ([StepColumns.of_records(self._unsettled_records)] if self._unsettled_records else [])
+        self._unsettled, self._unsettled_records, self._num_unsettled = [], [], 0
+        if not parts:
+            return
+        steps = StepColumns.concatenate(parts)
+        start = steps.value("start_time")
+        replica = steps.value("replica") if "replica" in steps.keys else np.zeros(len(steps), dtype=np.int64)
+        order = np.lexsort((steps.value("step"), replica, start))
+        settled = int(np.searchsorted(start[order], before, side="left"))
+        if settled:
+            self._keep_columns(steps.select(order[:settled]))
+        if settled < len(order):
+            self._unsettled = [steps.select(order[settled:])]
+            self._num_unsettled = len(order) - settled
 
     def _keep(self, records: list[dict[str, Any]]) -> None:
         for record in records:

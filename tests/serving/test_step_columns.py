@@ -50,6 +50,25 @@ def test_interleave_places_each_parts_steps_in_order_and_keeps_shared_constants(
         StepColumns.interleave([a, a.with_column("replica", np.zeros(3, dtype=np.int64))], np.array([0, 1]))
 
 
+def test_records_made_columns_read_back_as_they_were_values_and_types():
+    records = [{"step": 4, "start_time": 0.5, "duration": 0.01, "num_running": 3, "mfu": None, "ok": True,
+                "per_pos": [], "kv_blocks_free": 10},
+               {"step": 5, "start_time": 0.51, "duration": 0.02, "num_running": 3, "mfu": 0.25, "ok": False,
+                "per_pos": [1, 2], "kv_blocks_free": 9},
+               {"step": 6, "start_time": 0.53, "duration": 0.02, "num_running": 3, "mfu": None, "ok": True,
+                "per_pos": [], "kv_blocks_free": 9}]
+    steps = StepColumns.of_records(records)
+    assert steps.records() == records and steps.keys == list(records[0])
+    assert [type(value) for r in steps.records() for value in r.values()] == \
+        [type(value) for r in records for value in r.values()]   # 1 stays int, True stays bool, lists stay lists
+    assert steps.constants == {"num_running": 3} and steps.columns["kv_blocks_free"].dtype == np.int64
+    assert steps.columns["per_pos"].dtype == object and steps.record(1)["per_pos"] == [1, 2]
+    # One after the other, then picked in any order.
+    both = StepColumns.concatenate([steps, StepColumns.of_records(records[:1])])
+    assert both.records() == records + records[:1]
+    assert both.select(np.array([3, 1])).records() == [records[0], records[1]]
+
+
 @settings(max_examples=40, deadline=None)
 @given(spec=st.sampled_from(["every:1", "every:3", "interval:0.05", "interval:0.3"]),
        runs=st.lists(st.tuples(st.integers(0, 2), st.lists(st.floats(0.001, 0.2), min_size=1, max_size=30)),

@@ -128,6 +128,22 @@ def test_bounded_step_records_are_identical_too_and_most_steps_are_taken_ahead(t
     assert ahead > 0.8 * slow.summary["num_steps"]
 
 
+@pytest.mark.parametrize("settle_every", [1, 7, 64])
+def test_a_cluster_whose_steps_settle_a_few_at_a_time_keeps_them_in_stepping_order(tokenizer, monkeypatch,
+                                                                                   settle_every):
+    """A simulated cluster hands out each replica's stretch whole, ahead of the others' steps; the books hold
+    them and keep those settled (``EngineClient.steps_settled_before``) in the order stepping runs them, however
+    few they hold at a time (the rest held on), with every step and aggregate as stepping's."""
+    monkeypatch.setattr("nanovllm.serving.loop.SETTLE_EVERY", settle_every)
+    workload = _workload(tokenizer, 5, 30, 20.0, 48, 90)
+    for records in ("all", "interval:0.02"):
+        slow, fast, ahead = _served_both(
+            lambda ff: _cluster(ff, ANALYTICAL, "fcfs", "prefix", ClusterConfig(replicas=4), "round_robin",
+                                num_kv_blocks=300, max_num_seqs=8), workload, StepRecords.parse(records))
+        _assert_identical(slow, fast)
+        assert ahead > 0.5 * slow.summary["num_steps"]
+
+
 def test_a_policy_with_per_step_state_is_never_fast_forwarded(tokenizer):
     """mlfq counts each request's service in on_step: no stretch is taken, and the run is stepping's."""
     workload = _workload(tokenizer, 1, 12, 5.0, 64, 80)
