@@ -75,21 +75,23 @@ def tpot_s(r: RequestRecord) -> float | None:
     return (e2el_s(r) - ttft) / (r["num_output_tokens"] - 1)
 
 
-def _itls(r: RequestRecord) -> list[float]:
-    times = r["token_times"]
-    return [b - a for a, b in zip(times, times[1:])]
+def _pooled_itls(done: Sequence[RequestRecord]) -> np.ndarray:
+    """Every request's gaps between consecutive tokens, request after request (one array: a long simulated
+    run has tens of millions)."""
+    gaps = [np.diff(np.asarray(r["token_times"], dtype=np.float64)) for r in done if len(r["token_times"]) > 1]
+    return np.concatenate(gaps) if gaps else np.empty(0)
 
 
 def _queue_time(r: RequestRecord) -> float | None:
     return None if r["first_scheduled_time"] is None else r["first_scheduled_time"] - r["arrival_time"]
 
 
-def _latencies_s(done: Sequence[RequestRecord]) -> dict[str, list[float]]:
+def _latencies_s(done: Sequence[RequestRecord]) -> dict[str, list[float] | np.ndarray]:
     """Each latency metric's sample in seconds (ITL pooled over requests, as vLLM does)."""
     return {
         "ttft": [t for t in map(ttft_s, done) if t is not None],
         "tpot": [t for t in map(tpot_s, done) if t is not None],
-        "itl": [gap for r in done for gap in _itls(r)],
+        "itl": _pooled_itls(done),
         "e2el": [e2el_s(r) for r in done],
     }
 
@@ -110,8 +112,9 @@ def _stat(values_ms: np.ndarray, stat: str) -> float | None:
     return float(np.percentile(values_ms, float(stat[1:])))  # "p90" -> 90th percentile, linear interpolation
 
 
-def _stats_ms(values_s: Iterable[float], name: str, stats: Sequence[str]) -> dict[str, float | None]:
-    values_ms = np.asarray(list(values_s), dtype=np.float64) * 1000.0
+def _stats_ms(values_s: Iterable[float] | np.ndarray, name: str, stats: Sequence[str]) -> dict[str, float | None]:
+    values = values_s if isinstance(values_s, np.ndarray) else list(values_s)
+    values_ms = np.asarray(values, dtype=np.float64) * 1000.0
     return {f"{stat}_{name}_ms": _stat(values_ms, stat) for stat in stats}
 
 
