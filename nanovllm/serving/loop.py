@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -34,6 +35,8 @@ RecordHook = Callable[[Request, RequestRecord], None]
 #: (``EngineClient.steps_settled_before``): enough that their records are kept with array operations, few
 #: enough that a long run holds a bounded number.
 SETTLE_EVERY = 16_384
+#: ... and at least this often (wall seconds), so that a live view of the run sees its steps as it goes.
+SETTLE_WALL_S = 0.5
 
 
 class StepLoop:
@@ -76,6 +79,7 @@ class StepLoop:
         self._unsettled_records: list[StepRecord] = []
         self._num_unsettled = 0
         self._settle_at = SETTLE_EVERY
+        self._settle_by = time.monotonic() + SETTLE_WALL_S
 
     def start(self) -> None:
         """Start the run's clock now (a server starts it when it starts serving, not when it was built)."""
@@ -156,11 +160,12 @@ class StepLoop:
     def _hold(self, count: int) -> None:
         """``count`` more steps are held: once enough are, keep those that are settled."""
         self._num_unsettled += count
-        if self._num_unsettled >= self._settle_at:
+        if self._num_unsettled >= self._settle_at or time.monotonic() >= self._settle_by:
             settled = self.client.steps_settled_before()
             self._settle(math.inf if settled is None else settled)
             # What stays held is sorted again at the next settling: wait for as many new steps first.
             self._settle_at = self._num_unsettled + SETTLE_EVERY
+            self._settle_by = time.monotonic() + SETTLE_WALL_S
 
     def _settle(self, before: float) -> None:
         """Keep, in order (start time, replica, the replica's own step number), the held steps that start

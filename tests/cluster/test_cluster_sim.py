@@ -94,30 +94,53 @@ def test_a_request_routed_during_a_step_sees_the_replica_as_a_real_router_would(
 def test_routes_and_steps_happen_in_time_order_across_idle_gaps():
     """The discrete-event order holds when the cluster idles between bursts: each arrival is routed at its time,
     after every step that started before it (on any replica) and before any that starts after it, also when the
-    step before the idle gap ended after the next arrivals."""
+    step before the idle gap ended after the next arrivals; and the books keep the steps in start order."""
     from nanovllm import Router
     from nanovllm.serving.loggers import RunLogger
 
-    events: list[tuple[float, str]] = []
+    events: list[tuple[str, float]] = []   # routes and steps in the order the cluster ran them
 
     class Recording(Router):
         def route(self, request, replicas, now):
-            events.append((now, "route"))
+            events.append(("route", now))
             return min(replicas, key=lambda view: (view.num_outstanding, view.index)).index
 
     class Steps(RunLogger):
+        def __init__(self):
+            self.starts: list[float] = []
+
         def log_step(self, step):
-            events.append((step["start_time"], "step"))
+            self.starts.append(step["start_time"])
 
     served = ServedCluster.simulated(ClusterConfig(replicas=3), Recording(), TOKEN_COST, None, EngineConfig(**ENGINE))
+    cluster, step, take_steps_ahead = served.engine, served.engine.step, served.engine.take_steps_ahead
+
+    def stepped():
+        output = step()
+        events.append(("step", output.record["start_time"]))
+        return output
+
+    def taken_ahead():
+        ahead = take_steps_ahead()
+        if ahead is not None:
+            events.extend(("step", float(start)) for start in ahead.value("start_time"))
+        return ahead
+
+    cluster.step, cluster.take_steps_ahead = stepped, taken_ahead
     # Bursts: a 400-token prompt with one output token is one step, 0 to 0.416 s, after which the cluster idles;
     # short requests arrive at 0.1 and 0.3 s, the first one's steps (0.1 to ~0.2 s) before the second's route.
     requests = [WorkloadRequest(arrival_time=burst * 2.0 + offset, prompt=[7 + burst] * length, max_tokens=tokens)
                 for burst in range(3) for offset, length, tokens in ((0.0, 400, 1), (0.1, 8, 4), (0.3, 8, 4))]
-    served.serve(requests, loggers=[Steps()])
-    assert len([e for e in events if e[1] == "route"]) == len(requests)
-    times = [t for t, _ in events]
-    assert times == sorted(times), "a route or step ran before an earlier one"
+    logger = Steps()
+    result = served.serve(requests, loggers=[logger])
+    routes = [(position, t) for position, (kind, t) in enumerate(events) if kind == "route"]
+    assert len(routes) == len(requests)
+    steps = [(position, t) for position, (kind, t) in enumerate(events) if kind == "step"]
+    assert len(steps) == result.summary["num_steps"] > len(requests)
+    for position, t in routes:
+        assert all(start < t for at, start in steps if at < position), "a step that starts after a route ran first"
+        assert all(start >= t for at, start in steps if at > position), "a step that started before a route ran later"
+    assert logger.starts == sorted(logger.starts) and len(logger.starts) == len(steps)
 
 
 def test_per_replica_figures_add_up_to_the_cluster_and_are_printed():
