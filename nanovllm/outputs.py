@@ -167,11 +167,27 @@ class StepColumns:
             if all(key in part.constants for part in parts):   # a constant of each part: one repeat, not a fill each
                 joined = _repeated([part.constants[key] for part in parts], lengths)
             else:
-                joined = np.concatenate([part.value(key) for part in parts])
+                joined = _joined(parts, key, lengths)
             column = np.empty_like(joined)
             column[order] = joined
             columns[key] = column
         return StepColumns(keys, columns, constants)
+
+
+def _joined(parts: Sequence[StepColumns], key: str, lengths: list[int]) -> np.ndarray:
+    """``key``'s values of each part (``StepColumns.value``), concatenated: numbers straight into one array of
+    the type concatenating them gives, without an array for each part's constant."""
+    constants = [part.constants[key] for part in parts if key not in part.columns]
+    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in constants):
+        return np.concatenate([part.value(key) for part in parts])
+    dtype = np.result_type(*(part.columns[key].dtype for part in parts if key in part.columns),
+                           *(np.asarray(value).dtype for value in constants))
+    out = np.empty(sum(lengths), dtype=dtype)
+    start = 0
+    for part, length in zip(parts, lengths):
+        out[start:start + length] = part.columns[key] if key in part.columns else part.constants[key]
+        start += length
+    return out
 
 
 def _repeated(values: list[Any], lengths: list[int]) -> np.ndarray:
