@@ -5,7 +5,7 @@ queued)."""
 from __future__ import annotations
 
 import copy
-import statistics
+import math
 from collections import deque
 from typing import Any, Sequence, overload
 
@@ -224,9 +224,10 @@ class LocalReplica:
         self._queued[request] = uncomputed
 
     def _update_recent(self) -> None:
-        self.recent_ttft = statistics.fmean(ttft for ttft, _ in self._recent)
+        # ``statistics.fmean`` is fsum / n; spelled out, without its generator wrapper (once a finished request).
+        self.recent_ttft = math.fsum(ttft for ttft, _ in self._recent) / len(self._recent)
         itls = [itl for _, itl in self._recent if itl is not None]
-        self.recent_itl = statistics.fmean(itls) if itls else None
+        self.recent_itl = math.fsum(itls) / len(itls) if itls else None
 
     def _forget(self, request: Request) -> None:
         self.num_queued_tokens -= self._queued.pop(request, 0)

@@ -85,12 +85,12 @@ def decode_stretch(engine: Engine, horizon: float) -> StepColumns | None:
     clock = runner.clock
     now = clock.time
     running = scheduler.running
+    max_steps = min(_steps_to_finish(engine, request) for request in running) - 1
+    if max_steps < MIN_STRETCH:
+        return None
     scheduler._sort(running, now)   # what the first step's schedule does; the order then holds (a fixed key)
     batch = list(running)
     size = len(batch)
-    max_steps = min(_steps_to_finish(engine, request) for request in batch) - 1
-    if max_steps < MIN_STRETCH:
-        return None
     block_size = allocator.block_size
     computed = [request.num_computed_tokens for request in batch]
     # The steps before the horizon first (a prefix of a longer run's), then those the free blocks allow.

@@ -109,6 +109,9 @@ class LLMEngine(EngineClient):
         self._horizon: float | None = None
         self._stretch: StepColumns | None = None   # the stretch's records; steps before _stretch_next handed out
         self._stretch_next = 0
+        # (step count, horizon) at which no stretch could be taken: not tried again until a step runs, the
+        # horizon moves or a request is added or aborted (a cluster asks before its step, and the step asks).
+        self._no_stretch_at: tuple[int, float] | None = None
         self.num_steps_ahead = 0   # steps this engine took as parts of decode stretches (of ``num_steps``)
 
     def _init_kv_cache(self, attention: PluginSpec, device: torch.device, loads_model: bool) -> None:
@@ -249,6 +252,7 @@ class LLMEngine(EngineClient):
         With ``error`` (the reason ``make_request`` refused it), the request is not run: it ends with status
         failed and that reason, and the next ``step()`` reports it among the finished, so a caller that serves a
         stream of requests sees every one of them end through ``step()``."""
+        self._no_stretch_at = None   # the engine's state changes: a stretch may be possible
         if error is not None:
             self.scheduler.reject(request, error, self.clock())
         else:
@@ -261,6 +265,7 @@ class LLMEngine(EngineClient):
         blocks (prefix-cache hits first) and the step loads the K/V into them instead of computing the prompt.
         K/V of another geometry (model, dtype, block size) fail the request with the reason; the others go on.
         A failed transfer (``handoff.failed``) brings no K/V: the request computes its prompt here."""
+        self._no_stretch_at = None   # the engine's state changes: a stretch may be possible
         handoff = request.handoff
         error = None
         if handoff is None or handoff.loaded:
@@ -307,6 +312,7 @@ class LLMEngine(EngineClient):
         ``error`` = ``reason``), freeing its KV blocks at once; the next ``step()`` reports it among the
         finished and the other requests go on. An unknown or already-ended id is a no-op: it is logged and
         False is returned, never raised, so a serving loop can abort freely."""
+        self._no_stretch_at = None   # the engine's state changes: a stretch may be possible
         if self.scheduler.abort(request_id, self.clock(), reason) is None:
             logger.info("abort_request(%r): no waiting or running request has this id; nothing to abort",
                         request_id)
@@ -381,11 +387,16 @@ class LLMEngine(EngineClient):
             self._stretch, self._stretch_next = None, 0
 
     def _start_stretch(self) -> None:
+        assert self._horizon is not None
+        at = (self._num_steps, self._horizon)
+        if at == self._no_stretch_at:
+            return
         if stretch_blocker(self) is None:
-            assert self._horizon is not None
             self._stretch = decode_stretch(self, self._horizon)
             if self._stretch is not None:
                 self.num_steps_ahead += len(self._stretch)
+                return
+        self._no_stretch_at = at
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests now, preempted ones among the waiting: what a server's gauges and its

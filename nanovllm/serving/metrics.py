@@ -15,6 +15,8 @@ a zero-length run are 0.0. Nothing here raises or warns on empty input.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -78,8 +80,13 @@ def tpot_s(r: RequestRecord) -> float | None:
 def _pooled_itls(done: Sequence[RequestRecord]) -> np.ndarray:
     """Every request's gaps between consecutive tokens, request after request (one array: a long simulated
     run has tens of millions)."""
-    gaps = [np.diff(np.asarray(r["token_times"], dtype=np.float64)) for r in done if len(r["token_times"]) > 1]
-    return np.concatenate(gaps) if gaps else np.empty(0)
+    lengths = np.fromiter((len(r["token_times"]) for r in done), dtype=np.int64, count=len(done))
+    times = np.fromiter(itertools.chain.from_iterable(r["token_times"] for r in done), dtype=np.float64,
+                        count=int(lengths.sum()))
+    # Differences of neighbours, less those that span two requests (a request's last and the next one's first).
+    spanning = np.cumsum(lengths)[:-1] - 1
+    return np.delete(np.diff(times), spanning[(spanning >= 0) & (spanning < len(times) - 1)]) if len(times) \
+        else np.empty(0)
 
 
 def _queue_time(r: RequestRecord) -> float | None:

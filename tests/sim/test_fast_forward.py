@@ -90,7 +90,8 @@ def test_one_engine_fast_forward_gives_the_records_of_stepping(tokenizer, seed, 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), n=st.integers(6, 40), rate=st.sampled_from([1.0, 10.0, 100.0]),
-       replicas=st.integers(2, 4), router=st.sampled_from(["round_robin", "least_loaded", "cache_aware", "kv_cost"]),
+       replicas=st.integers(2, 4),
+       router=st.sampled_from(["round_robin", "least_loaded", "cache_aware", "kv_cost"]),
        blocks=st.integers(32, 160), allocator=st.sampled_from(["paged", "prefix"]),
        step_time=st.sampled_from([TOKEN_COST, ANALYTICAL]), records=st.sampled_from(["all", "every:5", "interval:0.02"]))
 def test_a_cluster_fast_forward_gives_the_records_of_stepping(tokenizer, seed, n, rate, replicas, router, blocks,
