@@ -101,6 +101,19 @@ def test_duration_override():
     assert s["duration"] == 4.0 and s["request_throughput"] == pytest.approx(0.5)
 
 
+def test_itl_pools_each_requests_own_gaps_whatever_their_lengths():
+    """Gaps are taken within a request, never from one request's last token to the next one's first, with
+    requests of one token between and at either end."""
+    records = [request_record("E", 0.0, scheduled=0.0, token_times=[0.5]),
+               request_record("F", 0.0, scheduled=0.0, token_times=[0.1, 0.3, 0.6]),
+               request_record("G", 0.0, scheduled=0.0, token_times=[0.2]),
+               request_record("H", 0.0, scheduled=0.0, token_times=[1.0, 1.1]),
+               request_record("I", 0.0, scheduled=0.0, token_times=[2.0])]
+    s = summarize(records, [])
+    assert s["mean_itl_ms"] == pytest.approx((200 + 300 + 100) / 3)
+    assert s["median_itl_ms"] == pytest.approx(200)   # of {200, 300, 100}: a spanning gap (-0.1 s, 0.4 s) would move it
+
+
 def test_single_token_output_has_no_tpot_and_meets_tpot_slo():
     one = request_record("D", 0.0, scheduled=0.0, token_times=[0.2])
     s = summarize([one], [], slo=SLO(tpot_ms=1.0))
