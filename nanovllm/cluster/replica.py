@@ -93,13 +93,13 @@ class LocalReplica:
         stretch changes; its free blocks are those the stretch's records show before its last step."""
         if self.engine.has_stretch():
             return self.engine.steps_ahead_starts()
-        self._report_view()
+        view = self._build_view()   # as of now, before the stretch; reported only if there is one
         starts = self.engine.steps_ahead_starts()
         if starts is not None:
+            self._reported, self._since = view, []
             self._view = None   # as after any step: the next view is built anew
-            assert self._reported is not None and len(starts) >= 2   # (a stretch has MIN_STRETCH steps)
-            free = self.engine.steps_ahead_column("kv_blocks_free")
-            self._reported.num_free_blocks = int(free[-2])
+            assert len(starts) >= 2   # (a stretch has MIN_STRETCH steps)
+            view.num_free_blocks = int(self.engine.steps_ahead_column("kv_blocks_free")[-2])
         return starts
 
     def take_steps_ahead(self, count: int) -> StepColumns:

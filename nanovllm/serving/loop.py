@@ -143,7 +143,18 @@ class StepLoop:
         self._keep(self.keeper.flush())
 
     def _keep_columns(self, ahead: StepColumns) -> None:
-        """Number, annotate, keep and log the records of ``ahead``, in their order."""
+        """Number, annotate, keep and log the records of ``ahead``, in their order. A step that took no time
+        (one that only reported refused requests) has no MFU or MBU, which would keep the steps around it one
+        by one: it is kept on its own, the runs between in bulk."""
+        idle = np.flatnonzero(ahead.value("duration") <= 0)
+        if len(idle) and len(ahead) > 1:
+            bounds = sorted({0, len(ahead), *idle.tolist(), *(idle + 1).tolist()})
+            for start, stop in zip(bounds, bounds[1:]):
+                self._keep_run(ahead.take(start, stop))
+            return
+        self._keep_run(ahead)
+
+    def _keep_run(self, ahead: StepColumns) -> None:
         first = self.keeper.num_steps
         steps = ahead.with_column("step", np.arange(first, first + len(ahead))) \
             .with_column("start_time", ahead.value("start_time") - self.t0)
