@@ -23,7 +23,6 @@ import threading
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
-
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica, ReplicaViews
 from nanovllm.engine.engine import LLMEngine

@@ -117,7 +117,10 @@ class StepLoop:
             self._unsettled_records.append(output.record)
             self._hold(1)
             return
-        step = step_record(output.record, self.t0, self.keeper.num_steps)
+        self._keep_record(output.record)
+
+    def _keep_record(self, record: StepRecord) -> None:
+        step = step_record(record, self.t0, self.keeper.num_steps)
         annotated = self.monitor.annotate(step) if self.monitor is not None else dict(step)
         self._keep(self.keeper.offer(annotated))
 
@@ -181,6 +184,12 @@ class StepLoop:
     def _settle(self, before: float) -> None:
         """Keep, in order (start time, replica, the replica's own step number), the held steps that start
         before ``before``; hold the rest."""
+        fields = self._unsettled[0].keys if self._unsettled else \
+            list(self._unsettled_records[0]) if self._unsettled_records else []
+        if any(part.keys != fields for part in self._unsettled) or \
+                any(list(record) != fields for record in self._unsettled_records):
+            self._settle_one_by_one(before)   # records of different fields (replicas configured apart)
+            return
         parts = self._unsettled + ([StepColumns.of_records(self._unsettled_records)] if self._unsettled_records else [])
         self._unsettled, self._unsettled_records, self._num_unsettled = [], [], 0
         if not parts:
@@ -195,6 +204,19 @@ class StepLoop:
         if settled < len(order):
             self._unsettled = [steps.select(order[settled:])]
             self._num_unsettled = len(order) - settled
+
+    def _settle_one_by_one(self, before: float) -> None:
+        """``_settle`` for held steps whose records have different fields (a replica with KV tiers beside one
+        without): each record on its own, in the same order."""
+        held = [record for part in self._unsettled for record in part.records()] + self._unsettled_records
+        held.sort(key=lambda record: (record["start_time"], record.get("replica", 0), record["step"]))
+        self._unsettled, self._unsettled_records = [], []
+        for record in held:
+            if record["start_time"] < before:
+                self._keep_record(record)
+            else:
+                self._unsettled_records.append(record)
+        self._num_unsettled = len(self._unsettled_records)
 
     def _keep(self, records: list[dict[str, Any]]) -> None:
         for record in records:

@@ -159,6 +159,24 @@ def test_a_cluster_whose_steps_settle_a_few_at_a_time_keeps_them_in_stepping_ord
         assert ahead > 0.5 * slow.summary["num_steps"] and fast.summary["failed"] == 2
 
 
+def test_replicas_configured_apart_settle_their_steps_in_order_too(tokenizer, monkeypatch):
+    """One replica with a host KV tier (its step records carry the tiers' counts; it steps every step) beside
+    two without (decode stretches): the books settle their different records one by one, in stepping's order,
+    as stepping's books keep them step by step."""
+    from nanovllm.cluster import Cluster
+
+    settles = Cluster.steps_settled_before
+    monkeypatch.setattr(Cluster, "steps_settled_before",
+                        lambda cluster: None if not cluster.replicas[0].engine.runner.fast_forward else settles(cluster))
+    monkeypatch.setattr("nanovllm.serving.loop.SETTLE_EVERY", 16)
+    workload = _workload(tokenizer, 9, 24, 20.0, 48, 90)
+    tiered = ClusterConfig(replicas=3, replica_overrides={1: {"kv_offload": {"name": "host", "capacity": 1 << 24}}})
+    slow, fast, ahead = _served_both(lambda ff: _cluster(ff, ANALYTICAL, "fcfs", "prefix", tiered, "round_robin",
+                                                         num_kv_blocks=300, max_num_seqs=8), workload)
+    _assert_identical(slow, fast)
+    assert ahead > 0 and {"kv_tiers" in step for step in fast.steps} == {True, False}
+
+
 def test_a_policy_with_per_step_state_is_never_fast_forwarded(tokenizer):
     """mlfq counts each request's service in on_step: no stretch is taken, and the run is stepping's."""
     workload = _workload(tokenizer, 1, 12, 5.0, 64, 80)
