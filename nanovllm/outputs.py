@@ -119,8 +119,8 @@ class StepColumns:
     def of_records(records: Sequence[StepRecord]) -> StepColumns:
         """Steps given one record each (every one with the same fields, ``step`` and ``start_time`` among them)
         as columns: a field with the same value of the same type in every record is a constant; integers and
-        floats are numeric columns; anything else
-        (None, lists) an object column, so that ``records()`` gives each value back as it was."""
+        floats are numeric columns; anything else (None, lists) an object column, so that ``records()`` gives
+        each value back as it was."""
         keys = list(records[0])
         columns: dict[str, np.ndarray] = {}
         constants: dict[str, Any] = {}
@@ -145,17 +145,18 @@ class StepColumns:
         """``parts``' steps one after the other."""
         if len(parts) == 1:
             return parts[0]
-        return StepColumns.interleave(parts, np.repeat(np.arange(len(parts)), [len(part) for part in parts]))
+        return StepColumns.interleave(parts, None)
 
     @staticmethod
-    def interleave(parts: Sequence[StepColumns], sources: np.ndarray) -> StepColumns:
+    def interleave(parts: Sequence[StepColumns], sources: np.ndarray | None) -> StepColumns:
         """One run of steps from ``parts`` (each in its own order): step ``g`` is the next step of
-        ``parts[sources[g]]``. A constant every part shares stays one; any other becomes a column."""
+        ``parts[sources[g]]`` (None: the parts one after the other). A constant every part shares stays one; any
+        other becomes a column."""
         keys = list(parts[0].keys)
         if any(part.keys != keys for part in parts):
             raise ValueError("steps with different record fields cannot be interleaved")
         # Stable: each part's steps keep their order, and parts lie in index order, as the concatenation below.
-        order = np.argsort(sources, kind="stable")
+        order = None if sources is None else np.argsort(sources, kind="stable")
         lengths = [len(part) for part in parts]
         columns: dict[str, np.ndarray] = {}
         constants: dict[str, Any] = {}
@@ -168,6 +169,9 @@ class StepColumns:
                 joined = _repeated([part.constants[key] for part in parts], lengths)
             else:
                 joined = _joined(parts, key, lengths)
+            if order is None:
+                columns[key] = joined
+                continue
             column = np.empty_like(joined)
             column[order] = joined
             columns[key] = column
