@@ -38,7 +38,7 @@ from nanovllm.harness.sim.this_machine import this_machine
 from nanovllm.harness.workload import WorkloadRequest, generate_workload, validate_workload_config
 from nanovllm.progress import RequestProgress
 from nanovllm.serving.loggers import LOGGERS, RunLogger, configured_loggers
-from nanovllm.serving.metrics import SLO, breakdown, format_summary, summarize
+from nanovllm.serving.metrics import SLO, format_summary, summarize_with_breakdowns
 from nanovllm.serving.records import RequestRecord
 
 ENDPOINTS = ("completions", "chat")
@@ -134,13 +134,12 @@ class _HttpRun:
                      for i, w in enumerate(self.workload)]
             interrupted = await self._wait(tasks)
         self.progress.close()
-        summary = summarize(self.records, (), slo=self.slo)
+        summary, breakdowns = summarize_with_breakdowns(self.records, (), ("priority", "client_id"), slo=self.slo)
         # The keys an in-process run has and a client cannot know stay, as None, so tables line up.
         summary.update(mfu=None, mbu=None, warmup_time_s=None, warmup_steps=None, runner="http",
                        url=self.config.url, model=model, **self.annotations)
         if interrupted:
             summary.update(interrupted=True, not_arrived=len(self.workload) - self.sent)
-        breakdowns = {by: breakdown(self.records, by, slo=self.slo) for by in ("priority", "client_id")}
         for run_logger in self.loggers:
             run_logger.log_summary(summary, breakdowns)
         return HttpRunResult(self.records, summary, breakdowns, self.texts)

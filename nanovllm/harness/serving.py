@@ -38,7 +38,7 @@ from nanovllm.sampling import SamplingParams
 from nanovllm.serving.formatting import format_value
 from nanovllm.serving.loggers import RunLogger
 from nanovllm.serving.loop import StepLoop
-from nanovllm.serving.metrics import SLO, breakdown, summarize
+from nanovllm.serving.metrics import SLO, summarize_with_breakdowns
 from nanovllm.serving.monitor import ModelCost, Monitor, MonitorConfig
 from nanovllm.serving.records import RequestRecord
 from nanovllm.serving.step_records import StepRecords, StepTotals
@@ -193,7 +193,7 @@ def serve(
     run.check_all_ended(len(run.submitted) if run.interrupted else len(workload))
 
     records, steps, totals = run.books.requests, run.books.steps, run.books.totals
-    summary = summarize(records, steps, slo=slo)
+    summary, breakdowns = summarize_with_breakdowns(records, steps, breakdown_by, slo=slo)
     if totals is not None:   # fewer records kept than steps run: the step figures come from every step
         summary.update(totals.summary())
     if run.interrupted:
@@ -207,7 +207,6 @@ def serve(
     if summary_extras is not None:
         summary.update(summary_extras(records, steps, totals) if totals is not None else
                        summary_extras(records, steps))
-    breakdowns = {by: breakdown(records, by, slo=slo) for by in breakdown_by}
     for logger in loggers:
         logger.log_summary(summary, breakdowns)
     return RunResult(

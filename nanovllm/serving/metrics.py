@@ -77,30 +77,80 @@ def tpot_s(r: RequestRecord) -> float | None:
     return (e2el_s(r) - ttft) / (r["num_output_tokens"] - 1)
 
 
-def _pooled_itls(done: Sequence[RequestRecord]) -> np.ndarray:
-    """Every request's gaps between consecutive tokens, request after request (one array: a long simulated
-    run has tens of millions)."""
-    lengths = np.fromiter((len(r["token_times"]) for r in done), dtype=np.int64, count=len(done))
-    times = np.fromiter(itertools.chain.from_iterable(r["token_times"] for r in done), dtype=np.float64,
-                        count=int(lengths.sum()))
-    # Differences of neighbours, less those that span two requests (a request's last and the next one's first).
-    spanning = np.cumsum(lengths)[:-1] - 1
-    return np.delete(np.diff(times), spanning[(spanning >= 0) & (spanning < len(times) - 1)]) if len(times) \
-        else np.empty(0)
+class LatencySamples:
+    """Every completed request's latencies in seconds, read from the records once, so that a run's summary and
+    its breakdowns (per priority, client, replica) share one pass over what can be tens of millions of token
+    times. Arrays in record order: ``ttft``, ``tpot``, ``e2el``, ``queue_time`` a value a request (NaN where it
+    has none), ``itl`` every request's gaps between consecutive tokens, request after request, with ``owner``
+    the request each gap belongs to. ``of`` selects the samples of some of the requests, in the same order, so
+    that every figure is the one computed from those requests alone, bit for bit."""
+
+    def __init__(self, done: Sequence[RequestRecord]) -> None:
+        n = len(done)
+
+        def column(key: str) -> np.ndarray:
+            return np.fromiter((np.nan if r[key] is None else r[key] for r in done),  # type: ignore[literal-required]
+                               dtype=np.float64, count=n)
+
+        arrival, first = column("arrival_time"), column("first_token_time")
+        self.size = n
+        self.ttft = first - arrival
+        self.e2el = column("finish_time") - arrival
+        self.queue_time = column("first_scheduled_time") - arrival
+        outputs = np.fromiter((r["num_output_tokens"] for r in done), dtype=np.int64, count=n)
+        # TPOT only for requests with more than one output token (and a first token): NaN elsewhere.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.tpot = np.where(outputs > 1, (self.e2el - self.ttft) / (outputs - 1), np.nan)
+        lengths = np.fromiter((len(r["token_times"]) for r in done), dtype=np.int64, count=n)
+        times = np.fromiter(itertools.chain.from_iterable(r["token_times"] for r in done), dtype=np.float64,
+                            count=int(lengths.sum()))
+        # Differences of neighbours, less those that span two requests (a request's last and the next one's first).
+        spanning = np.cumsum(lengths)[:-1] - 1
+        self.itl = np.delete(np.diff(times), spanning[(spanning >= 0) & (spanning < len(times) - 1)]) \
+            if len(times) else np.empty(0)
+        self.owner = np.repeat(np.arange(n), np.maximum(lengths - 1, 0))
+        self._stats_of_all: dict[str, float | None] | None = None
+
+    def of(self, members: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The latency samples (``LATENCY_METRICS`` and ``queue_time``) of the requests at the sorted indices
+        ``members`` (None: all), NaNs left out."""
+        def present(values: np.ndarray) -> np.ndarray:
+            return values[~np.isnan(values)]
+
+        if members is None:
+            return {"ttft": present(self.ttft), "tpot": present(self.tpot), "itl": self.itl,
+                    "e2el": self.e2el, "queue_time": present(self.queue_time)}
+        chosen = np.zeros(self.size, dtype=bool)
+        chosen[members] = True
+        return {"ttft": present(self.ttft[members]), "tpot": present(self.tpot[members]),
+                "itl": self.itl[chosen[self.owner]], "e2el": self.e2el[members],
+                "queue_time": present(self.queue_time[members])}
+
+    def stats_ms(self, members: np.ndarray | None = None) -> dict[str, float | None]:
+        """The summary's latency and queue-time statistics of ``members`` (see ``of``); those of every request
+        worked out once (a breakdown whose one group holds every request reads them again)."""
+        if members is not None and len(members) == self.size:
+            members = None
+        if members is None and self._stats_of_all is not None:
+            return self._stats_of_all
+        samples = self.of(members)
+        out: dict[str, float | None] = {}
+        for name in LATENCY_METRICS:
+            out.update(_stats_ms(samples[name], name, _LATENCY_STATS))
+        out.update(_stats_ms(samples["queue_time"], "queue_time", _QUEUE_STATS))
+        if members is None:
+            self._stats_of_all = out
+        return out
 
 
 def _queue_time(r: RequestRecord) -> float | None:
     return None if r["first_scheduled_time"] is None else r["first_scheduled_time"] - r["arrival_time"]
 
 
-def _latencies_s(done: Sequence[RequestRecord]) -> dict[str, list[float] | np.ndarray]:
+def _latencies_s(done: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
     """Each latency metric's sample in seconds (ITL pooled over requests, as vLLM does)."""
-    return {
-        "ttft": [t for t in map(ttft_s, done) if t is not None],
-        "tpot": [t for t in map(tpot_s, done) if t is not None],
-        "itl": _pooled_itls(done),
-        "e2el": [e2el_s(r) for r in done],
-    }
+    samples = LatencySamples(done).of()
+    return {name: samples[name] for name in LATENCY_METRICS}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -200,9 +250,9 @@ def _counts(requests: Sequence[RequestRecord], done: Sequence[RequestRecord], du
     }
 
 
-def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]) -> dict[str, Any]:
-    queue = [q for q in map(_queue_time, done) if q is not None]
-    out: dict[str, Any] = _stats_ms(queue, "queue_time", _QUEUE_STATS)
+def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord],
+                latency_stats: Mapping[str, float | None]) -> dict[str, Any]:
+    out: dict[str, Any] = {f"{stat}_queue_time_ms": latency_stats[f"{stat}_queue_time_ms"] for stat in _QUEUE_STATS}
     # Preemptions cost work whether or not the request later finished, so count them over every request.
     out["num_preemptions"] = sum(r["num_preemptions"] for r in requests)
     out["prefix_cache_hit_rate"] = _ratio(sum(r["num_cached_tokens"] for r in done),
@@ -293,15 +343,17 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, An
     benchmark client's view. ``slo`` enables ``request_goodput`` and ``goodput_fraction`` (else ``None``);
     ``slo_attainment`` is against each request's own targets instead (None when no request has any).
     """
-    requests = list(requests)
-    done = [r for r in requests if is_completed(r)]
-    duration = run_duration(requests) if duration is None else float(duration)
+    return summarize_with_breakdowns(requests, steps, (), duration, slo)[0]
+
+
+def _summary(requests: Sequence[RequestRecord], done: Sequence[RequestRecord],
+             latency_stats: Mapping[str, float | None], steps: Sequence[Mapping[str, Any]], duration: float,
+             slo: SLO | None) -> dict[str, Any]:
     summary = _counts(requests, done, duration)
     summary.update(_goodput(done, len(requests), duration, slo))
     summary["slo_attainment"] = _own_slo_attainment(requests)
-    for name, values in _latencies_s(done).items():
-        summary.update(_stats_ms(values, name, _LATENCY_STATS))
-    summary.update(_scheduling(requests, done))
+    summary.update((key, value) for key, value in latency_stats.items() if "_queue_time_" not in key)
+    summary.update(_scheduling(requests, done, latency_stats))
     summary.update(_step_stats(steps))
     summary.update(_memory_stats(steps))
     summary.update(_tier_stats(requests, steps))
@@ -320,14 +372,44 @@ def breakdown(requests: Sequence[RequestRecord], by: str, **kw: Any) -> dict[str
     Every group shares the whole run's duration (unless ``duration`` is given), so per-group throughputs add
     up to the run's. Step statistics are global, so they are left out unless ``steps`` is passed in ``kw``.
     """
+    requests = list(requests)
+    done = [r for r in requests if is_completed(r)]
+    return _breakdown(requests, done, LatencySamples(done), by, **kw)
+
+
+def _breakdown(requests: Sequence[RequestRecord], done: Sequence[RequestRecord], samples: LatencySamples, by: str,
+               duration: float | None = None, slo: SLO | None = None,
+               steps: Sequence[Mapping[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+    """``breakdown`` with the completed requests' latencies already read (``samples``, of ``done``)."""
     if requests and by not in requests[0]:
         raise ValueError(f"breakdown(by={by!r}): not a request record field; try 'priority' or 'client_id'")
-    kw.setdefault("duration", run_duration(requests))
-    kw.setdefault("steps", ())
+    duration = run_duration(requests) if duration is None else float(duration)
     groups: dict[Any, list[RequestRecord]] = {}
     for r in requests:
         groups.setdefault(r.get(by), []).append(r)
-    return {str(value): summarize(groups[value], **kw) for value in sorted(groups, key=_group_key)}
+    done_groups: dict[Any, list[int]] = {}   # each group's completed requests, as indices into ``done``
+    for index, r in enumerate(done):
+        done_groups.setdefault(r.get(by), []).append(index)
+    out = {}
+    for value in sorted(groups, key=_group_key):
+        members = np.array(done_groups.get(value, ()), dtype=np.int64)
+        out[str(value)] = _summary(groups[value], [done[i] for i in members], samples.stats_ms(members), steps,
+                                   duration, slo)
+    return out
+
+
+def summarize_with_breakdowns(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, Any]] = (),
+                              breakdown_by: Sequence[str] = (), duration: float | None = None,
+                              slo: SLO | None = None) -> tuple[dict[str, Any], dict[str, dict[str, dict[str, Any]]]]:
+    """``summarize(requests, steps, duration, slo)`` and ``breakdown(requests, by, slo=slo)`` for each field of
+    ``breakdown_by``, reading every request's latencies once for all of them (what a harness reports at the end
+    of a run)."""
+    requests = list(requests)
+    done = [r for r in requests if is_completed(r)]
+    samples = LatencySamples(done)
+    run = run_duration(requests) if duration is None else float(duration)
+    summary = _summary(requests, done, samples.stats_ms(), steps, run, slo)
+    return summary, {by: _breakdown(requests, done, samples, by, slo=slo) for by in breakdown_by}
 
 
 # --------------------------------------------------------------------------------------------------------------

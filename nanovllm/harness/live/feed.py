@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nanovllm.engine.kv_offload import tier_capacities
-from nanovllm.serving.metrics import breakdown, summarize
+from nanovllm.serving.metrics import summarize_with_breakdowns
 from nanovllm.serving.records import (
     BLOCKS_FILE,
     CONFIG_FILE,
@@ -540,9 +540,10 @@ LATENCY_COLUMNS = ("group", "requests", "done", "failed", "p50_ttft_ms", "p99_tt
 
 def latency_table(requests: Sequence[dict]) -> dict[str, list]:
     """TTFT/TPOT/ITL percentiles of the requests ended so far: overall, per priority class, per client."""
-    groups: list[tuple[str, dict[str, Any]]] = [("all", summarize(list(requests)))] if requests else []
+    overall, breakdowns = summarize_with_breakdowns(requests, (), ("priority", "client_id")) if requests else ({}, {})
+    groups: list[tuple[str, dict[str, Any]]] = [("all", overall)] if requests else []
     for by, label in (("priority", "priority "), ("client_id", "client ")):
-        parts = breakdown(list(requests), by) if requests else {}
+        parts = breakdowns.get(by, {})
         if len(parts) > 1:
             groups += [(label + name, summary) for name, summary in parts.items()]
     columns: dict[str, list] = {name: [] for name in LATENCY_COLUMNS}
