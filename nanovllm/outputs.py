@@ -182,6 +182,8 @@ def _joined(parts: Sequence[StepColumns], key: str, lengths: list[int]) -> np.nd
     """``key``'s values of each part (``StepColumns.value``), concatenated: numbers straight into one array of
     the type concatenating them gives, without an array for each part's constant."""
     constants = [part.constants[key] for part in parts if key not in part.columns]
+    if not constants:   # a column in every part (a stretch's step numbers, times, counts): one call
+        return np.concatenate([part.columns[key] for part in parts])
     if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in constants):
         return np.concatenate([part.value(key) for part in parts])
     dtype = np.result_type(*(part.columns[key].dtype for part in parts if key in part.columns),

@@ -208,36 +208,39 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     # The allocator's counts move only at steps with events: read them there (and at the first step), in step
     # order, and hold them in between, as stepping's records would show.
     events = sorted({0, *takes, *fills})
-    counts = {key: np.empty(num_steps, dtype=np.int64) for key in _ALLOCATOR_FIELDS}
+    rows: list[list[int]] = []   # per event, what its record reads from the allocator (_ALLOCATOR_FIELDS)
+    start_at, end_at = starts.tolist(), ends.tolist()
     first: StepRecord | None = None
-    for e, j in enumerate(events):
-        clock.time = float(starts[j])
+    for j in events:
+        clock.time = start_at[j]
         for i in takes.get(j, ()):
             request = batch[i]
             request.num_computed_tokens = computed[i] + j
             allocator.append(request, 1)
-        clock.time = float(ends[j])
+        clock.time = end_at[j]
         for i in fills.get(j, ()):   # after the step: the blocks this step's tokens filled are published
             request = batch[i]
             request.num_computed_tokens = computed[i] + j + 1
             allocator.on_tokens_computed(request)
         if first is None:   # the first step's whole record: what every step of the stretch shares
             engine._num_steps = int(steps[0])
-            first = engine._step_record(float(starts[0]), SchedulerOutput(), _DecodeLayout(size, int(context[0])),
+            first = engine._step_record(start_at[0], SchedulerOutput(), _DecodeLayout(size, int(context[0])),
                                         size, kv_slots_unused=int(unused[0]))
-            values = [first[key] for key in _ALLOCATOR_FIELDS]   # type: ignore[literal-required]
+            rows.append([first[key] for key in _ALLOCATOR_FIELDS])   # type: ignore[literal-required]
         else:               # what the record of this step reads from the allocator (``LLMEngine._step_record``)
             evictions, engine._evictions_seen = allocator.num_evictions - engine._evictions_seen, \
                 allocator.num_evictions
-            values = [allocator.num_used_blocks(), allocator.num_cached_blocks(), allocator.num_free_blocks(),
-                      evictions]
-        stop = events[e + 1] if e + 1 < len(events) else num_steps
-        for key, value in zip(_ALLOCATOR_FIELDS, values):
-            counts[key][j:stop] = value
-        counts["num_evictions"][j + 1:stop] = 0   # evictions happen at events; the steps between evict none
+            rows.append([allocator.num_used_blocks(), allocator.num_cached_blocks(), allocator.num_free_blocks(),
+                         evictions])
+    # Each event's counts hold until the next event; evictions happen at events, the steps between evict none.
+    held = np.diff(np.array([*events, num_steps]))
+    values = np.array(rows, dtype=np.int64)
+    counts = {key: np.repeat(values[:, k], held) for k, key in enumerate(_ALLOCATOR_FIELDS)}
+    counts["num_evictions"] = np.zeros(num_steps, dtype=np.int64)
+    counts["num_evictions"][events] = values[:, _ALLOCATOR_FIELDS.index("num_evictions")]
     engine._num_steps = int(steps[-1]) + 1
-    clock.time = float(ends[-1])
-    times = ends.tolist()
+    clock.time = end_at[-1]
+    times = end_at
     for i, request in enumerate(batch):
         request.num_computed_tokens = computed[i] + num_steps
         request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)

@@ -673,3 +673,26 @@ def test_cli_simulation_on_another_machines_profile_prints_and_logs_one_line(tmp
     assert len(lines) == 1 and "[WARNING]" in lines[0] and "was measured on Another CPU" in lines[0], proc.stdout
     assert "calibrate --this-machine --dtype bfloat16" in lines[0] and proc.stderr.strip() == ""
     assert [line for line in (run_dir / "run.log").read_text().splitlines() if "step-time profile" in line] == lines
+
+
+@pytest.mark.parametrize("model, kv_cache_dtype, quantization, tp", [
+    ("llama-3-8b", "auto", None, 1), ("llama-3.1-70b", "auto", None, 4), ("qwen2.5-7b", "int8", None, 1),
+    ("llama-2-7b", "auto", "int8", 1), ("llama-3.1-8b", "auto", None, 2)])
+def test_decode_stretch_durations_are_the_models_own_step_by_step(model: str, kv_cache_dtype: str,
+                                                                    quantization: str | None, tp: int) -> None:
+    """``predict_decodes`` (a decode stretch's durations, a chunk at once) gives exactly ``predict``'s figure for
+    each step, over contexts whose costs fit 64-bit integers and contexts so long that they would not (Python
+    integers then: the cost model's products overflow int64 past about 2**45 tokens)."""
+    hardware = Hardware.from_config(yaml.safe_load((ROOT / "conf/hardware/h100_sxm.yaml").read_text()))
+    sim = Simulation.build(EngineConfig(model=str(ROOT / "nanovllm/data/models" / model), dtype="bfloat16",
+                                        kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                                        tensor_parallel_size=tp, max_num_seqs=128, max_model_len=4096),
+                           "analytical", hardware=hardware)
+    rng = np.random.default_rng(0)
+    for size, first in ((1, 5), (7, 12_345), (128, 1_000_000), (128, 2**32), (128, 2**45)):
+        context = first + size * np.arange(int(rng.integers(1, 40)))
+        stretch = sim.model.predict_decodes(size, context)
+        one_by_one = [sim.model.predict({"num_prefill_tokens": 0, "num_decode_tokens": size, "num_prefill_seqs": 0,
+                                         "num_decode_seqs": size, "context_tokens": int(c), "attn_pairs": int(c),
+                                         "num_sampled": size}, 0.0) for c in context]
+        assert stretch.tolist() == one_by_one, (size, first)

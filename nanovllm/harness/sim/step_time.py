@@ -107,6 +107,12 @@ STEP_TIME_MODELS: Registry[StepTimeModel] = Registry("step-time model", base=Ste
                                                      builtin_packages=("nanovllm.harness.sim.step_time",))
 
 
+def _floats(values: np.ndarray) -> np.ndarray:
+    """``values`` as float64, each converted as ``float()`` converts it (``as_floats``, without its Python loop
+    where the values are already machine integers or floats)."""
+    return as_floats(values) if values.dtype == object else values.astype(np.float64)
+
+
 def register_step_time(name: str) -> Callable[[type[StepTimeModel]], type[StepTimeModel]]:
     """Class decorator registering a ``StepTimeModel`` subclass under ``name``."""
     return STEP_TIME_MODELS.register(name)
@@ -273,13 +279,16 @@ class AnalyticalStepTime(StepTimeModel):
 
     def predict_decodes(self, size: int, context: np.ndarray) -> np.ndarray:
         """``predict`` of pure-decode steps, element-wise with the same operations in the same order."""
-        tokens = context.astype(object)   # Python ints: the cost model's integer products, exactly
+        # The cost model's integer products, exactly: in int64 while they cannot overflow (a context below 2**31
+        # times the model's per-token factors, each below 2**31), else as Python ints. Either converts to the
+        # float ``float()`` gives (both round to nearest).
+        tokens = context.astype(np.int64) if len(context) and int(context.max()) < 2**31 else context.astype(object)
         features: dict[str, Any] = {"num_prefill_tokens": 0, "num_decode_tokens": size, "num_prefill_seqs": 0,
                                     "num_decode_seqs": size, "context_tokens": tokens, "attn_pairs": tokens,
                                     "num_sampled": size}
         compute = (float(self.cost.step_matmul_work(features)) / self.matmul_flops_per_s
-                   + as_floats(self.cost.step_attention_work(features)) / self.flops_per_s)
-        memory = as_floats(self.cost.step_bytes_work(features)) / self.bytes_per_s
+                   + _floats(self.cost.step_attention_work(features)) / self.flops_per_s)
+        memory = _floats(self.cost.step_bytes_work(features)) / self.bytes_per_s
         collectives = tensor_parallel_seconds(self.cost, self.hardware, self.tp, {**features, "context_tokens": 0,
                                                                                    "attn_pairs": 0})
         return self.hardware.step_overhead + np.maximum(compute, memory) / self.tp + collectives
