@@ -6,9 +6,11 @@ import json
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import request_record
-from nanovllm.serving.metrics import SLO, breakdown, format_summary, summarize
+from nanovllm.serving.metrics import SLO, breakdown, format_summary, run_duration, summarize, summarize_with_breakdowns
 from nanovllm.serving.records import RunWriter, read_run
 
 
@@ -247,3 +249,41 @@ def test_format_summary_shows_speculative_decoding_only_when_something_was_propo
     assert "Accepted per position:                   2, 2, 0" in lines
     off = format_summary(summarize([A, B], [_spec_step(0, 0, 0, 0, [])]))
     assert "Speculative" not in off and "spec_decode" not in off
+
+
+@st.composite
+def _records(draw) -> list[dict]:
+    """Requests done, failed, aborted and unfinished, of a few priorities, clients and replicas, each with its
+    own number of token times (none, one, many)."""
+    out = []
+    for i in range(draw(st.integers(0, 12))):
+        arrival = draw(st.floats(0.0, 5.0))
+        gaps = draw(st.lists(st.floats(0.001, 1.0), max_size=6))
+        times = [arrival + sum(gaps[:k + 1]) for k in range(len(gaps))]
+        fate = draw(st.sampled_from(["done", "done", "failed", "aborted", "unfinished"]))
+        fields = {"priority": draw(st.integers(0, 2)), "client_id": draw(st.sampled_from([None, "a", "b"])),
+                  "replica": draw(st.integers(0, 3))}
+        if fate == "failed":
+            fields.update(error="prompt too long")
+        elif fate == "aborted":
+            fields.update(error="aborted by the client", finish_reason="abort")
+        elif fate == "unfinished":
+            fields.update(finish_time=None, finish_reason=None)
+        out.append(request_record(str(i), arrival, token_times=times if fate != "failed" else [], **fields))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=_records(), slo=st.sampled_from([None, SLO(ttft_ms=300.0, tpot_ms=150.0)]))
+def test_a_summary_with_its_breakdowns_is_each_group_summarized_alone(records: list[dict], slo: SLO | None):
+    """The summary and breakdowns a harness reports at the end of a run (read in one pass over the latencies)
+    are ``summarize`` of the whole run, and of each group's records alone over the whole run's duration."""
+    summary, breakdowns = summarize_with_breakdowns(records, STEPS, ("priority", "client_id", "replica"), slo=slo)
+    assert summary == summarize(records, STEPS, slo=slo)
+    for by in ("priority", "client_id", "replica"):
+        values = sorted({r[by] for r in records}, key=lambda v: (v is None, isinstance(v, str), v or 0))
+        assert list(breakdowns[by]) == [str(v) for v in values]
+        for value in values:
+            group = [r for r in records if r[by] == value]
+            assert breakdowns[by][str(value)] == summarize(group, (), duration=run_duration(records), slo=slo)
+        assert breakdowns[by] == breakdown(records, by, slo=slo)
