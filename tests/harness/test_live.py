@@ -594,10 +594,10 @@ def test_watch_speculative_decoding_in_headless_chromium(tmp_path: Path) -> None
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    # Readable text prompts give the n-gram proposer suffixes to match; arrivals spread over ~45 s, so the run
+    # Readable text prompts give the n-gram proposer suffixes to match; arrivals spread over ~25 s, so the run
     # (and its dashboard, which closes with it) is still going while the page loads and is read twice.
     command = [sys.executable, "-m", "nanovllm.run", "live=web", "live.port=0", "speculative=ngram",
-               "workload=synthetic", "workload.num_requests=24", "workload.request_rate=0.5",
+               "workload=synthetic", "workload.num_requests=16", "workload.request_rate=0.64",
                "workload.prompt_kind=text", "workload.input_len.kind=fixed", "workload.input_len.mean=48",
                "workload.output_len.kind=fixed", "workload.output_len.mean=24", "engine.num_kv_blocks=32",
                "engine.max_model_len=512", "monitor.calibrate=false", "progress=false", f"hydra.run.dir={run_dir}"]
@@ -626,7 +626,7 @@ def test_watch_speculative_decoding_in_headless_chromium(tmp_path: Path) -> None
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        assert metrics["completed"] == 24 and metrics["spec_decode_num_draft_tokens"] > 0
+        assert metrics["completed"] == 16 and metrics["spec_decode_num_draft_tokens"] > 0
         assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     finally:
         if proc.poll() is None:
