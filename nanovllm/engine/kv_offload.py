@@ -297,53 +297,76 @@ class KVOffload:
         if load.swap:
             return CachedPrefix({self.names[0]: self._swap_in(request, load)})
         keys = prefix_block_keys(request.token_ids, self.block_size)
-        blocks: list[torch.Tensor] = []
         by_tier = {name: 0 for name in self.names}
-        for j, planned in enumerate(load.tiers):
+        j = 0
+        while j < len(load.tiers):
             i = load.first_block + j
             # Looked up again: the allocation that made room may have pushed it a tier down since the plan.
-            found = self._tier_of(keys[i])
-            index = planned if found is None else found
-            data = None if found is None else self._get(index, keys[i], self._tokens(request, i))
-            if data is None:
-                self.stats[self.names[index]].failures += 1
-                logger.warning("kv tiers: block %d of request %s is gone from %s; recomputing from there", i,
-                               request.request_id, self.names[index])
+            index = self._tier_of(keys[i])
+            if index is None:
+                self._load_failed(request, i, load.tiers[j])
                 break
-            stats = self.stats[self.names[index]]
-            stats.blocks_loaded += 1
-            stats.hit_tokens += self.block_size
-            by_tier[self.names[index]] += self.block_size
-            stats.bytes_loaded += data.numel() * data.element_size()
-            blocks.append(data)
-        if blocks:
-            start = time.perf_counter()
-            # Block by block, straight from the tier's tensors: concatenating them first would copy every byte
-            # twice (the load then ran at half the machine's copy bandwidth: experiments/bench_kv_tiers.py).
-            for j, data in enumerate(blocks):
-                self._write([request.block_table[load.first_block + j]], data)
-            if not blocks[0].is_meta:   # the copy into the pool is part of loading: each tier's share by blocks
-                seconds = (time.perf_counter() - start) / len(blocks)
-                for name, tokens in by_tier.items():
-                    self.stats[name].load_seconds += seconds * (tokens // self.block_size)
+            # The run of next blocks this tier holds, read in one call and copied in as few pieces as it gives.
+            run = [i]
+            while j + len(run) < len(load.tiers) and self._tier_of(keys[i + len(run)]) == index:
+                run.append(i + len(run))
+            loaded = self._load_run(index, request, [(keys[b], b) for b in run])
+            by_tier[self.names[index]] += loaded * self.block_size
+            j += loaded
+            if loaded < len(run):
+                self._load_failed(request, i + loaded, index)
+                break
         return CachedPrefix(by_tier)
+
+    def _load_run(self, index: int, request: Request, run: list[tuple[int, int]]) -> int:
+        """Copy ``request``'s blocks ``run`` ((key, block index), consecutive) from tier ``index`` into its block
+        table; return how many of them, from the first, the tier had. Its wall time (reading them out of the tier
+        and copying them into the pool) is the tier's load time; payload-free tiers cost nothing here (the
+        simulated runner charges their link's time)."""
+        blocks = [(key, self._tokens(request, i)) for key, i in run]
+        start = time.perf_counter()
+        pieces = self.tiers[index].get_many(blocks)
+        loaded = 0
+        for piece in pieces:
+            first = run[0][1] + loaded
+            # Each piece goes in as it came: the pool's write copies it per (layer, K/V) in runs of consecutive
+            # pool blocks, so a piece is copied once; concatenating the pieces first would copy every byte twice.
+            self._write(request.block_table[first:first + piece.shape[2]], piece)
+            loaded += piece.shape[2]
+        stats = self.stats[self.names[index]]
+        if pieces and not pieces[0].is_meta:
+            stats.load_seconds += time.perf_counter() - start
+        stats.blocks_loaded += loaded
+        stats.hit_tokens += loaded * self.block_size
+        stats.bytes_loaded += sum(piece.numel() * piece.element_size() for piece in pieces)
+        return loaded
+
+    def _load_failed(self, request: Request, block: int, index: int) -> None:
+        self.stats[self.names[index]].failures += 1
+        logger.warning("kv tiers: block %d of request %s is gone from %s; recomputing from there", block,
+                       request.request_id, self.names[index])
 
     def _swap_in(self, request: Request, load: Load) -> int:
         key, num_tokens = self._swap_keys.pop(request.request_id)
-        tier = self.tiers[0]
-        data = self._get(0, key, tuple(request.token_ids[:num_tokens]))
-        tier.discard(key)
+        tier, stats = self.tiers[0], self.stats[self.names[0]]
         if not load.swap_tokens:   # the primary pool's prefix match already covers what was swapped
+            tier.discard(key)
             return 0
+        start = time.perf_counter()
+        data = tier.get(key, tuple(request.token_ids[:num_tokens]))
         if data is None:
-            self.stats[self.names[0]].failures += 1
+            tier.discard(key)
+            stats.failures += 1
             logger.warning("kv tiers: request %s's swapped blocks are gone; recomputing it", request.request_id)
             return 0
-        stats = self.stats[self.names[0]]
         last = -(-num_tokens // self.block_size)
+        # Written before the discard: ``data`` may be a view of the tier's storage, which the discard frees.
+        self._write(request.block_table[load.first_block:last], data[:, :, load.first_block:last])
+        if not data.is_meta:   # reading it and copying it into the pool, as for a load at admission
+            stats.load_seconds += time.perf_counter() - start
+        tier.discard(key)
         stats.blocks_loaded += last - load.first_block
         stats.bytes_loaded += data[:, :, load.first_block:].numel() * data.element_size()
-        self._write(request.block_table[load.first_block:last], data[:, :, load.first_block:last])
         self.swapped_tokens += load.swap_tokens
         return load.swap_tokens
 

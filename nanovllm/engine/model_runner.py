@@ -23,6 +23,24 @@ from nanovllm.sampling import Sampler, top_logprobs
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _consecutive_runs(block_ids: list[int], descending: bool) -> list[tuple[int, int, int, bool]]:
+    """``block_ids`` as runs (position in the list, lowest block, length, descending) of ids that follow one
+    another, ascending, or with ``descending`` also counting down (a pool's free list often hands out blocks
+    that way)."""
+    runs: list[tuple[int, int, int, bool]] = []
+    for j, block in enumerate(block_ids):
+        if runs:
+            start, low, n, down = runs[-1]
+            if (n == 1 or not down) and block == low + n:
+                runs[-1] = (start, low, n + 1, False)
+                continue
+            if descending and (n == 1 or down) and block == low - 1:
+                runs[-1] = (start, block, n + 1, True)
+                continue
+        runs.append((j, block, 1, False))
+    return runs
+
+
 @register_runner("real")
 class ModelRunner(Runner):
     """Runs the model for the scheduler's batches: owns the loaded model, the paged KV cache tensor and the
@@ -86,18 +104,21 @@ class ModelRunner(Runner):
         cache = self._cache()
         cache_dtype = cache.dtype  # an 8-bit cache's packed rows stay bytes
         src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, cache_dtype)
-        # One slice copy per block: index_copy_ along this dimension ran at about half a plain copy's bandwidth
-        # (experiments/bench_kv_tiers.py), and a block is large enough that the loop costs little. On CPU numpy
-        # copies a block's (layer, K/V) slabs into the strided pool faster than torch's copy_ (bit for bit: both
-        # sides as integers of the element's width, which numpy has for every cache dtype, bf16 included).
+        # One slice copy per run of consecutive pool blocks (a load's fresh blocks are often side by side), each
+        # copying its (layer, K/V) slabs straight from ``data``, which may be a view of a tier's storage: an
+        # index_copy_ or a gather first would go through a temporary, copying every byte twice. On CPU numpy
+        # copies these strided slabs faster than torch's copy_ (bit for bit: both sides as integers of the
+        # element's width, which numpy has for every cache dtype, bf16 included), and takes a run of blocks
+        # counting down as one copy too (a negative stride, which torch has not).
         if cache.device.type == "cpu" and cache.element_size() in _SAME_WIDTH_INT:
             as_int = _SAME_WIDTH_INT[cache.element_size()]
             pool, blocks = cache.view(as_int).numpy(), src.view(as_int).numpy()
-            for j, block in enumerate(block_ids):
-                np.copyto(pool[:, :, block], blocks[:, :, j])
+            for j, low, n, down in _consecutive_runs(block_ids, descending=True):
+                run = blocks[:, :, j:j + n]
+                np.copyto(pool[:, :, low:low + n], run[:, :, ::-1] if down else run)
             return
-        for j, block in enumerate(block_ids):
-            cache[:, :, block].copy_(src[:, :, j])
+        for j, low, n, _ in _consecutive_runs(block_ids, descending=False):
+            cache[:, :, low:low + n].copy_(src[:, :, j:j + n])
 
     def check_kv(self, data: object, num_blocks: int) -> str | None:
         if not isinstance(data, torch.Tensor):

@@ -13,8 +13,10 @@ When the engine calls what (all from the engine's own thread, within a step):
   out, or the tier above evicted it and the policy demotes it).
 * ``contains``: prefix lookups (``cached_prefix_len``, admission) ask which tier holds each next block; it
   changes nothing (no recency, no counts).
-* ``get``: admission loads a block back into the primary pool, or a prefetch promotes it to the tier above;
-  ``None`` means missing or corrupt, and the engine computes those tokens instead.
+* ``get_many``: admission loads a run of next blocks back into the primary pool (the default calls ``get`` per
+  block; ``host`` hands a run out as views of its slabs); it stops at the first block missing or corrupt, and
+  the engine computes from there.
+* ``get``: a swap-in, or a prefetch promoting a block to the tier above; ``None`` means missing or corrupt.
 * ``discard``: a swapped request resumed, or was aborted.
 * ``close``: the engine is done (a tier removes what it must not leave behind).
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -70,7 +73,8 @@ class KVTier(abc.ABC):
     blocks as the primary cache holds them; ``int8`` stores model-dtype K/V as 8-bit codes with a float32 scale
     per token and head (``nanovllm.attention.kv_quant``), about twice the blocks per byte, and lossy (loaded
     blocks no longer give the exact reference's tokens). Subclasses implement the storage: ``_write``,
-    ``_read``, ``_remove`` (and ``_adopt`` for storage that outlives the process or is shared)."""
+    ``_read``, ``_remove`` (and ``_adopt`` for storage that outlives the process or is shared), and may override
+    ``get_many`` to read a run of blocks in fewer pieces."""
 
     registered_name: str = "custom"
 
@@ -141,7 +145,8 @@ class KVTier(abc.ABC):
 
     def get(self, key: int, tokens: Tokens | None) -> torch.Tensor | None:
         """The K/V under ``key`` in the primary cache's dtype (counted as a use), or None when it is missing,
-        corrupt or holds other tokens; such an entry is forgotten."""
+        corrupt or holds other tokens; such an entry is forgotten. It may be a view of the tier's storage
+        (``host``), valid until the tier next changes (a put, discard or eviction): copy it before then."""
         if not self.contains(key):
             return None
         data = self._read(key, tokens)
@@ -152,6 +157,22 @@ class KVTier(abc.ABC):
         if not entry.pinned:
             self._tracker.hit(entry.slot)
         return self._decode(data)
+
+    def get_many(self, blocks: Sequence[tuple[int, Tokens | None]]) -> list[torch.Tensor]:
+        """Batched ``get``: the K/V of ``blocks`` (key, tokens) in order, as pieces ``[layers, 2, k, ...]`` whose
+        concatenation along dimension 2 is the blocks found, up to the first that is missing or corrupt (that one
+        is forgotten, as ``get`` forgets it; the caller computes from there). Each block counts as a use.
+        ``KVOffload.load`` calls it at admission for each run of next blocks this tier holds, then copies each
+        piece into the primary pool. Default: ``get`` per block, one piece each; a tier whose storage can hand
+        out several blocks as one tensor overrides it (``host``: a view of its slabs), so the pool takes them in
+        fewer copies. A piece may be a view of the tier's storage, valid until the tier next changes."""
+        pieces: list[torch.Tensor] = []
+        for key, tokens in blocks:
+            data = self.get(key, tokens)
+            if data is None:
+                break
+            pieces.append(data)
+        return pieces
 
     def discard(self, key: int) -> None:
         """Forget ``key`` (a swapped request resumed or ended)."""

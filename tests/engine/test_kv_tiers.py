@@ -4,13 +4,19 @@ or hit tokens, prefix lookup across tiers, swap preemption, and faults falling b
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.kv_offload import check_kv_offload
+from nanovllm.allocator import prefix_block_keys
+from nanovllm.engine.kv_offload import KVOffload, check_kv_offload
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.kv_tiers import KV_TIERS, TierContext
+from nanovllm.kv_tiers import host as host_module
 from nanovllm.kv_tiers.offload import OFFLOAD_POLICIES
+from nanovllm.request import Request
 
 CTX = TierContext("test", torch.float32)
 BLOCK = torch.arange(2 * 2 * 1 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 4, 2, 8) / 100
@@ -97,6 +103,147 @@ def test_kv_offload_specs_are_checked_and_stack():
     with pytest.raises(ValueError, match="offload policy"):
         check_kv_offload(dict(name="host", policy="sometimes"))
     assert set(OFFLOAD_POLICIES.names()) >= {"evict", "write_through", "reuse"}
+
+
+def slots_of(tier, key: int) -> list[int]:
+    return tier._placed[key][1]
+
+
+def test_host_slabs_grow_in_chunks_within_capacity_and_reuse_freed_slots(monkeypatch):
+    monkeypatch.setattr(host_module, "CHUNK_BYTES", 3 * BLOCK_BYTES)
+    tier = KV_TIERS.build(dict(name="host", capacity=10 * BLOCK_BYTES), CTX)
+    assert tier.slab_bytes() == 0                                          # nothing until a block comes
+    tier.put(0, (0,), block(0))
+    assert tier.slab_bytes() == 3 * BLOCK_BYTES                            # one chunk, not the whole capacity
+    for key in range(1, 25):                                               # 25 blocks through room for 10
+        assert tier.put(key, (key,), block(key))
+        assert tier.slab_bytes() <= tier.capacity and tier.used_bytes <= tier.capacity
+    assert tier.slab_bytes() == 10 * BLOCK_BYTES and tier.num_entries() == 10   # chunks of 3, 3, 3 and 1
+    assert all(torch.equal(tier.get(key, (key,)), block(key)) for key in range(15, 25))
+    freed = slots_of(tier, 17) + slots_of(tier, 20)
+    tier.discard(17)
+    tier.discard(20)
+    assert tier.put(100, (100,), block(100)) and tier.put(101, (101,), block(101))
+    assert sorted(slots_of(tier, 100) + slots_of(tier, 101)) == sorted(freed)   # reused, no growth
+    assert tier.slab_bytes() == 10 * BLOCK_BYTES
+    evicted_slot = slots_of(tier, 15)                                        # the least recently used
+    assert tier.put(102, (102,), block(102)) and not tier.contains(15)
+    assert slots_of(tier, 102) == evicted_slot                               # an evicted entry's slot, reused
+    survivors = [16, 18, 19, 21, 22, 23, 24]
+    assert all(torch.equal(tier.get(key, (key,)), block(key)) for key in survivors)
+    assert all(torch.equal(tier.get(key, (key,)), block(key)) for key in (100, 101, 102))
+    default = KV_TIERS.build(dict(name="host"), CTX)                       # 1 GiB: allocates one small chunk
+    default.put(0, (0,), block(0))
+    assert default.slab_bytes() == 3 * BLOCK_BYTES
+
+
+def test_host_swapped_entries_span_slots_and_demote_on_eviction(tmp_path):
+    tier = KV_TIERS.build(dict(name="host", capacity=4 * BLOCK_BYTES), CTX)
+    demoted = []
+    tier.on_evict = lambda key, tokens, data: demoted.append((key, data.clone()))
+    tier.put(0, (0,), block(0))
+    tier.put(1, (1,), block(1))
+    tier.discard(0)                                                        # a hole at slot 0
+    swapped = torch.cat([block(5), block(6), block(7)], dim=2)
+    assert tier.put(9, (5, 6, 7), swapped, pinned=True)                   # slots 0, 2, 3: not one run
+    assert torch.equal(tier.get(9, (5, 6, 7)), swapped)
+    assert tier.put(2, (2,), block(2))                                     # full: block 1 goes, pinned 9 stays
+    assert [key for key, _ in demoted] == [1] and torch.equal(demoted[0][1], block(1))
+    assert torch.equal(tier.get(9, (5, 6, 7)), swapped) and torch.equal(tier.get(2, (2,)), block(2))
+    tier.put_once(50, (50,), block(50))                                    # outside capacity and the slabs
+    assert tier.used_bytes == 4 * BLOCK_BYTES and torch.equal(tier.take(50, (50,)), block(50))
+    assert tier.take(50, (50,)) is None
+
+
+@pytest.mark.parametrize("name", ["host", "disk"])
+def test_get_many_reads_a_run_in_order_counts_uses_and_stops_at_the_first_miss(name, tmp_path):
+    tier = KV_TIERS.build(dict(name=name, capacity=6 * BLOCK_BYTES, path=str(tmp_path))
+                          if name == "disk" else dict(name=name, capacity=6 * BLOCK_BYTES), CTX)
+    for key in reversed(range(6)):                                         # last first, as the pool evicts
+        tier.put(key, (key,), block(key))
+    pieces = tier.get_many([(key, (key,)) for key in (0, 1, 2, 5)])
+    assert torch.equal(torch.cat(pieces, dim=2), torch.cat([block(k) for k in (0, 1, 2, 5)], dim=2))
+    if name == "host":
+        assert len(pieces) == 2                                            # slots 0-2 as one view, then 5
+    tier.put(6, (6,), block(6))                                            # full: evicts 4, not 5 (just read)
+    assert not tier.contains(4) and all(tier.contains(k) for k in (0, 1, 2, 3, 5))
+    pieces = tier.get_many([(0, (0,)), (4, (4,)), (5, (5,))])              # 4 is gone: stops there
+    assert len(pieces) == 1 and torch.equal(pieces[0], block(0))
+    pieces = tier.get_many([(1, (1,)), (2, (99,)), (5, (5,))])             # other tokens under 2: stops, forgets 2
+    assert torch.equal(torch.cat(pieces, dim=2), block(1)) and not tier.contains(2)
+
+
+def test_host_int8_slabs_hold_packed_rows_and_get_many_decodes_them():
+    tier = KV_TIERS.build(dict(name="host", capacity=10 * BLOCK_BYTES, kv_dtype="int8"), CTX)
+    for key in reversed(range(4)):
+        tier.put(key, (key,), block(key))
+    assert tier._chunks[0].dtype == torch.int8 and tier.slab_bytes() <= tier.capacity
+    pieces = tier.get_many([(key, (key,)) for key in range(4)])
+    assert len(pieces) == 1 and pieces[0].dtype == torch.float32
+    assert torch.allclose(pieces[0], torch.cat([block(k) for k in range(4)], dim=2), atol=0.02)
+
+
+def test_payload_free_host_allocates_nothing_and_keeps_the_bookkeeping():
+    ghost = torch.empty(BLOCK.shape, device="meta")
+    tier = KV_TIERS.build(dict(name="host", capacity=3 * BLOCK_BYTES), TierContext("sim", torch.float32, False))
+    for key in range(5):
+        assert tier.put(key, (key,), ghost)
+    assert tier.slab_bytes() == 0 and not tier._chunks
+    assert tier.num_entries() == 3 and tier.used_bytes == 3 * BLOCK_BYTES
+    assert not tier.contains(0) and tier.get(4, (4,)).is_meta
+    pieces = tier.get_many([(2, (2,)), (3, (3,)), (4, (4,))])
+    assert [piece.is_meta for piece in pieces] == [True] * 3
+
+
+def test_a_batched_load_fills_the_pool_as_per_block_loads_do(tmp_path):
+    def pool_io(pool: torch.Tensor, writes: list[int]):
+        runner = SimpleNamespace(_cache=lambda: pool, device=torch.device("cpu"))
+
+        def write(ids: list[int], data: torch.Tensor) -> None:
+            writes.append(len(ids))
+            ModelRunner.write_kv(runner, ids, data, 0)   # the real runner's write into the pool
+        return (lambda ids: pool.index_select(2, torch.tensor(ids))), write
+
+    size = BLOCK.shape[3]
+    prompt = [1 + (i * 7) % 50 for i in range(12 * size + 1)]           # 12 full blocks a prefix can match
+    keys = prefix_block_keys(prompt, size)
+    pool, writes = torch.zeros(2, 2, 24, *BLOCK.shape[3:]), []
+    read, write = pool_io(pool, writes)
+    offload = KVOffload(dict(name="host", capacity=10 * BLOCK_BYTES,
+                             below=dict(name="disk", path=str(tmp_path), capacity=4 * BLOCK_BYTES)),
+                        CTX, size, read, write)
+    host, disk = offload.tiers
+
+    def tokens(i: int) -> tuple[int, ...]:
+        return tuple(prompt[i * size:(i + 1) * size])
+    for i in [0, 1, 2, 3, 7, 6, 5, 4, 10, 11]:          # 4-7 last first (as the pool evicts): one run of slots
+        host.put(keys[i], tokens(i), block(i))
+    host.discard(keys[1])
+    host.put(keys[1], tokens(1), block(1))                                 # back in its freed slot
+    for i in (8, 9):
+        disk.put(keys[i], tokens(i), block(i))
+    table = [23, 5, 6, 7, 12, 11, 10, 9, 0, 1, 2, 3, 15]          # pool blocks counting up, down, and jumps
+    request = Request("r", prompt, SamplingParams(max_tokens=1), 0.0)
+    request.block_table = list(table)
+    loaded = offload.load(request, offload.plan(request, 0))
+    assert loaded == 12 * size and loaded.by_tier == {"host": 10 * size, "disk": 2 * size}
+    assert len(writes) < 12                                                # runs, not a copy per block
+
+    expected, per_block = torch.zeros_like(pool), torch.zeros_like(pool)
+    _, write_one = pool_io(per_block, [])
+    for i in range(12):
+        expected[:, :, table[i]] = block(i)[:, :, 0]
+        write_one([table[i]], (host if i not in (8, 9) else disk).get(keys[i], tokens(i)))
+    assert torch.equal(pool, expected) and torch.equal(per_block, expected)
+
+    pool.zero_()                                                           # a block gone after the plan
+    request.block_table = list(table)
+    plan = offload.plan(request, 0)
+    host.discard(keys[6])
+    assert offload.load(request, plan) == 6 * size
+    assert torch.equal(pool[:, :, table[:6]], expected[:, :, table[:6]])
+    assert not pool[:, :, table[6:]].any()                                 # the rest is left to compute
+    assert offload.stats["host"].failures == 1
 
 
 # -- engines on the real model (float32, the exact path): small caches so blocks move ------------------------
