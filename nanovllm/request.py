@@ -97,6 +97,7 @@ class Request:
     num_drafts: int = field(default=0, init=False)            # steps that verified proposals of this request
     num_draft_tokens: int = field(default=0, init=False)      # tokens proposed and verified
     num_accepted_tokens: int = field(default=0, init=False)   # of those, the ones the target agreed with
+    num_rejected_drafts: int = field(default=0, init=False)   # verifications that ended on a rejected one
     # What the proposer itself did for this request, before the scheduler dropped anything: the steps it was asked
     # for tokens, the steps it had some, and how many (the simulator's acceptance model reads these: how often and
     # how much a proposer proposes is its own; how much of that rides along depends on the load).

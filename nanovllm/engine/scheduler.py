@@ -210,6 +210,7 @@ class Scheduler:
         request.num_drafts += 1
         request.num_draft_tokens += num_proposed
         request.num_accepted_tokens += accepted
+        request.num_rejected_drafts += accepted < num_proposed
         for j, token in enumerate(tokens):
             if token == INVALID_TOKEN:
                 self._finish(request, None, now, RequestStatus.FAILED, NON_FINITE_REASON)

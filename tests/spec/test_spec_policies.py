@@ -19,13 +19,15 @@ from spec_policies.adaptive import expected_tokens
 
 
 def _request(drafted: int = 0, accepted: int = 0, seed: int = 0) -> Request:
-    """A decoding request whose proposals so far were ``accepted`` of ``drafted``."""
+    """A decoding request whose proposals so far were ``accepted`` of ``drafted``, three a verification, the
+    accepted ones filling as few verifications as they can (the rest each ended on a rejection)."""
     rng = random.Random(seed)
     context = [rng.randrange(50) for _ in range(rng.randrange(2, 40))]
     request = Request(str(seed), context, SamplingParams(max_tokens=64), arrival_time=0.0)
     request.append_token(context[0], 0.0)
     request.num_computed_tokens = request.num_tokens - 1
     request.num_drafts, request.num_draft_tokens, request.num_accepted_tokens = drafted // 3, drafted, accepted
+    request.num_rejected_drafts = drafted // 3 - accepted // 3
     return request
 
 
@@ -68,11 +70,29 @@ def test_expected_tokens_is_the_geometric_sum_of_accepted_runs():
 def test_adaptive_turns_down_a_request_that_is_never_accepted_and_keeps_k_for_one_always_accepted():
     policy = SPEC_POLICIES.build("adaptive")
     state = SpeculationState(num_running=1, num_decoding=1, max_num_tokens=4, step_cost=StepCost(0.02, 0.001))
-    assert policy.num_speculative_tokens(_request(drafted=60, accepted=0), state) == 0
+    assert policy.num_speculative_tokens(_request(drafted=180, accepted=0), state) == 0   # 60 rejections
     assert policy.num_speculative_tokens(_request(drafted=60, accepted=60), state) == 4
     # A new request speculates on the prior; a single early rejection does not switch it off.
     assert policy.num_speculative_tokens(_request(), state) > 0
     assert policy.num_speculative_tokens(_request(drafted=3, accepted=0), state) > 0
+
+
+def test_adaptive_reads_the_per_proposal_acceptance_its_model_assumes_not_the_share_of_proposals_accepted():
+    """Verifications of 3 proposals, each accepted with probability 0.8 until the first rejection (the model's
+    own assumption): the policy's estimate finds 0.8, where accepted over verified proposals reads ~0.65 (the
+    proposals after a rejection are never judged), and so it gives such a request more tokens."""
+    rng = random.Random(0)
+    request = _request()
+    for _ in range(2000):
+        accepted = next((j for j in range(3) if rng.random() >= 0.8), 3)
+        request.num_drafts += 1
+        request.num_draft_tokens += 3
+        request.num_accepted_tokens += accepted
+        request.num_rejected_drafts += accepted < 3
+    policy = SPEC_POLICIES.build("adaptive")
+    assert policy.acceptance(request) == pytest.approx(0.8, abs=0.02)
+    assert request.num_accepted_tokens / request.num_draft_tokens == pytest.approx((0.8 + 0.64 + 0.512) / 3,
+                                                                                   abs=0.02)
 
 
 def test_adaptive_turns_down_under_load_when_verification_costs_more_of_everyones_time():
