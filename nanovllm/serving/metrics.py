@@ -109,7 +109,7 @@ class LatencySamples:
         self.itl = np.delete(np.diff(times), spanning[(spanning >= 0) & (spanning < len(times) - 1)]) \
             if len(times) else np.empty(0)
         self.owner = np.repeat(np.arange(n), np.maximum(lengths - 1, 0))
-        self._stats_of_all: dict[str, float | None] | None = None
+        self._stats_of_all: tuple[dict[str, float | None], dict[str, float | None]] | None = None
 
     def of(self, members: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The latency samples (``LATENCY_METRICS`` and ``queue_time``) of the requests at the sorted indices
@@ -126,18 +126,18 @@ class LatencySamples:
                 "itl": self.itl[chosen[self.owner]], "e2el": self.e2el[members],
                 "queue_time": present(self.queue_time[members])}
 
-    def stats_ms(self, members: np.ndarray | None = None) -> dict[str, float | None]:
-        """The summary's latency and queue-time statistics of ``members`` (see ``of``); those of every request
-        worked out once (a breakdown whose one group holds every request reads them again)."""
+    def stats_ms(self, members: np.ndarray | None = None) -> tuple[dict[str, float | None], dict[str, float | None]]:
+        """The summary's latency statistics and its queue-time statistics of ``members`` (see ``of``); those of
+        every request worked out once (a breakdown whose one group holds every request reads them again)."""
         if members is not None and len(members) == self.size:
             members = None
         if members is None and self._stats_of_all is not None:
             return self._stats_of_all
         samples = self.of(members)
-        out: dict[str, float | None] = {}
+        latency: dict[str, float | None] = {}
         for name in LATENCY_METRICS:
-            out.update(_stats_ms(samples[name], name, _LATENCY_STATS))
-        out.update(_stats_ms(samples["queue_time"], "queue_time", _QUEUE_STATS))
+            latency.update(_stats_ms(samples[name], name, _LATENCY_STATS))
+        out = latency, _stats_ms(samples["queue_time"], "queue_time", _QUEUE_STATS)
         if members is None:
             self._stats_of_all = out
         return out
@@ -251,8 +251,8 @@ def _counts(requests: Sequence[RequestRecord], done: Sequence[RequestRecord], du
 
 
 def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord],
-                latency_stats: Mapping[str, float | None]) -> dict[str, Any]:
-    out: dict[str, Any] = {f"{stat}_queue_time_ms": latency_stats[f"{stat}_queue_time_ms"] for stat in _QUEUE_STATS}
+                queue_stats: Mapping[str, float | None]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(queue_stats)
     # Preemptions cost work whether or not the request later finished, so count them over every request.
     out["num_preemptions"] = sum(r["num_preemptions"] for r in requests)
     out["prefix_cache_hit_rate"] = _ratio(sum(r["num_cached_tokens"] for r in done),
@@ -347,13 +347,15 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, An
 
 
 def _summary(requests: Sequence[RequestRecord], done: Sequence[RequestRecord],
-             latency_stats: Mapping[str, float | None], steps: Sequence[Mapping[str, Any]], duration: float,
+             stats: tuple[Mapping[str, float | None], Mapping[str, float | None]],
+             steps: Sequence[Mapping[str, Any]], duration: float,
              slo: SLO | None) -> dict[str, Any]:
     summary = _counts(requests, done, duration)
     summary.update(_goodput(done, len(requests), duration, slo))
     summary["slo_attainment"] = _own_slo_attainment(requests)
-    summary.update((key, value) for key, value in latency_stats.items() if "_queue_time_" not in key)
-    summary.update(_scheduling(requests, done, latency_stats))
+    latency, queue = stats   # ``LatencySamples.stats_ms``
+    summary.update(latency)
+    summary.update(_scheduling(requests, done, queue))
     summary.update(_step_stats(steps))
     summary.update(_memory_stats(steps))
     summary.update(_tier_stats(requests, steps))
