@@ -46,8 +46,8 @@ class StepRecord(TypedDict):
     # proposal verified ([] without any); absent from the placeholder records of a Ray replica's failed step.
     spec_decode_num_accepted_tokens_per_pos: NotRequired[list[int]]
     # KV tiers (present only with kv_offload): tokens of swapped-out requests loaded back this step, and per
-    # tier (by name) hit_tokens, blocks_written, blocks_loaded, bytes_written, bytes_loaded, failures this step,
-    # and blocks / bytes held after it.
+    # tier (by name) hit_tokens, blocks_written, blocks_loaded, bytes_written, bytes_loaded, failures,
+    # load_seconds, write_seconds this step, and blocks / bytes held after it.
     swapped_tokens: NotRequired[int]
     kv_tiers: NotRequired[dict[str, dict[str, float]]]
     replica: NotRequired[int]           # on a cluster: the replica that ran the step

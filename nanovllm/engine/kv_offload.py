@@ -65,8 +65,12 @@ class TierStats:
     bytes_loaded: int = 0
     failures: int = 0          # blocks it could not store or return (full, missing, corrupt)
     # Time spent loading blocks out of it (wall: reading them, and at admission their copy into the pool;
-    # simulated: its link's time).
+    # simulated: its link's share for what it read).
     load_seconds: float = 0.0
+    # Time spent writing blocks into it (wall: reading them out of the pool, or out of the tier above for a
+    # demotion, and storing them; simulated: its link's share for what it wrote). With ``load_seconds``, what a
+    # calibration fits the tier's link from (``nanovllm.harness.sim.calibrate.fit_tier_links``).
+    write_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -183,11 +187,34 @@ class KVOffload:
         self._written_through: set[str] = set()
         self._swap_keys: dict[str, tuple[int, int]] = {}   # request_id -> (swap key, tokens)
         self._swap_ids = itertools.count(1)
+        # Write seconds counted so far, every tier: a put that demotes into the tier below (inside the upper
+        # tier's put) takes that demotion's time out of its own, so no second of writing is counted twice.
+        self._write_seconds_counted = 0.0
+
+    def _count_write_seconds(self, index: int, since: float, nested_before: float) -> None:
+        """Tier ``index`` wrote from ``since`` (perf_counter) until now, less what nested writes counted since
+        ``nested_before`` (``_write_seconds_counted`` then)."""
+        own = time.perf_counter() - since - (self._write_seconds_counted - nested_before)
+        self.stats[self.names[index]].write_seconds += own
+        self._write_seconds_counted += own
+
+    def _read_down(self, index: int, block_ids: list[int]) -> torch.Tensor:
+        """The pool's blocks ``block_ids``, read to be written into tier ``index``: the read is part of that
+        write's time (payload-free tiers: none; the simulated runner charges their link)."""
+        start, nested = time.perf_counter(), self._write_seconds_counted
+        data = self._read(block_ids)
+        if not data.is_meta:
+            self._count_write_seconds(index, start, nested)
+        return data
 
     # -- down --------------------------------------------------------------------------------------------------
     def _put(self, index: int, key: int, tokens: Tokens, data: torch.Tensor, pinned: bool = False) -> bool:
         tier, stats = self.tiers[index], self.stats[self.names[index]]
-        if tier.put(key, tokens, data, pinned):
+        start, nested = time.perf_counter(), self._write_seconds_counted
+        stored = tier.put(key, tokens, data, pinned)
+        if not data.is_meta:
+            self._count_write_seconds(index, start, nested)
+        if stored:
             stats.blocks_written += data.shape[2]
             stats.bytes_written += data.numel() * data.element_size()
             return True
@@ -203,7 +230,7 @@ class KVOffload:
     def on_evicted(self, block: EvictedBlock) -> None:
         """The allocator evicts ``block``: copy it down if the policy says so and no tier has it yet."""
         if self._tier_of(block.key) is None and self.policy.on_evict(block):
-            self._put(0, block.key, block.tokens, self._read([block.block]))
+            self._put(0, block.key, block.tokens, self._read_down(0, [block.block]))
 
     def on_tokens_computed(self, request: Request) -> None:
         """``request`` advanced: once its prompt is computed, write its full prompt blocks through if asked."""
@@ -216,7 +243,7 @@ class KVOffload:
         missing = [i for i, key in enumerate(keys) if self._tier_of(key) is None]
         if not missing:
             return
-        data = self._read([request.block_table[i] for i in missing])
+        data = self._read_down(0, [request.block_table[i] for i in missing])
         for j, i in enumerate(missing):
             self._put(0, keys[i], self._tokens(request, i), data[:, :, j:j + 1])
 
@@ -228,7 +255,7 @@ class KVOffload:
         if num_tokens == 0 or num_blocks > len(request.block_table):
             return False
         key = hash(("swap", request.request_id, next(self._swap_ids)))   # tokens are checked on load too
-        data = self._read(request.block_table[:num_blocks])
+        data = self._read_down(0, request.block_table[:num_blocks])
         if not self._put(0, key, tuple(request.token_ids[:num_tokens]), data, pinned=True):
             logger.warning("kv tiers: %s cannot hold request %s's %d blocks; preempting it by recompute",
                            self.names[0], request.request_id, num_blocks)

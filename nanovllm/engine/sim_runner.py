@@ -190,12 +190,14 @@ class SimulatedRunner(Runner):
         missing = sorted({tier.name for tier in offload.tiers} - set(self.kv_links))
         if self.kv_links and missing:
             raise ValueError(f"hardware.kv_tier_links has no link for KV tier(s) {', '.join(missing)} (has: "
-                             f"{', '.join(sorted(self.kv_links))}); add {{bandwidth, latency}} for each")
+                             f"{', '.join(sorted(self.kv_links))}); add {{bandwidth, latency}} for each, or, "
+                             "for links a calibrated profile measured, calibrate on runs that use these tiers")
         self.offload = offload
 
     def tier_seconds(self) -> float:
         """Simulated seconds of what moved between the pool and the tiers since the last call, each tier on its
-        link; each tier's share of reading blocks out is added to its ``load_seconds``."""
+        link; each tier's share of reading blocks out is added to its ``load_seconds``, of writing them in to its
+        ``write_seconds``."""
         offload = self.offload
         if offload is None or not self.kv_links:
             return 0.0
@@ -211,6 +213,7 @@ class SimulatedRunner(Runner):
             # One latency per tier and step: the step's blocks for one tier go as one batched transfer.
             seconds = link["latency"] + (loaded + written) / link["bandwidth"]
             stats.load_seconds += seconds * loaded / (loaded + written)
+            stats.write_seconds += seconds * written / (loaded + written)
             total += seconds
         return total
 

@@ -265,9 +265,9 @@ def _scheduling(requests: Sequence[RequestRecord], done: Sequence[RequestRecord]
 def _tier_stats(requests: Sequence[RequestRecord], steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """KV tiers (runs with kv_offload): swapped tokens, and per tier its counters summed over the steps
     (``hit_tokens``, ``blocks_written``/``_loaded``, ``bytes_written``/``_loaded``, ``failures``,
-    ``load_seconds``), ``hit_rate`` (its hit tokens over all prompt tokens), and what it held at the end
-    (``blocks``, ``bytes``: each replica's last step, summed over replicas; for ``shared``, one store every
-    replica sees, the largest). Empty without tiers."""
+    ``load_seconds``, ``write_seconds``), ``hit_rate`` (its hit tokens over all prompt tokens), and what it held
+    at the end (``blocks``, ``bytes``: each replica's last step, summed over replicas; for ``shared``, one store
+    every replica sees, the largest). Empty without tiers."""
     tiered = [s for s in steps if "kv_tiers" in s]
     if not tiered:
         return {}

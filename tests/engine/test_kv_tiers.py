@@ -246,6 +246,51 @@ def test_a_batched_load_fills_the_pool_as_per_block_loads_do(tmp_path):
     assert offload.stats["host"].failures == 1
 
 
+def test_each_move_counts_its_seconds_once_to_its_own_tier(tmp_path, monkeypatch):
+    """Write time: reading a block out of the pool and storing it count to the tier it goes to; a demotion
+    inside the upper tier's put counts to the lower tier only. Load time: reading out and copying in. On a
+    clock that advances only where the test says (pool read 1/8 s, host put 1/4 s, disk put 1 s, write into
+    the pool 1/2 s), so the sums are exact."""
+    from nanovllm.allocator import EvictedBlock
+    from nanovllm.engine import kv_offload as kv_offload_module
+
+    now = [0.0]
+    monkeypatch.setattr(kv_offload_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def advanced(seconds, call):
+        def timed(*args, **kwargs):
+            now[0] += seconds
+            return call(*args, **kwargs)
+        return timed
+
+    size = BLOCK.shape[3]
+    prompt = [1 + (i * 7) % 50 for i in range(4 * size + 1)]
+    keys = prefix_block_keys(prompt, size)
+    pool = torch.stack([block(i)[:, :, 0] for i in range(6)], dim=2)
+    writes: list[list[int]] = []
+    offload = KVOffload(dict(name="host", capacity=2 * BLOCK_BYTES,
+                             below=dict(name="disk", path=str(tmp_path), capacity=64 * BLOCK_BYTES)), CTX, size,
+                        advanced(0.125, lambda ids: pool.index_select(2, torch.tensor(ids))),
+                        advanced(0.5, lambda ids, data: writes.append(ids)))
+    host, disk = offload.tiers
+    monkeypatch.setattr(host, "put", advanced(0.25, host.put))
+    monkeypatch.setattr(disk, "put", advanced(1.0, disk.put))
+    for i in range(4):   # the host tier holds two: the first two evicted go on down to disk
+        offload.on_evicted(EvictedBlock(block=i, key=keys[i], tokens=tuple(prompt[i * size:(i + 1) * size]),
+                                        uses=1))
+    host_stats, disk_stats = offload.stats["host"], offload.stats["disk"]
+    assert (host_stats.blocks_written, disk_stats.blocks_written) == (4, 2)
+    assert host_stats.write_seconds == 4 * (0.125 + 0.25) and disk_stats.write_seconds == 2 * 1.0
+    request = Request("r", prompt, SamplingParams(max_tokens=1), 0.0)
+    request.block_table = [10, 11, 12, 13, 14]
+    assert offload.load(request, offload.plan(request, 0)) == 4 * size
+    # Blocks 0-1 from disk, 2-3 from host, each tier's in as many writes into the pool as its storage gives
+    # pieces (reading them out takes no time here): every write's time counted once, to its own tier.
+    assert disk_stats.load_seconds >= 0.5 and host_stats.load_seconds >= 0.5
+    assert host_stats.load_seconds + disk_stats.load_seconds == 0.5 * len(writes)
+    assert host_stats.write_seconds == 4 * (0.125 + 0.25)   # loads write nothing
+
+
 # -- engines on the real model (float32, the exact path): small caches so blocks move ------------------------
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from nanovllm.cluster.config import ClusterConfig
 from nanovllm.config import EngineConfig
 from nanovllm.engine.kv_offload import CachedPrefix
 from nanovllm.harness.cluster import ServedCluster
+from nanovllm.harness.sim.calibrate import compute_seconds, fit_profile
 from nanovllm.harness.sim.hardware import Hardware
-from nanovllm.harness.sim.simulate import Simulation
+from nanovllm.harness.sim.simulate import Simulation, tier_links
+from nanovllm.harness.sim.step_time import working_steps
 from nanovllm.harness.workload.config import LengthDist, MultiTurnWorkloadConfig
 from nanovllm.harness.workload.generate import generate_workload
 from nanovllm.kv_tiers.disk import DiskTier
@@ -83,6 +86,40 @@ def test_every_step_pays_its_moves_on_each_tiers_link():
         assert per_byte >= 1 / LINKS[name]["bandwidth"]
     assert summary["disk"]["load_seconds"] / summary["disk"]["bytes_loaded"] > \
         summary["host"]["load_seconds"] / summary["host"]["bytes_loaded"]
+
+
+def test_a_profile_fitted_on_runs_with_tiers_measures_their_links_and_prices_moves_on_them(tmp_path):
+    """Calibration takes each step's tier moves (load and write seconds) out of the time its terms are fitted
+    to and fits each tier's link from them; a simulation on that profile, with no hardware, prices the same
+    moves on the links it measured. Here the "measured" run is a simulated one on known links, so the fit must
+    find them and the second run must step as the first."""
+    offload = {"name": "host", "capacity": 1 << 22, "below": {"name": "disk", "capacity": 1 << 28}}
+    first = simulation(offload)
+    measured = first.serve(sessions(first.engine.tokenizer))
+    steps = working_steps(measured.steps)
+    assert all(compute_seconds(step) == pytest.approx(OVERHEAD, rel=1e-9) for step in steps)
+    profile = fit_profile(steps, metadata={"dtype": "bfloat16"})
+    assert set(profile["kv_tier_links"]) == {"host", "disk"}
+    for name, link in profile["kv_tier_links"].items():
+        assert link["bandwidth"] == pytest.approx(LINKS[name]["bandwidth"], rel=1e-6)
+        assert link["latency"] == pytest.approx(LINKS[name]["latency"], rel=1e-6, abs=1e-12)
+    assert profile["intercept"] == pytest.approx(OVERHEAD, rel=1e-6)
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    config = EngineConfig(dtype="bfloat16", num_kv_blocks=24, max_num_seqs=4, kv_offload=offload)
+    again = Simulation.build(config, "calibrated", profile=str(path), allocator="prefix")   # no hardware
+    assert tier_links(None, again.model) == profile["kv_tier_links"]
+    replayed = again.serve(sessions(again.engine.tokenizer))
+    assert [s["duration"] for s in working_steps(replayed.steps)] == \
+        pytest.approx([s["duration"] for s in steps], rel=1e-6)
+    assert replayed.summary["kv_tiers"]["disk"]["load_seconds"] == \
+        pytest.approx(measured.summary["kv_tiers"]["disk"]["load_seconds"], rel=1e-6)
+    # A hardware description's links, where it gives any, come first.
+    assert tier_links(HARDWARE, again.model) == LINKS
+    no_disk = {name: link for name, link in profile["kv_tier_links"].items() if name != "disk"}
+    path.write_text(yaml.safe_dump({**profile, "kv_tier_links": no_disk}))
+    with pytest.raises(ValueError, match="no link for KV tier.*disk.*calibrate on runs that use"):
+        Simulation.build(config, "calibrated", profile=str(path), allocator="prefix")
 
 
 def test_tiers_turn_recomputed_turns_into_hits_and_int8_holds_more_blocks():

@@ -32,6 +32,11 @@ Two terms beyond the recorded features make the profile follow the real engine's
   (the serving loop's bookkeeping: records, loggers, arrivals), which ``steps.jsonl`` shows and no step's
   ``duration`` contains.
 
+Runs with KV tiers (``kv_offload``) time each step's moves between the pool and every tier (``load_seconds``,
+``write_seconds`` per tier in the step record): the terms above are fitted to each step's duration less those
+moves, and the moves give each tier's link (``kv_tier_links``: ``fit_tier_links``), which the simulator prices
+tier moves on when no ``hardware`` names links of its own.
+
 Runs kept as an archive (``runs_archive``): with ``--runs-archive FILE`` (by default the archive the ``--out``
 profile already records), RUN_DIRs missing on disk are unpacked from it first (``runs_archive.ensure_extracted``,
 checked against the recorded SHA-256), and the new profile records the archive's file name and SHA-256, so a
@@ -52,7 +57,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -71,6 +76,7 @@ from nanovllm.harness.sim.step_time import (
 from nanovllm.models.fast_path import PackedLinear, linear_kernel
 
 MIN_STEPS = 30
+MIN_LINK_STEPS = 8   # steps that moved blocks through a tier, for its link's latency to be fitted apart
 # Row counts tried for a switch found from the steps (a decode batch of up to this many sequences).
 KERNEL_SWITCH_CANDIDATES = range(1, 9)
 
@@ -86,6 +92,9 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
     ``speculation`` section."""
     if len(steps) < MIN_STEPS:
         raise ValueError(f"calibration needs at least {MIN_STEPS} steps, got {len(steps)} {source}".rstrip())
+    # Each step's own work, without the KV tiers' moves inside it: the simulator adds those on its links.
+    durations = np.array([compute_seconds(s) for s in steps])
+    links = fit_tier_links(steps)
     if speculation is not None:
         steps = [{**verify_features(spec_features(s)), **{f: spec_features(s)[f] for f in SPEC_COST_FEATURES}}
                  for s in steps]
@@ -99,7 +108,6 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
                              "cannot be fitted; record runs whose steps vary it (e.g. prefill and decode steps)")
     # A kernel feature that never varies (runs whose steps all took one kernel) only duplicates the intercept.
     varying = [j for j, name in enumerate(names) if name in CALIBRATION_FEATURES or np.ptp(features[:, j]) > 0]
-    durations = np.array([float(s["duration"]) for s in steps])
     design = np.hstack([np.ones((len(steps), 1)), features])
     columns = [0] + [j + 1 for j in varying]
     # Scale columns to comparable size so the solver's tolerance treats every feature alike.
@@ -124,6 +132,7 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
         "intercept": float(coefficients[0]),
         "coefficients": fitted,
         **spec_section,
+        **({"kv_tier_links": links} if links else {}),
         "feature_range": {name: [float(features[:, j].min()), float(features[:, j].max())]
                           for j, name in enumerate(names)},
         "fit": {"r2": 1.0 - residual / total, "median_abs_rel_error": float(np.median(relative)),
@@ -147,6 +156,46 @@ def run_setup(run_dir: str | Path) -> dict[str, Any]:
     return {"model": (config.get("model") or {}).get("path"), "dtype": engine.get("dtype"),
             "attention": (config.get("attention") or {}).get("name"), "device": engine.get("device", "cpu"),
             "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"), "quantization": engine.get("quantization")}
+
+
+def tier_move_seconds(step: Mapping[str, Any]) -> float:
+    """Seconds the step spent moving blocks between the pool and the KV tiers (every tier's ``load_seconds``
+    and ``write_seconds`` in it; 0 without tiers)."""
+    return sum(float(counts.get("load_seconds", 0.0)) + float(counts.get("write_seconds", 0.0))
+               for counts in (step.get("kv_tiers") or {}).values())
+
+
+def compute_seconds(step: Mapping[str, Any]) -> float:
+    """The step's duration less its tier moves: what the step-time model's terms are fitted to."""
+    return float(step["duration"]) - tier_move_seconds(step)
+
+
+def fit_tier_links(steps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per KV tier the steps moved blocks through, the link the simulator prices its moves on
+    (``hardware.kv_tier_links``' form, ``nanovllm.engine.sim_runner``: ``latency + bytes / bandwidth`` a step):
+    non-negative least squares of each step's measured seconds for that tier (``load_seconds + write_seconds``)
+    on the bytes it moved (loaded plus written) and a constant, over the steps that moved any. With fewer than
+    ``MIN_LINK_STEPS`` such steps, all moving the same bytes, or a fit that finds no per-byte cost, the link is
+    the tier's bytes over its seconds with no latency. Tiers whose moves took no measured time (payload-free
+    simulated runs) get none."""
+    moves: dict[str, list[tuple[float, float]]] = {}
+    for step in steps:
+        for name, counts in (step.get("kv_tiers") or {}).items():
+            moved = float(counts.get("bytes_loaded", 0)) + float(counts.get("bytes_written", 0))
+            seconds = float(counts.get("load_seconds", 0.0)) + float(counts.get("write_seconds", 0.0))
+            if moved > 0 and seconds > 0:
+                moves.setdefault(name, []).append((moved, seconds))
+    links = {}
+    for name, rows in sorted(moves.items()):
+        moved, seconds = np.array(rows).T
+        link = {"bandwidth": float(moved.sum() / seconds.sum()), "latency": 0.0}
+        if len(rows) >= MIN_LINK_STEPS and np.ptp(moved) > 0:
+            scale = moved.max()
+            (latency, per_byte), _ = nnls(np.column_stack([np.ones(len(rows)), moved / scale]), seconds)
+            if per_byte > 0:
+                link = {"bandwidth": float(scale / per_byte), "latency": float(latency)}
+        links[name] = link
+    return links
 
 
 def step_gaps(steps: Sequence[dict[str, Any]]) -> list[float]:
@@ -194,7 +243,7 @@ def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] 
     beat the fit without a switch by the Bayesian information criterion (``n ln(RSS) + k ln(n)``: the switch
     costs three parameters, its row count and the two kernel terms), so steps without a switch get none."""
     n = len(steps)
-    durations = np.array([float(s["duration"]) for s in steps])
+    durations = np.array([compute_seconds(s) for s in steps])
     total = float(np.sum((durations - durations.mean()) ** 2))
 
     def squared_error(gemv_max_rows: int | None) -> float:

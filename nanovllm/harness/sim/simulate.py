@@ -106,8 +106,7 @@ class Simulation(ServedEngine):
                                          int(config.speculative["num_speculative_tokens"]))
         engine = simulated_engine(config, model.predict, scheduler=scheduler, allocator=allocator,
                                   attention=attention, target_len=_target_len(output_lengths),
-                                  kv_links=hardware.kv_tier_links if hardware is not None else None,
-                                  acceptance=accepting,
+                                  kv_links=tier_links(hardware, model), acceptance=accepting,
                                   fast_forward=fast_forward and model.pure)
         return cls(engine, engine.runner.clock, cost, model, hardware)
 
@@ -118,7 +117,7 @@ class Simulation(ServedEngine):
         engine = simulated_engine(_kv_sized(config, self.cost, self.hardware), self.model.predict,
                                   target_len=self.engine.runner.target_len, tokenizer=self.engine.tokenizer,
                                   hf_config=self.engine.hf_config,
-                                  kv_links=self.hardware.kv_tier_links if self.hardware is not None else None,
+                                  kv_links=tier_links(self.hardware, self.model),
                                   acceptance=self.engine.runner.acceptance,
                                   fast_forward=getattr(self.engine.runner, "fast_forward", False), **plugins)
         return type(self)(engine, engine.runner.clock, self.cost, self.model, self.hardware)
@@ -183,6 +182,15 @@ def simulation_gc() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*before)
+
+
+def tier_links(hardware: Hardware | None, model: StepTimeModel) -> Mapping[str, Mapping[str, float]] | None:
+    """The links tier moves are priced on: the simulated hardware's (``hardware.kv_tier_links``) where it gives
+    any, else those the step-time model was measured with (a profile calibrated on runs with KV tiers), else
+    None (moves cost no simulated time)."""
+    if hardware is not None and hardware.kv_tier_links:
+        return hardware.kv_tier_links
+    return getattr(model, "kv_tier_links", None) or None
 
 
 def _kv_sized(config: EngineConfig, cost: ModelCost, hardware: Hardware | None) -> EngineConfig:

@@ -175,6 +175,7 @@ class SpeculativeStepTime(StepTimeModel):
         self.base, self.proposer = base, proposer
         self.machine_seconds = base.machine_seconds
         self.pure = base.pure   # a replayed timeline stays impure when it prices proposals too
+        self.kv_tier_links = base.kv_tier_links
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
         features = spec_features(features)

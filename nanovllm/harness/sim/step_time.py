@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import yaml
 
-from nanovllm.harness.sim.hardware import Hardware
+from nanovllm.harness.sim.hardware import Hardware, check_kv_tier_links
 from nanovllm.harness.sim.operator_profile import read_attention_profile, read_mlp_profile, split_attention
 from nanovllm.harness.sim.this_machine import cached_profile, calibrate_command, mismatch
 from nanovllm.registry import Registry
@@ -86,6 +86,10 @@ class StepTimeModel(abc.ABC):
     # Whether ``predict`` is a pure function of its arguments (the engine may then ask it for a run of decode
     # steps ahead: ``runner.fast_forward``); a replayed timeline is not, each call takes the next recorded step.
     pure: bool = True
+    # The KV tiers' links this model's seconds were measured with (a ``calibrated`` profile fitted on runs with
+    # ``kv_offload``), as ``hardware.kv_tier_links``; the simulator prices tier moves on them when no ``hardware``
+    # gives links of its own. Empty: none measured.
+    kv_tier_links: Mapping[str, Mapping[str, float]] = {}
 
     @abc.abstractmethod
     def predict(self, features: Mapping[str, int], now: float) -> float:
@@ -161,6 +165,10 @@ class CalibratedStepTime(StepTimeModel):
         self.kernel_coefficients = [(name, value) for name, value in terms if name in KERNEL_FEATURES]
         self.gemv_max_rows: int | None = data.get("gemv_max_rows")
         self.step_gap = float(data.get("step_gap") or 0.0)
+        try:
+            self.kv_tier_links = check_kv_tier_links(data.get("kv_tier_links") or {})
+        except ValueError as err:
+            raise ValueError(f"runner.profile: {path}: {err}") from None
 
     def predict(self, features: Mapping[str, int], now: float) -> float:
         seconds = self.step_gap + self.intercept
