@@ -293,6 +293,9 @@ def _ended(request: Request) -> dict[str, Any]:
             "num_cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
             "num_recomputed_tokens": request.num_recomputed_tokens,
             "max_computed_tokens": request.max_computed_tokens,
+            # KV tiers: where its cached tokens came from, and what swapping brought back (request records)
+            "num_cached_tokens_by_tier": request.num_cached_tokens_by_tier,
+            "num_swapped_tokens": request.num_swapped_tokens,
             "first_scheduled_time": request.first_scheduled_time, "first_token_time": request.first_token_time,
             "finish_time": request.finish_time, "token_times": request.token_times,
             "finish_reason": request.finish_reason, "error": request.error, "logprobs": request.logprobs,
@@ -959,7 +962,8 @@ def _finish(request: Request, plain: Mapping[str, Any], offset: float) -> None:
     request.token_ids = list(request.prompt_token_ids) + list(plain["output_token_ids"])
     request.status = RequestStatus(plain["status"])
     for key in ("num_computed_tokens", "num_cached_tokens", "num_preemptions", "num_recomputed_tokens",
-                "max_computed_tokens", "finish_reason", "error", "logprobs"):
+                "max_computed_tokens", "num_cached_tokens_by_tier", "num_swapped_tokens", "finish_reason", "error",
+                "logprobs"):
         setattr(request, key, plain[key])
     request.first_scheduled_time = back(plain["first_scheduled_time"])
     request.first_token_time = back(plain["first_token_time"])

@@ -76,6 +76,31 @@ def test_ray_views_carry_each_replicas_tier_aware_prefix_matches(tiered_llm):
     assert router.route(probe, views, 0.0) == 0                     # its pool has it: cache_aware prefers it
 
 
+def test_ray_replicas_report_which_tier_each_requests_cached_tokens_came_from(tiered_llm):
+    """A request that ended in an actor comes back to the driver with its cached tokens split by tier (what its
+    request record says), not only their sum: a prompt run again after its blocks left the pool is served from
+    the host tier or the shared store, and the split adds up to ``num_cached_tokens``."""
+    from nanovllm import SamplingParams
+
+    cluster = tiered_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    ended = []
+
+    def serve(texts):
+        for text in texts:
+            cluster.add_request(cluster.make_request(text, params))
+        while cluster.has_unfinished():
+            ended.extend(cluster.step().finished)
+    serve([TEXTS[0] * 6, TEXTS[1] * 6])
+    serve([TEXTS[2] * 6, TEXTS[1] * 5, TEXTS[2] * 5])   # round robin: 0, 1, 0, 1, 0
+    serve([TEXTS[0] * 6])   # on replica 1, whose pool never held it: replica 0 wrote it through to the store
+    assert all(r.num_cached_tokens_by_tier is not None for r in ended)
+    for request in ended:
+        assert sum(request.num_cached_tokens_by_tier.values()) == request.num_cached_tokens
+    again = ended[-1]
+    assert again.replica == 1 and again.num_cached_tokens_by_tier["shared"] > 0
+
+
 def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(store, local_ray):
     from nanovllm import LLM, SamplingParams
 
