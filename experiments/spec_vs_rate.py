@@ -197,9 +197,50 @@ def _overrides(spec: dict[str, Any] | None) -> list[str]:
             f"speculative.policy={policy_text}"]
 
 
+def write_trace(path: Path, tokenizer: Any, args: argparse.Namespace, rate: float, seed: int) -> Path:
+    """The requests served at ``rate`` as a ``workload=trace`` JSONL file (a trace's prompt is text: the same
+    prompts, arrivals and lengths as ``workload``)."""
+    requests = workload(tokenizer, rate, args.num_requests, args.max_tokens, seed)
+    texts = copy_prompts(args.num_requests, seed)
+    path.write_text("".join(json.dumps({"arrival_time": w.arrival_time, "prompt": text, "output_len": w.max_tokens,
+                                        "request_id": w.request_id}) + "\n" for w, text in zip(requests, texts)))
+    return path
+
+
+def calibrated_overrides(args: argparse.Namespace, tokenizer: Any, out: Path) -> list[str]:
+    """The simulator's profile and acceptance model for this study, from real runs it is not compared with:
+    ``fixed`` (``--method``, ``--k``) on this workload with seed ``--seed + 1`` at the lowest and the highest
+    of ``--rates`` (``python -m nanovllm.run``, one torch thread), the profile calibrated on them
+    (``nanovllm.harness.sim.calibrate``: the target's step terms with proposals as prompt-like rows, and the
+    proposer's own cost) and the acceptance fitted on their requests (``runner.acceptance=fitted``). Runs that
+    finished before (their ``metrics.json`` is there) are reused."""
+    from sim_spec_accuracy import merged_calibration_run
+
+    from nanovllm.harness.sim.this_machine import run_engine
+
+    out.mkdir(parents=True, exist_ok=True)
+    seed, runs = args.seed + 1, []
+    for rate in sorted({min(args.rates), max(args.rates)}):
+        # Named by everything that shapes the run, so a reused run is the one these arguments would make.
+        run_dir = out / (f"fixed_{args.method}_k{args.k}_{args.dtype}_rate{rate:g}_n{args.num_requests}_"
+                         f"t{args.max_tokens}_seqs{args.max_num_seqs}_blocks{args.num_kv_blocks}_seed{seed}")
+        if not (run_dir / "metrics.json").is_file():
+            trace = write_trace(out / f"rate{rate:g}_seed{seed}.jsonl", tokenizer, args, rate, seed)
+            run_engine(["workload=trace", f"workload.path={trace}", f"engine.max_num_seqs={args.max_num_seqs}",
+                        f"engine.num_kv_blocks={args.num_kv_blocks}", *_overrides(configs(args)["fixed"])],
+                       run_dir, args.dtype, threads=1)
+        runs.append(run_dir)
+    profile = out / "profile.yaml"
+    subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *map(str, runs), "--out", str(profile)],
+                   check=True)
+    accepted = merged_calibration_run(runs, out / "requests")
+    return [f"runner.profile={profile}", "runner.acceptance=fitted", f"runner.acceptance_run={accepted}"]
+
+
 def run_sim(args: argparse.Namespace, results: Results) -> None:
-    """The same configurations and requests on ``runner=sim`` (a JSONL trace per rate); ``--sim-override``
-    passes further overrides (the simulator's profile, its acceptance model)."""
+    """The same configurations and requests on ``runner=sim`` (a JSONL trace per rate), on a profile and an
+    acceptance model calibrated here (``calibrated_overrides``) unless ``--sim-override runner.profile=...``
+    gives one; ``--sim-override`` passes further overrides."""
     from transformers import AutoTokenizer
 
     from nanovllm.engine.runner import RUNNERS
@@ -212,19 +253,18 @@ def run_sim(args: argparse.Namespace, results: Results) -> None:
                          "it needs the simulator's speculation pricing (issue #58)")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None, weights=False), trust_remote_code=False)
     with tempfile.TemporaryDirectory() as scratch:
+        overrides = list(args.sim_override)
+        if not any(o.startswith("runner.profile=") for o in overrides):
+            overrides = calibrated_overrides(args, tokenizer, Path(args.out) / "calibration") + overrides
+            results.data["calibration"] = overrides
         for rate in args.rates:
-            trace = Path(scratch) / f"rate{rate:g}.jsonl"
-            requests = workload(tokenizer, rate, args.num_requests, args.max_tokens, args.seed)
-            texts = copy_prompts(args.num_requests, args.seed)   # a trace's prompt is text: the same prompts
-            trace.write_text("".join(json.dumps({"arrival_time": w.arrival_time, "prompt": text,
-                                                 "output_len": w.max_tokens, "request_id": w.request_id}) + "\n"
-                                     for w, text in zip(requests, texts)))
+            trace = write_trace(Path(scratch) / f"rate{rate:g}.jsonl", tokenizer, args, rate, args.seed)
             for name, spec in configs(args).items():
                 run_dir = Path(scratch) / f"{rate:g}-{name}"
                 command = [sys.executable, "-m", "nanovllm.run", "runner=sim", "workload=trace",
                            f"workload.path={trace}", f"engine.dtype={args.dtype}",
                            f"engine.max_num_seqs={args.max_num_seqs}", f"engine.num_kv_blocks={args.num_kv_blocks}",
-                           "progress=false", f"hydra.run.dir={run_dir}", *_overrides(spec), *args.sim_override]
+                           "progress=false", f"hydra.run.dir={run_dir}", *_overrides(spec), *overrides]
                 proc = subprocess.run(command, capture_output=True, text=True)
                 if proc.returncode != 0:
                     last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
