@@ -696,3 +696,13 @@ def test_decode_stretch_durations_are_the_models_own_step_by_step(model: str, kv
                                          "num_decode_seqs": size, "context_tokens": int(c), "attn_pairs": int(c),
                                          "num_sampled": size}, 0.0) for c in context]
         assert stretch.tolist() == one_by_one, (size, first)
+
+
+@pytest.mark.slow
+def test_run_engine_lets_the_callers_overrides_win_over_its_own(tmp_path):
+    """``this_machine.run_engine`` sets ``engine.max_num_seqs=8`` for the calibration workloads; a caller that
+    asks for another batch cap (a study calibrating larger batches) gets it in the run's config."""
+    run_dir = tmp_path / "run"
+    this_machine.run_engine(["runner=sim", "workload.num_requests=2", "engine.max_num_seqs=3"], run_dir, "float32",
+                            echo=False)
+    assert json.loads((run_dir / "config.json").read_text())["engine"]["max_num_seqs"] == 3

@@ -75,9 +75,10 @@ def thread_env(threads: int) -> dict[str, str]:
 
 def run_engine(overrides: Sequence[str], run_dir: Path, dtype: str, threads: int = 1, cwd: Path | None = None,
                echo: bool = True) -> None:
-    """One real run, ``python -m nanovllm.run`` with ``overrides`` + ``RUN_OVERRIDES`` in ``dtype``, into
-    ``run_dir``, with ``threads`` torch threads (its stdout dropped; errors stop with CalledProcessError)."""
-    command = [sys.executable, "-m", "nanovllm.run", *overrides, *RUN_OVERRIDES, f"engine.dtype={dtype}",
+    """One real run, ``python -m nanovllm.run`` with ``RUN_OVERRIDES`` + ``overrides`` in ``dtype``, into
+    ``run_dir``, with ``threads`` torch threads (its stdout dropped; errors stop with CalledProcessError). The
+    caller's ``overrides`` come after ``RUN_OVERRIDES``, so they win (``engine.max_num_seqs``)."""
+    command = [sys.executable, "-m", "nanovllm.run", *RUN_OVERRIDES, *overrides, f"engine.dtype={dtype}",
                f"hydra.run.dir={run_dir}"]
     if echo:
         print("$", " ".join(command[1:]), flush=True)
