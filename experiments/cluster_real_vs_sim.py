@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -218,7 +219,13 @@ def main() -> None:
     parser.add_argument("--from-json", default=None, help="render the page again from a recorded .json")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
-    out = Path(args.out)
+    write_page(args, Path(args.out), measure, report)
+
+
+def write_page(args: argparse.Namespace, out: Path, measure: Callable[[argparse.Namespace, Path], dict],
+               report: Callable[[dict], str]) -> None:
+    """Measure (or read the measurements ``--from-json`` names), keep them beside ``out`` as ``.json``, and write
+    and print the page ``report`` makes of them."""
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
     else:

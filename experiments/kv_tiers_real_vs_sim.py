@@ -31,7 +31,6 @@ beside it; ``--from-json`` renders the page again from them.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import statistics
@@ -45,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kv_tiers import workload_config  # noqa: E402
+from cluster_real_vs_sim import write_page  # noqa: E402
 
 from nanovllm import machine  # noqa: E402
 from nanovllm.cluster.config import ClusterConfig  # noqa: E402
@@ -211,16 +211,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     logging.getLogger("nanovllm").setLevel(logging.ERROR)   # tier misses log a line each: the table counts them
-    out = Path(args.out)
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
-    else:
-        data = measure(args, out)
-        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    text = report(data)
-    out.write_text(text, encoding="utf-8")
-    print(text)
-    print(f"wrote {out} (and the measurements in {out.with_suffix('.json').name})")
+    write_page(args, Path(args.out), measure, report)
 
 
 if __name__ == "__main__":
