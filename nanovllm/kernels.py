@@ -37,7 +37,7 @@ from nanovllm.paths import kernel_cache_dir
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "gemv.cpp", "quant_gemm.cpp",
                                        "int8_amx.cpp", "brgemm_linear.cpp", "bf16_fma_linear.cpp",
-                                       "decoder_stack.cpp",
+                                       "decoder_stack.cpp", "kv_copy.cpp",
                                        "bindings.cpp")]
 HEADERS = [CSRC / "cpu_vec.h", CSRC / "kernels.h", CSRC / "scratch.h"]
 CFLAGS = ["-O3", "-fopenmp"]
@@ -151,6 +151,10 @@ class Kernels(Protocol):
     def bf16_fma_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                         out_features: int) -> torch.Tensor: ...
 
+    def kv_copy_isa(self) -> str: ...
+
+    def copy_kv_blocks(self, pool: torch.Tensor, src: torch.Tensor, runs: torch.Tensor) -> None: ...
+
     def stack_linear(self, kind: str, weight: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
                      bias: torch.Tensor | None, out_features: int, format: int = 0,
                      gemv_weight: torch.Tensor | None = None, gemv_max_rows: int = 0,
@@ -164,6 +168,17 @@ class Kernels(Protocol):
 def kernel_build(level: str) -> str:
     """The kernel build that serves ISA ``level`` (``amx`` runs the ``avx512_bf16`` build)."""
     return "avx512_bf16" if level == "amx" else level
+
+
+def kv_copy_variant(build: str) -> str:
+    """The store path ``copy_kv_blocks`` (``csrc/kv_copy.cpp``: K/V blocks into the paged pool with streaming
+    stores) takes in kernel build ``build``: ``avx512`` (64-byte stores, the two AVX-512 builds), ``avx2`` (32),
+    ``sse2`` (16: the scalar build on x86-64, whose baseline has SSE2) or ``memcpy`` (another architecture). Pure
+    but for the architecture (``platform.machine``), so tests can ask it for CPUs they do not run on; the built
+    module's ``kv_copy_isa()`` says the same of itself."""
+    if machine.platform.machine().lower() not in ("x86_64", "amd64"):
+        return "memcpy"
+    return {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2"}.get(build, "sse2")
 
 
 @functools.cache

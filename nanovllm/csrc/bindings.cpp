@@ -34,5 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_fma_weight", &pack_bf16_fma_weight, "A bf16 linear's weight in bf16_fma_linear's layout (CPU)");
   m.def("bf16_fma_linear", &bf16_fma_linear, "x W^T + b in bf16 with float32 FMAs, for CPUs without bf16 arithmetic");
   bind_decoder_stack(m);
+  m.def("kv_copy_isa", &kv_copy_isa, "The store path of this build's copy_kv_blocks (avx512, avx2, sse2 or memcpy)");
+  m.def("copy_kv_blocks", &copy_kv_blocks, "Runs of K/V blocks into the paged pool in one call, with streaming stores (CPU)");
   m.def("greedy_sample", &greedy_sample, "Per-row argmax and NaN/+inf flag of logits in one read (CPU)");
 }

@@ -48,3 +48,5 @@ at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tens
 bool bf16_fma_available();
 at::Tensor pack_bf16_fma_weight(at::Tensor weight);
 at::Tensor bf16_fma_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t out_features);
+std::string kv_copy_isa();
+void copy_kv_blocks(at::Tensor pool, at::Tensor src, at::Tensor runs);

@@ -3,10 +3,12 @@ model over the paged cache, computes logits only for the rows that sample, and s
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
 
+from nanovllm import kernels
 from nanovllm.attention.base import AttentionBackend, AttentionMetadata
 from nanovllm.config import head_dim_of, torch_dtype
 from nanovllm.engine.cuda_graphs import DecodeGraphs, GraphSettings
@@ -39,6 +41,54 @@ def _consecutive_runs(block_ids: list[int], descending: bool) -> list[tuple[int,
                 continue
         runs.append((j, block, 1, False))
     return runs
+
+
+def copy_runs_numpy(cache: torch.Tensor, src: torch.Tensor, block_ids: list[int]) -> None:
+    """Blocks ``0:len(block_ids)`` of ``src`` ([layers, 2, n, *block], the cache's dtype) into ``block_ids`` of
+    the CPU ``cache``, one numpy copy per run of consecutive pool blocks (counting down too: a negative stride).
+    Both sides as integers of the element's width (numpy has no bfloat16), so bit for bit."""
+    as_int = _SAME_WIDTH_INT[cache.element_size()]
+    pool, blocks = cache.view(as_int).numpy(), src.view(as_int).numpy()
+    for j, low, n, down in _consecutive_runs(block_ids, descending=True):
+        run = blocks[:, :, j:j + n]
+        np.copyto(pool[:, :, low:low + n], run[:, :, ::-1] if down else run)
+
+
+def kernel_copy_fits(cache: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``copy_kv_blocks`` takes this copy: CPU tensors of one element size with the same block shape,
+    each block contiguous in both (the first three dims may have any strides: ``src`` may be a view of a tier's
+    slab), and ``src`` not stored in the cache itself (the kernel does not order overlapping copies)."""
+    if cache.device.type != "cpu" or src.device.type != "cpu" or cache.dim() < 3 or src.dim() != cache.dim():
+        return False
+    if src.element_size() != cache.element_size() or src.shape[:2] != cache.shape[:2] \
+            or src.shape[3:] != cache.shape[3:]:
+        return False
+    contiguous: list[int] = []
+    step = 1
+    for size in reversed(cache.shape[3:]):
+        contiguous.insert(0, step)
+        step *= size
+    if list(cache.stride()[3:]) != contiguous or list(src.stride()[3:]) != contiguous:
+        return False
+    return src.numel() == 0 or src.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr()
+
+
+def copy_runs_kernel(compiled: kernels.Kernels, cache: torch.Tensor, src: torch.Tensor,
+                     block_ids: list[int]) -> None:
+    """``copy_runs_numpy``'s copy in one call of the C++ kernel (``csrc/kv_copy.cpp``: streaming stores, several
+    (layer, K/V) slabs copied side by side, their sources prefetched), for a copy ``kernel_copy_fits`` takes."""
+    runs = _consecutive_runs(block_ids, descending=True)
+    compiled.copy_kv_blocks(cache, src, torch.tensor([(j, low, n, int(down)) for j, low, n, down in runs],
+                                                     dtype=torch.long))
+
+
+@functools.cache
+def _copy_kernels() -> kernels.Kernels | None:
+    """The compiled kernels for the pool's copies, or None where they cannot be built (numpy copies then)."""
+    try:
+        return kernels.load()
+    except RuntimeError:
+        return None
 
 
 @register_runner("real")
@@ -104,19 +154,20 @@ class ModelRunner(Runner):
         cache = self._cache()
         cache_dtype = cache.dtype  # an 8-bit cache's packed rows stay bytes
         src = data[:, :, first_block:first_block + len(block_ids)].to(self.device, cache_dtype)
-        # One slice copy per run of consecutive pool blocks (a load's fresh blocks are often side by side), each
-        # copying its (layer, K/V) slabs straight from ``data``, which may be a view of a tier's storage: an
-        # index_copy_ or a gather first would go through a temporary, copying every byte twice. On CPU numpy
-        # copies these strided slabs faster than torch's copy_ (bit for bit: both sides as integers of the
-        # element's width, which numpy has for every cache dtype, bf16 included), and takes a run of blocks
-        # counting down as one copy too (a negative stride, which torch has not).
-        if cache.device.type == "cpu" and cache.element_size() in _SAME_WIDTH_INT:
-            as_int = _SAME_WIDTH_INT[cache.element_size()]
-            pool, blocks = cache.view(as_int).numpy(), src.view(as_int).numpy()
-            for j, low, n, down in _consecutive_runs(block_ids, descending=True):
-                run = blocks[:, :, j:j + n]
-                np.copyto(pool[:, :, low:low + n], run[:, :, ::-1] if down else run)
-            return
+        # Per run of consecutive pool blocks (a load's fresh blocks are often side by side), each (layer, K/V)
+        # slab is copied straight from ``data``, which may be a view of a tier's storage: an index_copy_ or a
+        # gather first would go through a temporary, copying every byte twice. On CPU the C++ kernel copies
+        # every slab of every run in one call with streaming stores (whole lines written without reading them
+        # first); without it, numpy per run (faster than torch's copy_ on these strided slabs, and a run counting
+        # down is one copy too: a negative stride, which torch has not). Both copy bytes: bit for bit.
+        if cache.device.type == "cpu":
+            compiled = _copy_kernels()
+            if compiled is not None and kernel_copy_fits(cache, src):
+                copy_runs_kernel(compiled, cache, src, block_ids)
+                return
+            if cache.element_size() in _SAME_WIDTH_INT:
+                copy_runs_numpy(cache, src, block_ids)
+                return
         for j, low, n, _ in _consecutive_runs(block_ids, descending=False):
             cache[:, :, low:low + n].copy_(src[:, :, j:j + n])
 

@@ -27,18 +27,22 @@ CPU_KINDS: dict[str, frozenset[str]] = {
 # heads, vocabulary 97) as the fast path stores it: fused qkv, o, fused gate_up, down per layer, then the head.
 TINY_SHAPES = [(128, 64), (64, 64), (320, 64), (64, 160)] * 3 + [(97, 64)]
 
-# What each kind gets: level, kernel build, bf16 and float32 linear kernels, int8 kernel, and the tiny model's
-# streamed bytes in bf16 (brgemm pads the head's 97 features to 128, bf16-fma to 112, oneDNN not at all) and in
-# int8 (the tiles pad features to 16 and K to 64; i8x16 features to 64), codes plus float32 channel scales.
+# What each kind gets: level, kernel build, bf16 and float32 linear kernels, int8 kernel, the store path of the
+# pool's K/V copy (copy_kv_blocks), and the tiny model's streamed bytes in bf16 (brgemm pads the head's 97
+# features to 128, bf16-fma to 112, oneDNN not at all) and in int8 (the tiles pad features to 16 and K to 64;
+# i8x16 features to 64), codes plus float32 channel scales.
 EXPECTED = {
     "xeon_amx": dict(levels=("amx", "avx512_bf16", "avx512", "avx2", "scalar"), level="amx", build="avx512_bf16",
-                     bf16="brgemm", float32="brgemm", int8="amx", bf16_bytes=274_432, int8_bytes=149_636),
+                     bf16="brgemm", float32="brgemm", int8="amx", kv_copy="avx512", bf16_bytes=274_432,
+                     int8_bytes=149_636),
     "epyc_avx512_bf16": dict(levels=("avx512_bf16", "avx512", "avx2", "scalar"), level="avx512_bf16",
                              build="avx512_bf16", bf16="onednn+gemv", float32="brgemm", int8="i8x16",
-                             bf16_bytes=270_464, int8_bytes=144_640),
+                             kv_copy="avx512", bf16_bytes=270_464, int8_bytes=144_640),
     "epyc_avx2": dict(levels=("avx2", "scalar"), level="avx2", build="avx2", bf16="bf16-fma", float32="brgemm",
-                      int8="i8x16", bf16_bytes=272_384, int8_bytes=144_640),
+                      int8="i8x16", kv_copy="avx2", bf16_bytes=272_384, int8_bytes=144_640),
 }
+# The K/V copy's store path at each level a kind can be forced down to (the scalar build: x86-64's SSE2).
+LOWER_KV_COPY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "sse2"}
 
 
 @pytest.fixture
@@ -65,12 +69,21 @@ def test_each_cpu_kind_gets_its_level_kernels_and_byte_counts(pretend_cpu, kind)
     assert linear_kernel(torch.bfloat16) == expected["bf16"]
     assert linear_kernel(torch.float32) == expected["float32"]
     assert int8_kernel_at(level, flags) == expected["int8"]
+    assert kernels.kv_copy_variant(kernels.kernel_build(level)) == expected["kv_copy"]
     bf16 = sum(linear_weight_bytes(expected["bf16"], n, k, torch.bfloat16) for n, k in TINY_SHAPES)
     int8 = sum(int8_weight_bytes(expected["int8"], n, k) for n, k in TINY_SHAPES)
     assert (bf16, int8) == (expected["bf16_bytes"], expected["int8_bytes"])
     # Every lower level the kind can be forced to: none of them takes the tiles.
     for lower in expected["levels"][1:]:
         assert int8_kernel_at(lower, flags) == ("vector" if lower == "scalar" else "i8x16")
+        assert kernels.kv_copy_variant(kernels.kernel_build(lower)) == LOWER_KV_COPY[lower]
+
+
+def test_another_architecture_copies_kv_blocks_with_memcpy(pretend_cpu, monkeypatch):
+    pretend_cpu("epyc_avx2")
+    monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
+    assert machine.selected_isa() == "scalar"
+    assert kernels.kv_copy_variant(kernels.kernel_build(machine.selected_isa())) == "memcpy"
 
 
 def test_an_amx_cpu_without_amx_int8_runs_bf16_on_tiles_and_int8_on_vnni(pretend_cpu, monkeypatch):
