@@ -12,13 +12,22 @@ here because a loaded byte is also read once and written once), the issue's targ
 for context, a copy of one block's bytes repeated in place, which stays in the CPU's caches and so runs faster
 than any load of blocks spread over the tier and the pool can.
 
-    taskset -c 1 python experiments/bench_kv_tiers.py               # 2 rounds (~4 minutes on one core)
-    taskset -c 1 python experiments/bench_kv_tiers.py --rounds 3 --working-set 12288
+``--numpy-copy`` adds a third run per round, the host tier again with the pool's writes copied by the numpy path
+instead of the C++ kernel (``ModelRunner.write_kv``'s fallback; ``experiments/bench_kv_copy.py`` compares the two
+alone), so both load bandwidths come from the same rounds.
+
+Pin it to one core (``taskset -c N``, any core: ideally one nothing else runs on, since loads share the memory
+and last-level cache with every core):
+
+    taskset -c 0 python experiments/bench_kv_tiers.py               # 2 rounds (~4 minutes on one core)
+    taskset -c 0 python experiments/bench_kv_tiers.py --rounds 1 --working-set 4096 --rate 0.3 --numpy-copy
+    taskset -c 0 python experiments/bench_kv_tiers.py --rounds 3 --working-set 12288
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import time
@@ -28,6 +37,7 @@ import torch
 
 from nanovllm import machine
 from nanovllm.config import EngineConfig
+from nanovllm.engine import model_runner
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.harness.serving import ServedEngine, WallClock
 from nanovllm.serving.monitor import ModelCost
@@ -58,6 +68,18 @@ def run(kv_offload: Any, pool_blocks: int, workload_cfg: MultiTurnWorkloadConfig
     return {"summary": result.summary, "block_bytes": engine.kv_block_bytes, "requests": len(workload)}
 
 
+@contextlib.contextmanager
+def numpy_copy(on: bool):
+    """With ``on``, the pool's writes take ``write_kv``'s numpy path, as where the C++ kernels are not built."""
+    saved = model_runner._copy_kernels
+    if on:
+        model_runner._copy_kernels = lambda: None   # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        model_runner._copy_kernels = saved   # type: ignore[assignment]
+
+
 def cached_copy_bandwidth(block_bytes: int, blocks: int, repeats: int = 20) -> float:
     """Bytes/s of a torch copy of ``blocks`` blocks' worth of float32, the same source to the same destination
     ``repeats`` times (so both stay in the caches; the median)."""
@@ -77,6 +99,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--working-set", type=int, default=8192, help="tokens (workload.working_set_tokens)")
     parser.add_argument("--rate", type=float, default=1.0, help="requests/s")
+    parser.add_argument("--numpy-copy", action="store_true",
+                        help="also run the host tier with the pool's writes on the numpy path, each round")
     args = parser.parse_args()
     logging.getLogger("nanovllm").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -89,12 +113,14 @@ def main() -> None:
           "host load GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     ratios: list[float] = []
-    loads: list[float] = []
+    loads: dict[str, list[float]] = {"host": [], "host numpy-copy": []}
     block_bytes = 0
+    runs = [("none", None), ("host", host)] + ([("host numpy-copy", host)] if args.numpy_copy else [])
     for round_ in range(args.rounds):
         p50 = {}
-        for name, spec in (("none", None), ("host", host)):
-            out = run(spec, pool, cfg)
+        for name, spec in runs:
+            with numpy_copy(name == "host numpy-copy"):
+                out = run(spec, pool, cfg)
             s, block_bytes = out["summary"], out["block_bytes"]
             tier = (s.get("kv_tiers") or {}).get("host")
             p50[name] = s["median_ttft_ms"]
@@ -103,7 +129,7 @@ def main() -> None:
             if tier is not None:
                 bandwidth = tier["bytes_loaded"] / tier["load_seconds"] if tier["load_seconds"] else None
                 if bandwidth is not None:
-                    loads.append(bandwidth)
+                    loads[name].append(bandwidth)
                 hits -= tier["hit_rate"]
                 cells = [f"{tier['hit_rate']:.1%}", f"{tier['bytes_loaded'] / 1e9:.2f}",
                          f"{bandwidth / 1e9:.2f}" if bandwidth else "-"]
@@ -112,12 +138,15 @@ def main() -> None:
         ratios.append(p50["host"] / p50["none"])
     copy_cached = cached_copy_bandwidth(block_bytes, 1)
     copy_memory = machine.copy_bandwidth_gbs() / 2 * 1e9   # bytes copied per second (it counts read + write)
-    load = statistics.median(loads) if loads else 0.0
     print(f"\np50 TTFT host / none per round: {', '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {statistics.median(ratios):.2f}; target <= 0.5)")
-    print(f"host tier load bandwidth (median over rounds) {load / 1e9:.2f} GB/s; this machine's memory copy "
-          f"{copy_memory / 1e9:.2f} GB/s (256 MiB arrays): load / copy = {load / copy_memory:.2f} (target >= 0.5); "
-          f"a cache-resident copy of one block ({block_bytes / 1e6:.2f} MB) {copy_cached / 1e9:.2f} GB/s")
+    print(f"this machine's memory copy {copy_memory / 1e9:.2f} GB/s (256 MiB arrays); a cache-resident copy of one "
+          f"block ({block_bytes / 1e6:.2f} MB) {copy_cached / 1e9:.2f} GB/s")
+    for name, found in loads.items():
+        if found:
+            load = statistics.median(found)
+            print(f"load bandwidth, {name} (median over rounds): {load / 1e9:.2f} GB/s, load / copy = "
+                  f"{load / copy_memory:.2f} (target >= 0.5)")
 
 
 if __name__ == "__main__":
