@@ -18,13 +18,20 @@ os.environ["NANOVLLM_SIM_PROFILES"] = tempfile.mkdtemp(prefix="nanovllm-sim-prof
 
 
 def _remove_sim_profiles(path: str = os.environ["NANOVLLM_SIM_PROFILES"], owner: int = os.getpid()) -> None:
-    """Remove this process's empty profile cache at exit (each xdist worker makes its own), so runs leave no
-    directory in the temp dir. A forked child that runs atexit handlers leaves it to the process that made it."""
+    """Remove this process's empty profile cache (or its Ray temp dir) at exit (each xdist worker makes its own),
+    so runs leave no directory in the temp dir. A forked child that runs atexit handlers leaves it to the process
+    that made it."""
     if os.getpid() == owner:
         shutil.rmtree(path, ignore_errors=True)
 
 
 atexit.register(_remove_sim_profiles)
+
+# Each process of the suite (each xdist worker) gives Ray a temp dir of its own, inherited by the subprocesses it
+# starts: two workers' Ray instances never share a session, and a test's "no Ray process is left" check counts
+# its own worker's daemons only (``helpers.ray_processes``), not those of a Ray test running beside it.
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-")
+atexit.register(_remove_sim_profiles, os.environ["RAY_TMPDIR"])
 
 from nanovllm.kernels import kernel_build
 

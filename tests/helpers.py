@@ -317,3 +317,21 @@ def interrupt_server(proc: subprocess.Popen, timeout: float = 120) -> tuple[str,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.communicate()
+
+
+def ray_processes() -> list[Any]:
+    """The Ray daemons (raylet, gcs_server) of this test process's Ray temp dir (``RAY_TMPDIR``, one per xdist
+    worker: ``conftest.py``), started by it or by a subprocess it ran: a Ray instance another worker, or another
+    checkout's tests on a shared machine, started is not counted."""
+    import psutil
+
+    own = os.environ.get("RAY_TMPDIR") or "/tmp/ray"
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        except psutil.Error:
+            continue
+        if ("raylet" in text or "gcs_server" in text) and own in text:
+            found.append(proc)
+    return found

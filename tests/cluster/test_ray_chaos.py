@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from test_ray_cluster import ray_processes
+from helpers import ray_processes
 from test_ray_faults import replica_actor_processes
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -1,5 +1,5 @@
 """Real replicas on Ray: two engines in Ray actors behind a router, driven like one engine (one module-scoped
-cluster, float32, no warm-up, to keep the file cheap). The cluster generates what one engine does, its views
+cluster, float32, a tiny model, no warm-up, to keep the file cheap). The cluster generates what one engine does, its views
 follow the replicas' reported state (the prefix-cache mirror agrees with each replica's own allocator), a
 served run writes where each request and step ran, a replica killed mid-run (retries off) fails its requests
 with the reason and the router then sends every request to the live one, and no Ray process is left once it is
@@ -14,10 +14,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from helpers import REPO, interrupt_server
+from helpers import REPO, interrupt_server, ray_processes
 
 from nanovllm.config import torch_dtype
 
@@ -27,22 +26,6 @@ ray = pytest.importorskip("ray")
 ENGINE = dict(num_kv_blocks=256, max_model_len=512, warmup=False)
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
 LONG = ("You are a helpful assistant. Answer every question briefly and precisely, citing what you know. " * 3)
-
-
-def ray_processes() -> list[psutil.Process]:
-    """Ray's daemons (raylet, gcs_server) started from this interpreter's environment: their binaries lie under
-    its ``sys.prefix``, so a Ray instance another checkout's tests start on a shared machine is not counted."""
-    import sys
-
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        try:
-            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
-        except psutil.Error:
-            continue
-        if ("raylet" in text or "gcs_server" in text) and sys.prefix in text:
-            found.append(proc)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +58,30 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster_llm():
+def tiny_engine(tiny_model) -> dict:
+    """``ENGINE`` on the tiny model: the in-process clusters test how replicas cooperate, which does not depend
+    on the model, and each replica's actor loads it in a fraction of the default model's time."""
+    return dict(ENGINE, model=str(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def cluster_llm(tiny_engine):
     from nanovllm import LLM
 
     before = {p.pid for p in ray_processes()}
-    llm = LLM(cluster=dict(replicas=2), router="round_robin", allocator="prefix", **ENGINE)
+    llm = LLM(cluster=dict(replicas=2), router="round_robin", allocator="prefix", **tiny_engine)
     yield llm
     llm.close()
     assert not ray.is_initialized()
     assert not [p for p in ray_processes() if p.pid not in before]
 
 
-def test_two_replicas_generate_what_one_engine_does(cluster_llm):
+def test_two_replicas_generate_what_one_engine_does(cluster_llm, tiny_engine):
     from nanovllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=12)
     served = cluster_llm.generate(PROMPTS, params, use_tqdm=False)
-    alone = LLM(allocator="prefix", **ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    alone = LLM(allocator="prefix", **tiny_engine).generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in served] == [o.token_ids for o in alone]
     assert [o.text for o in served] == [o.text for o in alone]
     assert [o.finish_reason for o in served] == [o.finish_reason for o in alone]

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from test_ray_cluster import ENGINE, PROMPTS, local_ray  # noqa: F401 -- a fixture
+from helpers import SMALL
+from test_ray_cluster import PROMPTS, local_ray, tiny_engine, tiny_model  # noqa: F401 -- fixtures
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
@@ -49,7 +50,7 @@ def run(cluster, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def pd_llm(tmp_path_factory, local_ray):
+def pd_llm(tmp_path_factory, local_ray, tiny_engine):
     """The module cluster, on the module's Ray instance (``local_ray`` checks that no Ray process is left)."""
     from nanovllm import LLM
 
@@ -57,26 +58,26 @@ def pd_llm(tmp_path_factory, local_ray):
     plugin.write_text(FAILING_TRANSFER)
     files = shm_files()
     llm = LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="refuses_long"),
-              plugins=[str(plugin)], allocator="prefix", **ENGINE)
+              plugins=[str(plugin)], allocator="prefix", **tiny_engine)
     yield llm
     llm.close()
     assert shm_files() <= files
 
 
 @pytest.fixture(scope="module")
-def alone():
+def alone(tiny_engine):
     from nanovllm import LLM
 
-    return LLM(allocator="prefix", **ENGINE)
+    return LLM(allocator="prefix", **tiny_engine)
 
 
-def test_the_ray_object_store_moves_the_kv_as_well(alone, local_ray):
+def test_the_ray_object_store_moves_the_kv_as_well(alone, local_ray, tiny_engine):
     """First: its cluster closed (its actors stopped) before the module cluster holds the cores."""
     from nanovllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8)
     with LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="ray"), allocator="prefix",
-             **ENGINE) as llm:
+             **tiny_engine) as llm:
         served = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in served] == [o.token_ids for o in alone.generate(PROMPTS, params, use_tqdm=False)]
     assert all(o.metrics.kv_transfer_bytes > 0 for o in served)
@@ -90,7 +91,8 @@ def test_one_prefill_and_one_decode_process_generate_what_one_engine_does(pd_llm
     reference = alone.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in served] == [o.token_ids for o in reference]
     assert [o.finish_reason for o in served] == [o.finish_reason for o in reference]
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4   # K and V, 30 layers, 16 tokens, 3 KV heads x 64, float32
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]   # the tiny model's, float32 K and V
+    block_bytes = 2 * SMALL["num_hidden_layers"] * 16 * SMALL["num_key_value_heads"] * head_dim * 4
     for output in served:
         blocks = -(-len(output.prompt_token_ids) // 16)
         assert output.metrics.kv_transfer_bytes == blocks * block_bytes

@@ -13,19 +13,20 @@ import time
 
 import pytest
 
-from test_ray_cluster import ENGINE, PROMPTS, ray_processes, tiny_model  # noqa: F401 -- a fixture
+from helpers import ray_processes
+from test_ray_cluster import PROMPTS, tiny_engine, tiny_model  # noqa: F401 -- fixtures
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def faulty_llm():
+def faulty_llm(tiny_engine):
     from nanovllm import LLM
 
     before = {p.pid for p in ray_processes()}
     llm = LLM(cluster=dict(replicas=2, max_retries=2, max_restarts=1), router="round_robin", dtype="float32",
-              **ENGINE)
+              **tiny_engine)
     yield llm
     llm.close()
     assert not ray.is_initialized()
@@ -57,13 +58,14 @@ def drive(cluster, requests, kill=None, timeout=300.0):
     return ended
 
 
-def test_a_killed_replicas_requests_resume_elsewhere_with_the_undisturbed_output_and_it_restarts(faulty_llm):
+def test_a_killed_replicas_requests_resume_elsewhere_with_the_undisturbed_output_and_it_restarts(faulty_llm,
+                                                                                                     tiny_engine):
     from nanovllm import LLM, SamplingParams
     from nanovllm.serving.records import request_record
 
     cluster = faulty_llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(dtype="float32", **ENGINE).generate(PROMPTS, params, use_tqdm=False)]
+    expected = [o.token_ids for o in LLM(dtype="float32", **tiny_engine).generate(PROMPTS, params, use_tqdm=False)]
     requests = [cluster.make_request(p, params) for p in PROMPTS]
     killed: list[dict] = []
 
@@ -101,7 +103,8 @@ def test_a_killed_replicas_requests_resume_elsewhere_with_the_undisturbed_output
     assert [r.output_token_ids for r in later] == [e[:8] for e in expected[:2]]
 
 
-def test_with_no_replica_alive_requests_wait_for_a_relaunch_and_fail_with_the_reason_once_none_is_left(faulty_llm):
+def test_with_no_replica_alive_requests_wait_for_a_relaunch_and_fail_with_the_reason_once_none_is_left(
+        faulty_llm, tiny_engine):
     """Both replicas die at once (replica 1 has used its one restart, replica 0 has one left): no replica is
     alive, so the requests they held wait for replica 0's relaunch and finish there with the undisturbed output.
     Once replica 0 dies for good, what it held fails saying no replica is left, and an arrival fails with the
@@ -111,7 +114,7 @@ def test_with_no_replica_alive_requests_wait_for_a_relaunch_and_fail_with_the_re
 
     cluster = faulty_llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(dtype="float32", **ENGINE).generate(PROMPTS, params, use_tqdm=False)]
+    expected = [o.token_ids for o in LLM(dtype="float32", **tiny_engine).generate(PROMPTS, params, use_tqdm=False)]
     requests = [cluster.make_request(p, params) for p in PROMPTS]
     killed = []
 
@@ -153,7 +156,7 @@ def replica_actor_processes(root: int) -> list:
     return found
 
 
-def test_streams_over_http_survive_a_replica_killed_mid_stream(tmp_path, tiny_model):
+def test_streams_over_http_survive_a_replica_killed_mid_stream(tmp_path, tiny_model, tiny_engine):
     """``python -m nanovllm.serve cluster.replicas=2 cluster.max_restarts=1``, four concurrent greedy streams from
     the openai SDK, one replica's actor process SIGKILLed once every stream has text: each stream's text is the
     undisturbed one (no duplicate, no gap), the run's records say which requests were retried, and no Ray
@@ -171,7 +174,7 @@ def test_streams_over_http_survive_a_replica_killed_mid_stream(tmp_path, tiny_mo
     from nanovllm.serving.records import read_run
 
     max_tokens = 300
-    engine = LLM(model=str(tiny_model), dtype="float32", **ENGINE)
+    engine = LLM(dtype="float32", **tiny_engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     expected = [out.text for out in engine.generate(PROMPTS, params, use_tqdm=False)]
     engine.close()

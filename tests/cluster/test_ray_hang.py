@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from helpers import REPO
-from test_ray_cluster import ray_processes, synthetic, tiny_model  # noqa: F401 -- a fixture
+from helpers import ray_processes
+from test_ray_cluster import synthetic, tiny_model  # noqa: F401 -- a fixture
 
 ray = pytest.importorskip("ray")
 

@@ -11,16 +11,25 @@ import os
 
 import pytest
 
-from test_ray_cluster import local_ray  # noqa: F401 -- a fixture
+from helpers import SMALL
+from test_ray_cluster import local_ray, tiny_model  # noqa: F401 -- fixtures
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
-BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4   # one float32 block of the default model (30 layers, 3 KV heads of 64)
+# One float32 block (K and V of 16 tokens) of the tiny model the replicas run: what they do with their tiers
+# does not depend on the model, and each actor loads it in a fraction of the default model's time.
+BLOCK_BYTES = (SMALL["num_hidden_layers"] * 2 * 16 * SMALL["num_key_value_heads"]
+               * SMALL["hidden_size"] // SMALL["num_attention_heads"] * 4)
 ENGINE = dict(num_kv_blocks=16, max_model_len=256, warmup=False, allocator="prefix")
 TEXTS = ["In a distant kingdom, beyond the seven mountains and the great silver river, lived a wise old queen. ",
          "The history of the Roman Empire spans many centuries, and its roads still cross the continent today. ",
          "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen inside every green leaf. "]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> dict:
+    return dict(ENGINE, model=str(tiny_model))
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +40,13 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture
-def tiered_llm(store, local_ray):
+def tiered_llm(store, local_ray, engine):
     """Two replicas with tiers on the module's Ray instance; closed after its test (a cluster still running would
     hold the CPUs the next test's actors need)."""
     from nanovllm import LLM
 
     # A small pool, a host tier of 3 blocks written through, the shared store below it (what host evicts).
-    llm = LLM(cluster=dict(replicas=2), router="round_robin", **ENGINE,
+    llm = LLM(cluster=dict(replicas=2), router="round_robin", **engine,
               kv_offload=dict(name="host", capacity=3 * BLOCK_BYTES, policy="write_through",
                               below=dict(name="shared", path=str(store), store="views")))
     yield llm
@@ -101,7 +110,7 @@ def test_ray_replicas_report_which_tier_each_requests_cached_tokens_came_from(ti
     assert again.replica == 1 and again.num_cached_tokens_by_tier["shared"] > 0
 
 
-def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(store, local_ray):
+def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(store, local_ray, engine):
     from nanovllm import LLM, SamplingParams
 
     from test_ray_cluster import PROMPTS
@@ -109,13 +118,13 @@ def test_prefill_and_decode_replicas_hand_the_kv_over_through_the_shared_store(s
     params = SamplingParams(temperature=0.0, max_tokens=8)
     prompts = PROMPTS + [TEXTS[1] * 2]
     shared = dict(name="shared", path=str(store), store="pd")
-    llm = LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="shared_store"), **ENGINE,
+    llm = LLM(cluster=dict(prefill_replicas=1, decode_replicas=1, kv_transfer="shared_store"), **engine,
               kv_offload=shared)
     try:
         served = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.close()
-    alone = LLM(**ENGINE).generate(prompts, params, use_tqdm=False)
+    alone = LLM(**engine).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in served] == [o.token_ids for o in alone]
     for output in served:   # every prompt's blocks moved, none lost on the way
         assert output.metrics.kv_transfer_bytes == -(-len(output.prompt_token_ids) // 16) * BLOCK_BYTES

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from omegaconf import OmegaConf
 
 from nanovllm.harness.objective import ObjectiveConfig, check_sweeper_direction, objective_value
 from nanovllm.harness.parallel_jobs import threads_for_job
-from helpers import TINY, run_cli
+from helpers import TINY, ray_processes, run_cli
 
 # Two jobs: the first is a bad combination (no chunked prefill, yet a token budget below max_model_len).
 SWEEP = [*TINY, "engine.enable_chunked_prefill=false", "engine.max_num_batched_tokens=16,512"]
@@ -118,17 +117,12 @@ def test_submitit_local_runs_the_sweep(tmp_path, basic_summary) -> None:
     assert len(list(_sweep_dir(tmp_path).glob(".submitit/*/*_result.pkl"))) == 2
 
 
-def _ray_processes() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "raylet" in line or "gcs_server" in line]
-
-
 def test_ray_launcher_on_a_local_instance(tmp_path, basic_summary) -> None:
-    assert _ray_processes() == [], "a Ray instance is already running on this machine"
+    assert ray_processes() == [], "a Ray instance of this test process's is already running"
     rows = _run_sweep(tmp_path, "hydra/launcher=ray_cluster", "hydra.launcher.ray.init.address=null",
                       "+hydra.launcher.ray.init.num_cpus=2", "hydra.launcher.ray.remote.num_cpus=1")
     assert _comparable(rows) == _comparable(basic_summary)
-    assert _ray_processes() == []  # the launcher's local instance is shut down with the sweep
+    assert ray_processes() == []  # the launcher's local instance is shut down with the sweep
 
 
 def test_optuna_tunes_toward_the_objective_and_survives_failed_trials(tmp_path) -> None:
