@@ -52,7 +52,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from policies.vllm_v1 import VLLM_CPU_BLOCK_SIZE, VLLM_CPU_MAX_NUM_BATCHED_TOKENS, VLLM_CPU_MAX_NUM_SEQS  # noqa: E402
 
-from nanovllm.harness.sim.calibrate_server import CalibrationPlan, calibrate_server, with_client_overhead  # noqa: E402
+from nanovllm.harness.sim.calibrate_server import (  # noqa: E402
+    CalibrationPlan,
+    calibrate_server,
+    refit,
+    with_client_overhead,
+)
 from nanovllm.harness.workload import WorkloadRequest  # noqa: E402
 from vllm_server import stop_vllm, wait_up  # noqa: E402
 
@@ -92,13 +97,16 @@ def kv_blocks(model_dir: Path, dtype: str) -> int:
     return KV_CACHE_GIB * 2**30 // (per_token * VLLM_CPU_BLOCK_SIZE)
 
 
-def start_vllm(python: str, model_dir: Path, dtype: str, port: int, core: int, log_path: Path) -> subprocess.Popen:
-    """vLLM's OpenAI server, pinned to ``core``, in a process group of its own (so it and its EngineCore stop
-    together)."""
+def start_vllm(python: str, model_dir: Path, dtype: str, port: int, core: int, log_path: Path,
+               api_core: int | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server in a process group of its own (so it and its EngineCore stop together): its
+    EngineCore's compute thread bound to ``core`` (``VLLM_CPU_OMP_THREADS_BIND``), the API process (HTTP,
+    detokenizing, streaming) and the EngineCore's I/O threads on ``api_core`` (None: ``core`` too)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
            "VLLM_SERVER_DEV_MODE": "1"}   # for POST /reset_prefix_cache between workloads
-    command = ["taskset", "-c", str(core), python, "-m", "vllm.entrypoints.openai.api_server",
+    command = ["taskset", "-c", str(core if api_core is None else api_core), python, "-m",
+               "vllm.entrypoints.openai.api_server",
                "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
                "--max-num-batched-tokens", str(VLLM_CPU_MAX_NUM_BATCHED_TOKENS),
@@ -107,6 +115,11 @@ def start_vllm(python: str, model_dir: Path, dtype: str, port: int, core: int, l
                "--enable-prompt-tokens-details"]   # each reply's cached_tokens: the prefix-cache hit rate
     log = open(log_path, "w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def knee_choice(knee_rows: int | None) -> int | None | str:
+    """``--knee-rows`` as ``calibrate_server.fit`` takes it: None fits the bend, 0 fits none."""
+    return "fit" if knee_rows is None else knee_rows
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -126,7 +139,8 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str,
     url = f"http://127.0.0.1:{args.port}/v1"
     log_path = out / "vllm_server.log"
     MEASURING.touch()
-    proc = start_vllm(args.vllm_python, model_dir, args.dtype, args.port, args.vllm_core, log_path)
+    proc = start_vllm(args.vllm_python, model_dir, args.dtype, args.port, args.vllm_core, log_path,
+                      args.api_core)
     try:
         try:
             wait_up(url, proc, log_path=log_path)
@@ -135,7 +149,8 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str,
         started = time.monotonic()
         plan = CalibrationPlan(url=url, model=SERVED_NAME, repeats=args.repeats)
         command = f"python experiments/sim_predicts_vllm.py {' '.join(sys.argv[1:])}".strip()
-        profile = calibrate_server(plan, out / "vllm_profile.yaml", dtype=args.dtype, command=command)
+        profile = calibrate_server(plan, out / "vllm_profile.yaml", dtype=args.dtype, command=command,
+                                   knee_rows=knee_choice(args.knee_rows))
         print(f"calibrated in {time.monotonic() - started:.0f} s: client overhead "
               f"{profile['client_overhead'] * 1e3:.1f} ms, median |fit error| "
               f"{profile['fit']['median_abs_rel_error']:.1%}", flush=True)
@@ -181,6 +196,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="the python of a virtualenv with vllm-cpu installed")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--vllm-core", type=int, default=1, help="the core vLLM is pinned to")
+    parser.add_argument("--api-core", type=int, default=None,
+                        help="the core of vLLM's API process and the EngineCore's I/O threads (default: --vllm-core)")
     parser.add_argument("--port", type=int, default=8395)
     parser.add_argument("--repeats", type=int, default=2, help="calibration rounds (single requests and bursts)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the held-out workloads on vLLM")
@@ -188,7 +205,10 @@ def main() -> None:
                         help="directory for vLLM's log and the fitted profile (not tracked)")
     parser.add_argument("--json", default=None, help="also write the table's figures to this file")
     parser.add_argument("--simulate-only", action="store_true",
-                        help="no vLLM: simulate again from the profile and vLLM's records the last run left in --out")
+                        help="no vLLM: fit the last run's calibration again (--knee-rows) and simulate from it and "
+                             "vLLM's records the last run left in --out")
+    parser.add_argument("--knee-rows", type=int, default=None,
+                        help="the row count where vLLM's step cost bends (default: fitted; 0: no bend)")
     args = parser.parse_args()
     if not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python: {args.vllm_python} does not exist")
@@ -207,7 +227,9 @@ def main() -> None:
     if args.simulate_only:
         if not saved.is_file():
             parser.error(f"--simulate-only: no {saved} (run without it first)")
-        profile = yaml.safe_load((out / "vllm_profile.yaml").read_text())
+        # The same measurements fitted again, so a choice of terms (--knee-rows) is compared on one calibration.
+        profile = refit(yaml.safe_load((out / "vllm_profile.yaml").read_text()), knee_choice(args.knee_rows))
+        (out / "vllm_profile_refit.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
         real = json.loads(saved.read_text())
     else:
         profile, real = measure_vllm(args, model_dir, workloads, out)
@@ -217,8 +239,8 @@ def main() -> None:
     hits = []
     for name, workload in workloads.items():
         # Output lengths from the first round (greedy: every round produces the same tokens).
-        simulated = simulate(workload, real[name][0], out / "vllm_profile.yaml", args.dtype, blocks,
-                             profile["client_overhead"])
+        profile_path = out / ("vllm_profile_refit.yaml" if args.simulate_only else "vllm_profile.yaml")
+        simulated = simulate(workload, real[name][0], profile_path, args.dtype, blocks, profile["client_overhead"])
         rounds, ours = [summarize(records, ()) for records in real[name]], summarize(simulated, ())
         hits.append(f"{name} {rounds[0]['prefix_cache_hit_rate']:.0%} / {ours['prefix_cache_hit_rate']:.0%}")
         for label, key in METRICS:
@@ -227,9 +249,12 @@ def main() -> None:
             rows.append({"workload": name, "metric": label, "vllm_rounds": values, "vllm": mean, "sim": ours[key],
                          "spread": (max(values) - min(values)) / mean, "error": ours[key] / mean - 1,
                          "rounds_within": sum(abs(ours[key] / v - 1) <= WITHIN for v in values)})
-    print(f"\nheld-out workloads, vLLM {args.dtype} on core {args.vllm_core} vs runner=sim scheduler=vllm_v1 "
+    api = "" if args.api_core is None else f", its API process on core {args.api_core}"
+    knee = f"bend at {profile['knee_rows']} rows" if profile.get("knee_rows") else "no bend"
+    print(f"\nheld-out workloads, vLLM {args.dtype} on core {args.vllm_core}{api} vs runner=sim scheduler=vllm_v1 "
           f"allocator=prefix ({blocks} blocks of {VLLM_CPU_BLOCK_SIZE}), profile fitted from vLLM's client-side "
-          f"calibration (client overhead {profile['client_overhead'] * 1e3:.1f} ms)")
+          f"calibration (client overhead {profile['client_overhead'] * 1e3:.1f} ms, {knee}, median |fit error| "
+          f"{profile['fit']['median_abs_rel_error']:.1%})")
     print("| workload | metric | vLLM rounds | vLLM mean | vLLM spread | simulated | error vs mean | within 15% | "
           "rounds within 15% |")
     print("|---|---|---|---|---|---|---|---|---|")

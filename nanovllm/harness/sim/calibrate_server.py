@@ -3,6 +3,7 @@
     python -m nanovllm.harness.sim.calibrate_server --url http://127.0.0.1:8000/v1 --out profile.yaml
         [--model NAME] [--dtype bfloat16] [--prompt-lens 16,64,256,512,1024] [--concurrency 1,2,4,8,16,32,64,128]
         [--output-len 32] [--burst-output-len 48] [--burst-prompt-lens 32,512] [--max-burst-tokens 40000]
+        [--prefill-batches 64x8,128x8,128x15,256x4,480x4] [--mixed-steps 16x128x4,32x256x4,64x128x8]
         [--repeats 3]
 
 then ``python -m nanovllm.run runner=sim runner.step_time=calibrated runner.profile=profile.yaml``. No step
@@ -14,6 +15,17 @@ known sequence of engine steps:
   request, so a prefix cache finds nothing): the TTFT is one prefill step of L tokens (L up to the server's
   token budget) plus the client-side overhead; the mean inter-token latency after it is a decode step of one
   sequence at context L + its position;
+- batched prefills (``--prefill-batches LENxCOUNT,...``): a request of the longest single prompt length is sent,
+  and COUNT requests of LEN tokens 30 ms after it, while its prefill runs; they all wait and are admitted
+  together in the next step, beside its first decode, so the time from its first token to theirs is one step
+  of COUNT x LEN prefill tokens and one decode (what a lone prefill cannot show: how the step cost grows with
+  tokens from several prompts, where attention is per prompt, and with a decode mixed in). The server must fit
+  them in one step (COUNT x LEN + 1 within its token budget);
+- mixed steps (``--mixed-steps NxLENxCOUNT,...``): N requests of 32-token prompts decode together, and 1.5 s
+  after them COUNT requests of LEN tokens arrive; the next step prefills those beside the N decodes, so the
+  gap in the N outputs that ends with the newcomers' first tokens is one step of COUNT x LEN prefill tokens
+  and N decodes (the steps of a loaded server, where a lone prefill or a decode burst alone says nothing of
+  what the two cost together). COUNT x LEN + N must fit the server's token budget;
 - bursts of N requests of the same lengths sent at once, N over ``--concurrency``, at each of the
   ``--burst-prompt-lens`` (two lengths tell the cost per sequence from the cost per context token at batch N;
   a burst of more than ``--max-burst-tokens`` tokens in all is left out, so it fits the server's KV cache),
@@ -29,7 +41,11 @@ step has: ``client_overhead``, the constant time a client waits on top of the fi
 hops between the server's processes, detokenizing, the event loop). The simulator has no client side, so it does
 not add it; ``with_client_overhead`` adds it to simulated records (every token time and the finish time: TTFT and
 E2E grow by it, inter-token latencies do not), which is what ``experiments/sim_predicts_vllm.py`` does before
-comparing. The profile records every observation with its measured and fitted time, and the fit's residuals.
+comparing. A server's step is often flat in its row count (prefill tokens + decode sequences) up to a bend and
+rises past it (reading the weights dominates a pass over few rows, computing dominates beyond): the fit also
+tries ``rows_above_knee`` (``step_time.KNEE_FEATURE``) with its bend at each row count the observations have,
+and keeps the bend, or none, with the lowest BIC (``knee_rows`` in the profile; ``--knee-rows`` fixes it, 0
+fits none). The profile records every observation with its measured and fitted time, and the fit's residuals.
 
 An unreachable URL, a server that answers with an error or a stream that fails stops the calibration with one
 ``error:`` line naming the URL and the request (``ServerCalibrationError``).
@@ -52,7 +68,7 @@ import yaml
 from scipy.optimize import nnls
 
 from nanovllm.harness.http_client import HttpRunnerConfig, serve_over_http
-from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES
+from nanovllm.harness.sim.step_time import CALIBRATION_FEATURES, KNEE_FEATURE
 from nanovllm.harness.workload import WorkloadRequest
 from nanovllm.serving.records import RequestRecord
 
@@ -63,6 +79,8 @@ TOKEN_RANGE = (1000, 30000)
 # Burst ITLs are read between these output positions from either end: the requests of a burst may be admitted
 # a step or two apart, so the first and last few tokens can come from steps with fewer than N decodes.
 BURST_EDGE = 4
+# The smallest relative error the bend's choice tells apart from none (``_bic``).
+RESOLUTION = 1e-4
 
 
 class ServerCalibrationError(RuntimeError):
@@ -75,8 +93,11 @@ class CalibrationPlan:
     the server's first). ``prompt_lens``: single-request prompt lengths, each sent ``repeats`` times with
     ``output_len`` tokens; ``concurrency``: burst sizes, each burst of ``burst_prompt_lens``-token prompts with
     ``burst_output_len`` tokens, sent ``repeats`` times (the median of the rounds is fitted), unless it holds
-    more than ``max_burst_tokens`` tokens. ``warmup_rounds``: untimed rounds of every single request and burst
-    first: a server's first pass over a batch shape can be far slower than its later ones (vLLM's CPU build's
+    more than ``max_burst_tokens`` tokens; ``prefill_batches``: (length, count) pairs of batched prefills, each
+    behind a request of the longest of ``prompt_lens``, ``repeats`` times (empty: none); ``mixed_steps``:
+    (decodes, length, count) triples of mixed steps, ``repeats`` times (empty: none). ``warmup_rounds``:
+    untimed rounds of every single request, burst and batched prefill first (of the batched prefills, at most
+    one): a server's first pass over a batch shape can be far slower than its later ones (vLLM's CPU build's
     kernels prepare themselves per shape), and the held-out workloads meet the shapes warm."""
 
     url: str
@@ -87,6 +108,8 @@ class CalibrationPlan:
     burst_prompt_lens: tuple[int, ...] = (32, 512)
     max_burst_tokens: int = 40000
     burst_output_len: int = 48
+    prefill_batches: tuple[tuple[int, int], ...] = ((64, 8), (128, 8), (128, 15), (256, 4), (480, 4))
+    mixed_steps: tuple[tuple[int, int, int], ...] = ((16, 128, 4), (32, 256, 4), (64, 128, 8))
     repeats: int = 3
     warmup_rounds: int = 1
     seed: int = 0
@@ -114,6 +137,14 @@ class CalibrationPlan:
         for name in ("max_burst_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if any(len(pair) != 2 or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in pair)
+               for pair in self.prefill_batches):
+            raise ValueError(f"prefill_batches must be (length, count) pairs of integers >= 1, got "
+                             f"{self.prefill_batches!r}")
+        if any(len(triple) != 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in triple)
+               for triple in self.mixed_steps):
+            raise ValueError(f"mixed_steps must be (decodes, length, count) triples of integers >= 1, got "
+                             f"{self.mixed_steps!r}")
         if not isinstance(self.warmup_rounds, int) or self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be an integer >= 0, got {self.warmup_rounds!r}")
 
@@ -126,9 +157,11 @@ class CalibrationPlan:
 @dataclass
 class Observation:
     """One measured time and the engine steps it spans: ``features`` summed over them (``steps``: how many),
-    ``client``: 1 when the time includes the client-side overhead (a TTFT), else 0."""
+    ``client``: 1 when the time includes the client-side overhead (a TTFT), else 0; ``step_rows``: each spanned
+    step's rows (prefill tokens + decode sequences), for the per-step ``rows_above_knee`` term (empty: one step
+    of the features' rows)."""
 
-    kind: str                # "ttft" or "itl"
+    kind: str                # "ttft", "itl" or "batched_prefill"
     prompt_len: int
     batch: int
     measured_s: float
@@ -137,6 +170,18 @@ class Observation:
     client: int = 0
     samples: int = 1
     predicted_s: float | None = field(default=None)
+    step_rows: tuple[int, ...] = ()
+    burst: bool = False      # measured on a burst of requests sent at once (else on single requests)
+    decodes: int = 0         # a mixed step's decoding requests, and their context then
+    decode_context: float = 0.0
+
+    def rows(self) -> tuple[int, ...]:
+        """The rows of each step this observation spans."""
+        return self.step_rows or (int(self.features["num_prefill_tokens"] + self.features["num_decode_seqs"]),)
+
+    def rows_above(self, knee_rows: int) -> int:
+        """``rows_above_knee`` summed over the spanned steps."""
+        return sum(max(0, rows - knee_rows) for rows in self.rows())
 
 
 def prefill_features(prompt_len: int) -> dict[str, float]:
@@ -146,10 +191,60 @@ def prefill_features(prompt_len: int) -> dict[str, float]:
             "attn_pairs": prompt_len * (prompt_len + 1) / 2}
 
 
+def batched_prefill_features(length: int, count: int, blocker_len: int) -> dict[str, float]:
+    """The step of a batched prefill: ``count`` whole prompts of ``length`` tokens and the first decode of the
+    ``blocker_len``-token request they queued behind."""
+    prefill, decode = prefill_features(length), decode_features(1, blocker_len + 1)
+    return {name: count * prefill[name] + decode[name] for name in prefill}
+
+
+def mixed_features(length: int, count: int, decodes: int, context: float) -> dict[str, float]:
+    """A mixed step: ``count`` whole prompts of ``length`` tokens prefilled beside ``decodes`` decoding requests
+    of ``context`` tokens each."""
+    prefill, decode = prefill_features(length), decode_features(decodes, context)
+    return {name: count * prefill[name] + decode[name] for name in prefill}
+
+
 def decode_features(batch: int, context: float) -> dict[str, float]:
     """A decode step of ``batch`` sequences, each with ``context`` tokens including the one it computes."""
     return {"num_prefill_tokens": 0, "num_decode_seqs": batch, "context_tokens": batch * context,
             "attn_pairs": batch * context}
+
+
+def single_itl_context(prompt_len: int, output_len: int) -> float:
+    """The mean context of a single request's decode steps: tokens 1 .. output_len-1 come from steps at
+    contexts prompt_len+1 .. prompt_len+output_len-1."""
+    return prompt_len + output_len / 2
+
+
+def burst_itl_context(prompt_len: int, burst_output_len: int) -> float:
+    """The mean context of a burst's decode steps between output positions ``BURST_EDGE`` and
+    ``burst_output_len - 1 - BURST_EDGE``, where its ITL is read."""
+    return prompt_len + (BURST_EDGE + 1 + burst_output_len - 1 - BURST_EDGE) / 2
+
+
+def observations_from_profile(profile: Mapping[str, Any]) -> list[Observation]:
+    """The observations a server profile was fitted from, rebuilt from what it records (each one's kind,
+    prompt length, batch and measured time, and the calibration's output lengths), so that they can be fitted
+    again (another ``knee_rows``) without measuring the server again."""
+    plan = profile["calibration"]
+    rebuilt = []
+    for o in profile["observations"]:
+        if o["kind"] == "ttft":
+            features, client = prefill_features(o["prompt_len"]), 1
+        elif o["kind"] == "mixed":
+            features, client = mixed_features(o["prompt_len"], o["batch"], o["decodes"], o["decode_context"]), 0
+        elif o["kind"] == "batched_prefill":
+            features, client = batched_prefill_features(o["prompt_len"], o["batch"], max(plan["prompt_lens"])), 0
+        elif o["burst"]:
+            features, client = decode_features(o["batch"], burst_itl_context(o["prompt_len"],
+                                                                             plan["burst_output_len"])), 0
+        else:
+            features, client = decode_features(1, single_itl_context(o["prompt_len"], plan["output_len"])), 0
+        rebuilt.append(Observation(o["kind"], o["prompt_len"], o["batch"], o["measured_s"], features, client=client,
+                                   samples=o["samples"], burst=o["burst"], decodes=o.get("decodes", 0),
+                                   decode_context=o.get("decode_context", 0.0)))
+    return rebuilt
 
 
 def _window_itl(record: RequestRecord, first: int, last: int) -> float:
@@ -168,7 +263,8 @@ def _request(rng: np.random.Generator, length: int, output_len: int, request_id:
     return WorkloadRequest(0.0, _prompt(rng, length), output_len, ignore_eos=True, request_id=request_id)
 
 
-def _burst(plan: CalibrationPlan, rng: np.random.Generator, length: int, batch: int, name: str) -> list[WorkloadRequest]:
+def _burst(plan: CalibrationPlan, rng: np.random.Generator, length: int, batch: int,
+           name: str) -> list[WorkloadRequest]:
     """``batch`` requests of ``length``-token prompts, sent at once (``name``-0, ``name``-1, ...)."""
     return [_request(rng, length, plan.burst_output_len, f"{name}-{i}") for i in range(batch)]
 
@@ -234,10 +330,12 @@ def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
                                         client=1, samples=len(ttfts)))
         # Tokens 1 .. output_len-1 come from decode steps at contexts length+1 .. length+output_len-1.
         observations.append(Observation("itl", length, 1, statistics.median(itls),
-                                        decode_features(1, length + plan.output_len / 2), samples=len(itls)))
+                                        decode_features(1, single_itl_context(length, plan.output_len)),
+                                        samples=len(itls)))
         if progress:
             print(f"  prompt {length:5d}: TTFT {observations[-2].measured_s * 1e3:8.1f} ms, "
                   f"ITL {observations[-1].measured_s * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+    observations += _batched_prefills(plan, rng, progress)
     first, last = BURST_EDGE, plan.burst_output_len - 1 - BURST_EDGE
     bursts: dict[tuple[int, int], list[float]] = {pair: [] for pair in plan.bursts()}
     for r in range(plan.repeats):   # each burst once per round, so a slow spell of the machine hits them all
@@ -246,45 +344,186 @@ def measure(plan: CalibrationPlan, progress: bool = True) -> list[Observation]:
                             f"burst of {batch} x {length} tokens")
             bursts[length, batch].append(statistics.median(_window_itl(rec, first, last) for rec in records))
     for (length, batch), itls in bursts.items():
-        context = length + (first + 1 + last) / 2
         observations.append(Observation("itl", length, batch, statistics.median(itls),
-                                        decode_features(batch, context), samples=len(itls)))
+                                        decode_features(batch, burst_itl_context(length, plan.burst_output_len)),
+                                        samples=len(itls), burst=True))
         if progress:
             print(f"  burst {batch:4d} x {length:4d}: ITL {observations[-1].measured_s * 1e3:7.1f} ms "
                   f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in itls)})", file=sys.stderr, flush=True)
+    single_itl = min(o.measured_s for o in observations if o.kind == "itl" and not o.burst)
+    return observations + _mixed_steps(plan, rng, single_itl, progress)
+
+
+# Mixed steps: the decoding requests' prompts, and when the prompts to prefill beside them arrive (after the
+# decoders' own prefill); the decoders' outputs last at least twice that at the server's single-request ITL.
+MIXED_DECODE_PROMPT = 32
+MIXED_INJECT_S = 1.5
+MIXED_MAX_OUTPUT = 448
+
+
+def _mixed_step(plan: CalibrationPlan, decoders: Sequence[RequestRecord], newcomers: Sequence[RequestRecord],
+                what: str) -> tuple[float, float]:
+    """The mixed step's duration and its decoders' mean context: per decoder, the gap in its output that ends
+    with the token arriving with the newcomers' (median) first token; the median over the decoders."""
+    arrival = statistics.median(float(rec["first_token_time"] or 0.0) for rec in newcomers)
+    gaps, contexts = [], []
+    for rec in decoders:
+        times = [float(t) for t in rec["token_times"]]
+        k = min(range(1, len(times)), key=lambda i: abs(times[i] - arrival))
+        gap = times[k] - times[k - 1]
+        if abs(times[k] - arrival) > 0.5 * gap:   # no output step of this decoder ended with the newcomers'
+            raise ServerCalibrationError(
+                f"url={plan.url}: the {what} did not run in one step with the decoding requests (the newcomers' "
+                f"first tokens came {abs(times[k] - arrival) * 1e3:.1f} ms from the nearest decode token, whose "
+                f"step lasted {gap * 1e3:.1f} ms): the decoders had ended or the step did not fit the server's "
+                "token budget or sequence cap; give smaller mixed_steps or none")
+        gaps.append(gap)
+        contexts.append(MIXED_DECODE_PROMPT + k + 1)   # the prompt, k tokens out, and the one it computes
+    return statistics.median(gaps), statistics.fmean(contexts)
+
+
+def _mixed_steps(plan: CalibrationPlan, rng: np.random.Generator, single_itl: float,
+                 progress: bool) -> list[Observation]:
+    """The ``mixed_steps`` observations (module docstring), the median over ``repeats`` rounds; a warm-up round
+    first when ``plan.warmup_rounds``. ``single_itl``: the server's fastest measured decode step, which sets
+    how many tokens the decoders ask for so that they still decode when the newcomers arrive."""
+    output = min(MIXED_MAX_OUTPUT, max(2 * BURST_EDGE + 2, int(np.ceil(2 * MIXED_INJECT_S / single_itl))))
+    steps: dict[tuple[int, int, int], list[tuple[float, float]]] = {triple: [] for triple in plan.mixed_steps}
+    for r in range(min(plan.warmup_rounds, 1) + plan.repeats):
+        for decodes, length, count in plan.mixed_steps:
+            name = f"mixed{decodes}+{count}x{length}-{r}"
+            decoders = [WorkloadRequest(0.0, _prompt(rng, MIXED_DECODE_PROMPT), output, ignore_eos=True,
+                                        request_id=f"{name}-d{i}") for i in range(decodes)]
+            newcomers = [WorkloadRequest(MIXED_INJECT_S, _prompt(rng, length), 2, ignore_eos=True,
+                                         request_id=f"{name}-n{i}") for i in range(count)]
+            what = f"mixed step of {count} x {length} prefill tokens and {decodes} decodes"
+            records = _send(plan, decoders + newcomers, None, what)
+            measured = _mixed_step(plan, records[:decodes], records[decodes:], what)
+            if r >= min(plan.warmup_rounds, 1):
+                steps[decodes, length, count].append(measured)
+    observations = []
+    for (decodes, length, count), measured in steps.items():
+        step = statistics.median(m[0] for m in measured)
+        context = statistics.fmean(m[1] for m in measured)
+        observations.append(Observation("mixed", length, count, step, mixed_features(length, count, decodes, context),
+                                        samples=len(measured), decodes=decodes, decode_context=context))
+        if progress:
+            print(f"  mixed {decodes:3d} decodes + {count:3d} x {length:4d}: step {step * 1e3:7.1f} ms "
+                  f"(rounds: {', '.join(f'{m[0] * 1e3:.1f}' for m in measured)})", file=sys.stderr, flush=True)
     return observations
 
 
-def fit(observations: Sequence[Observation]) -> dict[str, Any]:
-    """The profile's fitted part: ``intercept``, ``coefficients`` (over ``CALIBRATION_FEATURES``, the unfitted
-    ones 0), ``client_overhead``, the fit's quality, and each observation with its fitted time. NNLS on rows
-    scaled by 1 / measured time (relative error)."""
-    if len(observations) < len(FITTED_FEATURES) + 2:
-        raise ValueError(f"calibration needs at least {len(FITTED_FEATURES) + 2} observations, got {len(observations)}")
-    design = np.array([[o.steps, float(o.client), *(o.features[f] for f in FITTED_FEATURES)] for o in observations])
+def _solve(observations: Sequence[Observation], knee_rows: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """NNLS on rows scaled by 1 / measured time: the solution (intercept, client overhead, ``FITTED_FEATURES``,
+    then ``rows_above_knee`` when ``knee_rows`` is given) and the design matrix."""
+    design = np.array([[o.steps, float(o.client), *(o.features[f] for f in FITTED_FEATURES),
+                        *(() if knee_rows is None else (o.rows_above(knee_rows),))] for o in observations])
     measured = np.array([o.measured_s for o in observations])
-    if np.any(measured <= 0):
-        raise ValueError("calibration: a measured time is not positive")
     weighted = design / measured[:, None]
     scale = np.abs(weighted).max(axis=0)
     scale[scale == 0] = 1.0
     solution, _ = nnls(weighted / scale, np.ones(len(observations)))
-    x = solution / scale
+    return solution / scale, design
+
+
+def _bic(observations: Sequence[Observation], knee_rows: int | None) -> float:
+    """The Bayesian information criterion of the relative-error fit with this bend (None: none): a bend is a
+    parameter too, so it is kept only where it pays for itself."""
+    x, design = _solve(observations, knee_rows)
+    measured = np.array([o.measured_s for o in observations])
+    relative = (design @ x - measured) / measured
+    n = len(observations)
+    parameters = int(np.count_nonzero(x)) + (knee_rows is not None)
+    # Relative errors below RESOLUTION are not told apart (no clock measures a server's step that finely), so
+    # two fits that both reach it count as equally good and the one with fewer parameters wins.
+    mean_square = max(float(np.sum(relative ** 2)) / n, RESOLUTION ** 2)
+    return n * float(np.log(mean_square)) + parameters * float(np.log(n))
+
+
+def fitted_knee(observations: Sequence[Observation]) -> int | None:
+    """The bend (``knee_rows``) with the lowest BIC among the row counts the observations' steps have (below
+    their largest, where the term would be 0 everywhere), or None where no bend beats the straight fit."""
+    candidates = sorted({rows for o in observations for rows in o.rows()})[:-1]
+    return min([None, *candidates], key=lambda knee: _bic(observations, knee))
+
+
+# The batched prompts are sent this long after the request they queue behind: enough for the server to have
+# admitted it and started its prefill step, far less than that step lasts.
+BATCH_LEAD_S = 0.03
+
+
+def _batched_prefills(plan: CalibrationPlan, rng: np.random.Generator, progress: bool) -> list[Observation]:
+    """The ``prefill_batches`` observations: per (length, count) the median over ``repeats`` rounds of the time
+    from the leading request's first token to the median first token of the batch (module docstring). A
+    warm-up round first when ``plan.warmup_rounds``."""
+    blocker_len = max(plan.prompt_lens)
+    steps: dict[tuple[int, int], list[float]] = {pair: [] for pair in plan.prefill_batches}
+    for r in range(min(plan.warmup_rounds, 1) + plan.repeats):
+        for length, count in plan.prefill_batches:
+            name = f"prefill-batch{count}x{length}-{r}"
+            requests = [WorkloadRequest(0.0, _prompt(rng, blocker_len), 2, ignore_eos=True,
+                                        request_id=f"{name}-lead"),
+                        *(WorkloadRequest(BATCH_LEAD_S, _prompt(rng, length), 2, ignore_eos=True,
+                                          request_id=f"{name}-{i}") for i in range(count))]
+            what = f"batched prefill of {count} x {length} tokens"
+            records = _send(plan, requests, None, what)
+            lead_first, lead_second = (float(t) for t in records[0]["token_times"][:2])
+            batch_first = statistics.median(float(rec["first_token_time"] or 0.0) for rec in records[1:])
+            # The batch's first tokens come from the step of the leader's second token, or it was not one step.
+            if abs(batch_first - lead_second) > 0.5 * abs(batch_first - lead_first):
+                raise ServerCalibrationError(
+                    f"url={plan.url}: the {what} did not run in one step beside the first decode of the "
+                    f"{blocker_len}-token request sent {BATCH_LEAD_S * 1e3:.0f} ms before it (its first tokens "
+                    f"came {(batch_first - lead_first) * 1e3:.1f} ms after that request's first, its second "
+                    f"{(lead_second - lead_first) * 1e3:.1f} ms after): the server's token budget or sequence cap "
+                    f"is below {count * length + 1} tokens / {count + 1} sequences, or its {blocker_len}-token "
+                    "prefill ends before the batch arrives; give smaller prefill_batches, a longer prompt_lens "
+                    "maximum, or none")
+            if r >= min(plan.warmup_rounds, 1):
+                steps[length, count].append(batch_first - lead_first)
+    observations = []
+    for (length, count), times in steps.items():
+        step = statistics.median(times)
+        observations.append(Observation("batched_prefill", length, count, step,
+                                        batched_prefill_features(length, count, blocker_len), samples=len(times)))
+        if progress:
+            print(f"  prefill batch {count:3d} x {length:4d}: step {step * 1e3:7.1f} ms "
+                  f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in times)})", file=sys.stderr, flush=True)
+    return observations
+
+
+def fit(observations: Sequence[Observation], knee_rows: int | None | str = "fit") -> dict[str, Any]:
+    """The profile's fitted part: ``intercept``, ``coefficients`` (over ``CALIBRATION_FEATURES``, the unfitted
+    ones 0, plus ``rows_above_knee`` with a bend), ``knee_rows`` (None: no bend), ``client_overhead``, the fit's
+    quality, and each observation with its fitted time. NNLS on rows scaled by 1 / measured time (relative
+    error). ``knee_rows``: "fit" (``fitted_knee``), a row count, or None or 0 for no bend."""
+    if len(observations) < len(FITTED_FEATURES) + 2:
+        raise ValueError(f"calibration needs at least {len(FITTED_FEATURES) + 2} observations, got {len(observations)}")
+    if any(o.measured_s <= 0 for o in observations):
+        raise ValueError("calibration: a measured time is not positive")
+    knee = fitted_knee(observations) if knee_rows == "fit" else (int(knee_rows) if knee_rows else None)
+    x, design = _solve(observations, knee)
+    measured = np.array([o.measured_s for o in observations])
     predicted = design @ x
     residual = predicted - measured
     relative = np.abs(residual) / measured
     total = float(np.sum((measured - measured.mean()) ** 2)) or 1.0
     coefficients = {name: 0.0 for name in CALIBRATION_FEATURES}
     coefficients.update({name: float(v) for name, v in zip(FITTED_FEATURES, x[2:])})
+    if knee is not None:
+        coefficients[KNEE_FEATURE] = float(x[-1])
     return {
         "intercept": float(x[0]),
         "client_overhead": float(x[1]),
         "coefficients": coefficients,
+        "knee_rows": knee,
         "fit": {"r2": 1.0 - float(np.sum(residual ** 2)) / total,
                 "median_abs_rel_error": float(np.median(relative)),
                 "max_abs_rel_error": float(relative.max()),
                 "max_abs_residual_s": float(np.abs(residual).max())},
         "observations": [{"kind": o.kind, "prompt_len": o.prompt_len, "batch": o.batch, "samples": o.samples,
+                          "burst": o.burst, **({"decodes": o.decodes, "decode_context": o.decode_context}
+                                               if o.kind == "mixed" else {}),
                           "measured_s": float(m), "fitted_s": float(p)}
                          for o, m, p in zip(observations, measured, predicted)],
         "feature_range": {name: [float(design[:, j + 2].min()), float(design[:, j + 2].max())]
@@ -293,13 +532,14 @@ def fit(observations: Sequence[Observation]) -> dict[str, Any]:
 
 
 def calibrate_server(plan: CalibrationPlan, out: str | Path | None = None, *, dtype: str | None = None,
-                     command: str | None = None, progress: bool = True) -> dict[str, Any]:
+                     command: str | None = None, progress: bool = True,
+                     knee_rows: int | None | str = "fit") -> dict[str, Any]:
     """Measure ``plan`` against its server, fit, and write the profile to ``out`` (None: not written); returns
     the profile. ``dtype``: the model dtype the server runs, recorded so that a simulated run in another dtype
-    is refused (``CalibratedStepTime``); None records none."""
+    is refused (``CalibratedStepTime``); None records none. ``knee_rows``: as ``fit`` takes it."""
     started = time.time()
     observations = measure(plan, progress=progress)
-    fitted = fit(observations)
+    fitted = fit(observations, knee_rows)
     profile: dict[str, Any] = {
         "step_time": "calibrated",
         "source": "server",
@@ -310,6 +550,8 @@ def calibrate_server(plan: CalibrationPlan, out: str | Path | None = None, *, dt
         **fitted,
         "calibration": {"prompt_lens": list(plan.prompt_lens), "concurrency": list(plan.concurrency),
                         "output_len": plan.output_len, "burst_prompt_lens": list(plan.burst_prompt_lens),
+                        "prefill_batches": [list(pair) for pair in plan.prefill_batches],
+                        "mixed_steps": [list(triple) for triple in plan.mixed_steps],
                         "max_burst_tokens": plan.max_burst_tokens,
                         "burst_output_len": plan.burst_output_len, "repeats": plan.repeats,
                         "warmup_rounds": plan.warmup_rounds, "seed": plan.seed,
@@ -319,6 +561,12 @@ def calibrate_server(plan: CalibrationPlan, out: str | Path | None = None, *, dt
     if out is not None:
         Path(out).write_text(yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")
     return profile
+
+
+def refit(profile: Mapping[str, Any], knee_rows: int | None | str = "fit") -> dict[str, Any]:
+    """``profile`` fitted again from its own observations (``observations_from_profile``) with ``knee_rows`` (as
+    ``fit`` takes it): the same measurements, another choice of terms."""
+    return {**profile, **fit(observations_from_profile(profile), knee_rows)}
 
 
 def client_overhead(profile: Mapping[str, Any] | str | Path) -> float:
@@ -350,6 +598,24 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _tuples(text: str, size: int, example: str) -> list[tuple[int, ...]]:
+    try:
+        parts = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected values such as {example}, got {text!r}") from None
+    if any(len(part) != size for part in parts):
+        raise argparse.ArgumentTypeError(f"expected values such as {example}, got {text!r}")
+    return parts
+
+
+def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((a, b) for a, b in _tuples(text, 2, "128x8,256x4 (LENxCOUNT)"))
+
+
+def _triples(text: str) -> tuple[tuple[int, int, int], ...]:
+    return tuple((a, b, c) for a, b, c in _tuples(text, 3, "16x128x4,32x256x4 (NxLENxCOUNT)"))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the API's base, e.g. http://127.0.0.1:8000/v1")
@@ -361,18 +627,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=_ints, default=defaults.concurrency)
     parser.add_argument("--output-len", type=int, default=defaults.output_len)
     parser.add_argument("--burst-prompt-lens", type=_ints, default=defaults.burst_prompt_lens)
+    parser.add_argument("--mixed-steps", type=_triples, default=defaults.mixed_steps,
+                        help="NxLENxCOUNT,...: mixed steps of COUNT prompts of LEN tokens beside N decodes "
+                             "('' for none)")
+    parser.add_argument("--prefill-batches", type=_pairs, default=defaults.prefill_batches,
+                        help="LENxCOUNT,...: batched prefills of COUNT prompts of LEN tokens ('' for none)")
     parser.add_argument("--max-burst-tokens", type=int, default=defaults.max_burst_tokens)
     parser.add_argument("--burst-output-len", type=int, default=defaults.burst_output_len)
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
     parser.add_argument("--warmup-rounds", type=int, default=defaults.warmup_rounds)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--knee-rows", type=int, default=None,
+                        help="the row count where the step cost bends (default: fitted; 0: no bend)")
     args = parser.parse_args(argv)
+    if args.knee_rows is not None and args.knee_rows < 0:
+        parser.error(f"--knee-rows must be >= 0, got {args.knee_rows}")
     url = args.url.rstrip("/")
     if not url.endswith("/v1"):
         url += "/v1"
     try:
         plan = CalibrationPlan(url=url, model=args.model, prompt_lens=args.prompt_lens, concurrency=args.concurrency,
                                output_len=args.output_len, burst_prompt_lens=args.burst_prompt_lens,
+                               prefill_batches=args.prefill_batches, mixed_steps=args.mixed_steps,
                                max_burst_tokens=args.max_burst_tokens,
                                burst_output_len=args.burst_output_len, repeats=args.repeats,
                                warmup_rounds=args.warmup_rounds, seed=args.seed)
@@ -380,7 +656,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(exc))
     command = "python -m nanovllm.harness.sim.calibrate_server " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
-        profile = calibrate_server(plan, args.out, dtype=args.dtype, command=command)
+        profile = calibrate_server(plan, args.out, dtype=args.dtype, command=command,
+                                   knee_rows="fit" if args.knee_rows is None else args.knee_rows)
     except ServerCalibrationError as exc:
         raise SystemExit(f"error: {exc}") from None
     fit_ = profile["fit"]
@@ -389,8 +666,9 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"max {fit_['max_abs_rel_error']:.1%}")
 
 
-__all__ = ["CalibrationPlan", "Observation", "ServerCalibrationError", "calibrate_server", "check_reachable",
-           "client_overhead", "decode_features", "fit", "measure", "prefill_features", "with_client_overhead"]
+__all__ = ["CalibrationPlan", "Observation", "ServerCalibrationError", "batched_prefill_features",
+           "calibrate_server", "check_reachable", "client_overhead", "decode_features", "fit", "fitted_knee", "measure",
+           "mixed_features", "observations_from_profile", "prefill_features", "refit", "with_client_overhead"]
 
 if __name__ == "__main__":
     main()

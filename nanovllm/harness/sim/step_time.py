@@ -58,6 +58,18 @@ CALIBRATION_FEATURES = ("num_prefill_tokens", "num_decode_seqs", "num_sampled", 
 KERNEL_FEATURES = ("gemv_rows", "gemm_step")
 
 
+# A roofline's bend, for servers calibrated from the outside (``calibrate_server``): a step whose rows (prefill
+# tokens + decode sequences) are few costs about the same whatever their number (the pass is bound by reading
+# the weights), and past some row count each further row adds compute. ``max(W, c * rows)`` is
+# ``W + c * max(0, rows - W / c)``: the profile's ``knee_rows`` is the bend, this feature the rows past it.
+KNEE_FEATURE = "rows_above_knee"
+
+
+def rows_above_knee(features: Mapping[str, int], knee_rows: int) -> int:
+    """The step's rows (prefill tokens + decode sequences) beyond ``knee_rows``, 0 when it has no more."""
+    return max(0, features["num_prefill_tokens"] + features["num_decode_seqs"] - knee_rows)
+
+
 def kernel_features(features: Mapping[str, int], gemv_max_rows: int) -> dict[str, int]:
     """``gemv_rows``: the step's rows (prefill tokens + decode sequences) when they go through the few-row
     GEMV kernel, else 0; ``gemm_step``: 1 when they go through the GEMM instead (more than ``gemv_max_rows``)."""
@@ -125,7 +137,8 @@ def register_step_time(name: str) -> Callable[[type[StepTimeModel]], type[StepTi
 @register_step_time("calibrated")
 class CalibratedStepTime(StepTimeModel):
     """``step_gap + intercept + sum(coefficient[f] * features[f])`` from a profile written by ``calibrate``;
-    ``f`` also ranges over ``KERNEL_FEATURES`` when the profile has ``gemv_max_rows``. ``step_gap`` (0 when
+    ``f`` also ranges over ``KERNEL_FEATURES`` when the profile has ``gemv_max_rows``, and over ``KNEE_FEATURE``
+    when it has ``knee_rows`` (``calibrate_server`` fits one where the server's steps bend). ``step_gap`` (0 when
     absent) is the serving loop's own time between one step's end and the next one's start: like ``replay``,
     each simulated step lasts until the next one can start, so arrivals land in the same steps as for real."""
 
@@ -161,9 +174,14 @@ class CalibratedStepTime(StepTimeModel):
         self.explicit = bool(profile)
         self.intercept = float(data["intercept"])
         terms = [(name, float(value)) for name, value in data["coefficients"].items() if value]
-        self.coefficients = [(name, value) for name, value in terms if name not in KERNEL_FEATURES]
+        self.coefficients = [(name, value) for name, value in terms
+                             if name not in KERNEL_FEATURES and name != KNEE_FEATURE]
         self.kernel_coefficients = [(name, value) for name, value in terms if name in KERNEL_FEATURES]
         self.gemv_max_rows: int | None = data.get("gemv_max_rows")
+        self.knee_rows: int | None = data.get("knee_rows")
+        self.knee_coefficient = float(data["coefficients"].get(KNEE_FEATURE) or 0.0)
+        if self.knee_coefficient and self.knee_rows is None:
+            raise ValueError(f"runner.profile: {path} has a {KNEE_FEATURE} coefficient but no knee_rows")
         self.step_gap = float(data.get("step_gap") or 0.0)
         try:
             self.kv_tier_links = check_kv_tier_links(data.get("kv_tier_links") or {})
@@ -178,6 +196,8 @@ class CalibratedStepTime(StepTimeModel):
             kernel = kernel_features(features, self.gemv_max_rows)
             for name, coefficient in self.kernel_coefficients:
                 seconds += coefficient * kernel[name]
+        if self.knee_coefficient:
+            seconds += self.knee_coefficient * rows_above_knee(features, self.knee_rows or 0)
         return seconds
 
     def describe(self) -> str:
