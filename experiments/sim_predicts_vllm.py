@@ -2,11 +2,13 @@
 scheduling rules (``scheduler=vllm_v1``) on held-out workloads, side by side with vLLM serving them::
 
     python experiments/sim_predicts_vllm.py --vllm-python /root/vllm-venv/bin/python [--json FILE]
-        [--dtype bfloat16] [--vllm-core 1] [--port 8395] [--repeats 2] [--rounds 2] [--simulate-only]
+        [--dtype bfloat16] [--vllm-core 1] [--api-core 0] [--port 8395] [--repeats 2] [--rounds 2]
+        [--simulate-only [--knee-rows N]]
 
 One run, in this order: vLLM's OpenAI server starts (``python -m vllm.entrypoints.openai.api_server`` from
 ``--vllm-python``, the default model in ``--dtype``, 127.0.0.1, pinned to ``--vllm-core`` with
-``VLLM_CPU_OMP_THREADS_BIND``; the recipe of its virtualenv is in ``bench_vs_vllm.py``) with vLLM CPU's API-server
+``VLLM_CPU_OMP_THREADS_BIND``; with ``--api-core`` its API process and EngineCore on that core instead, beside
+the client; the recipe of its virtualenv is in ``bench_vs_vllm.py``) with vLLM CPU's API-server
 defaults passed explicitly (``max_num_batched_tokens`` 2048, ``max_num_seqs`` 128, block size 128, chunked
 prefill and prefix caching on: ``policies/vllm_v1.py``) and a 1 GiB KV cache. Then
 ``nanovllm.harness.sim.calibrate_server`` sends its calibration workload (single requests over prompt lengths,
