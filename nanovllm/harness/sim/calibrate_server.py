@@ -96,8 +96,8 @@ class CalibrationPlan:
     more than ``max_burst_tokens`` tokens; ``prefill_batches``: (length, count) pairs of batched prefills, each
     behind a request of the longest of ``prompt_lens``, ``repeats`` times (empty: none); ``mixed_steps``:
     (decodes, length, count) triples of mixed steps, ``repeats`` times (empty: none). ``warmup_rounds``:
-    untimed rounds of every single request, burst and batched prefill first (of the batched prefills, at most
-    one): a server's first pass over a batch shape can be far slower than its later ones (vLLM's CPU build's
+    untimed rounds of every single request, burst, batched prefill and mixed step first (of the last two, at
+    most one): a server's first pass over a batch shape can be far slower than its later ones (vLLM's CPU build's
     kernels prepare themselves per shape), and the held-out workloads meet the shapes warm."""
 
     url: str
@@ -157,11 +157,10 @@ class CalibrationPlan:
 @dataclass
 class Observation:
     """One measured time and the engine steps it spans: ``features`` summed over them (``steps``: how many),
-    ``client``: 1 when the time includes the client-side overhead (a TTFT), else 0; ``step_rows``: each spanned
-    step's rows (prefill tokens + decode sequences), for the per-step ``rows_above_knee`` term (empty: one step
-    of the features' rows)."""
+    ``client``: 1 when the time includes the client-side overhead (a TTFT), else 0. Every kind measured is one
+    step, whose rows (prefill tokens + decode sequences) the ``rows_above_knee`` term reads."""
 
-    kind: str                # "ttft", "itl" or "batched_prefill"
+    kind: str                # "ttft", "itl", "batched_prefill" or "mixed"
     prompt_len: int
     batch: int
     measured_s: float
@@ -170,18 +169,17 @@ class Observation:
     client: int = 0
     samples: int = 1
     predicted_s: float | None = field(default=None)
-    step_rows: tuple[int, ...] = ()
     burst: bool = False      # measured on a burst of requests sent at once (else on single requests)
     decodes: int = 0         # a mixed step's decoding requests, and their context then
     decode_context: float = 0.0
 
-    def rows(self) -> tuple[int, ...]:
-        """The rows of each step this observation spans."""
-        return self.step_rows or (int(self.features["num_prefill_tokens"] + self.features["num_decode_seqs"]),)
+    def rows(self) -> int:
+        """The rows of the step this observation measures."""
+        return int(self.features["num_prefill_tokens"] + self.features["num_decode_seqs"])
 
     def rows_above(self, knee_rows: int) -> int:
-        """``rows_above_knee`` summed over the spanned steps."""
-        return sum(max(0, rows - knee_rows) for rows in self.rows())
+        """``rows_above_knee`` of that step."""
+        return max(0, self.rows() - knee_rows)
 
 
 def prefill_features(prompt_len: int) -> dict[str, float]:
@@ -443,7 +441,7 @@ def _bic(observations: Sequence[Observation], knee_rows: int | None) -> float:
 def fitted_knee(observations: Sequence[Observation]) -> int | None:
     """The bend (``knee_rows``) with the lowest BIC among the row counts the observations' steps have (below
     their largest, where the term would be 0 everywhere), or None where no bend beats the straight fit."""
-    candidates = sorted({rows for o in observations for rows in o.rows()})[:-1]
+    candidates = sorted({o.rows() for o in observations})[:-1]
     return min([None, *candidates], key=lambda knee: _bic(observations, knee))
 
 
