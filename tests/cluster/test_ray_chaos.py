@@ -1,4 +1,4 @@
-"""Chaos on a real cluster (issue 59): ``python -m nanovllm.serve`` on the default model (float32) on 127.0.0.1 with
+"""Chaos on a real cluster (issue 59): ``python -m nanovllm.serve`` on a tiny model (float32) on 127.0.0.1 with
 two colocated replicas, or a prefill/decode pair, greedy streams from the openai SDK, and a random replica's Ray
 actor SIGKILLed every few seconds while they run (each time both replicas are up again: ``cluster.max_restarts``
 relaunches the dead one), twice, the clients sending streams until both kills landed. Every request ends exactly
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ray_processes
+from test_ray_cluster import tiny_model  # noqa: F401 -- a fixture
 from test_ray_faults import replica_actor_processes
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -28,21 +29,23 @@ ray = pytest.importorskip("ray")
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land",
            "The three primary colors are", "import numpy as np\n", "My favourite food is", "In 1969, the first"]
-MAX_TOKENS = 24
+# Long streams of the tiny model (each relaunch loads it in a second, where the default model took many): a
+# stream lasts about as long as the default model's 24 tokens did, so kills land while streams run.
+MAX_TOKENS = 320
 KILL_EVERY_S = 3.0
 # Two random kills, each relaunched: the second one lands once the first victim's relaunch is up, so it may hit
 # a relaunched actor. (Each kill-and-relaunch cycle adds seconds, the relaunched actor loading the model again.)
 MAX_RESTARTS = 2
-MAX_ROUNDS = 12   # bounds a client's streams should the kills never land (the test then fails on the count)
+MAX_ROUNDS = 40   # bounds a client's streams should the kills never land (the test then fails on the count)
 ENGINE = ["engine.num_kv_blocks=256", "engine.max_model_len=512", "engine.warmup=false", "engine.dtype=float32"]
 
 
 @pytest.fixture(scope="module")
-def expected() -> list[str]:
+def expected(tiny_model) -> list[str]:
     """Each prompt's text from an undisturbed in-process greedy float32 run."""
     from nanovllm import LLM, SamplingParams
 
-    reference = LLM(dtype="float32", num_kv_blocks=256, max_model_len=512, warmup=False)
+    reference = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256, max_model_len=512, warmup=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     texts = [out.text for out in reference.generate(PROMPTS, params, use_tqdm=False)]
     reference.close()
@@ -177,9 +180,10 @@ def check_chaos(seen: Chaos, run_dir: Path, expected: list[str], ray_before: set
     return run.requests
 
 
-def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(tmp_path, expected):
+def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(tmp_path, expected, tiny_model):
     before = {p.pid for p in ray_processes()}
-    seen, run_dir = run_chaos(tmp_path, ["cluster.replicas=2"], streams=len(PROMPTS), rounds=1)
+    seen, run_dir = run_chaos(tmp_path, ["cluster.replicas=2", f"model.path={tiny_model}"], streams=len(PROMPTS),
+                              rounds=1)
     records = check_chaos(seen, run_dir, expected, before)
     assert seen.num_finished >= len(PROMPTS) // 2
     assert any(r["num_retries"] >= 1 for r in records), "no request was re-routed"
@@ -187,14 +191,14 @@ def test_streams_over_http_survive_replicas_killed_at_random_every_few_seconds(t
     assert read_run(run_dir).metrics["faults"]["replica_restarts"] >= 1
 
 
-def test_a_prefill_decode_pair_over_http_survives_either_replica_killed_at_random(tmp_path, expected):
+def test_a_prefill_decode_pair_over_http_survives_either_replica_killed_at_random(tmp_path, expected, tiny_model):
     """One prefill and one decode replica; four clients send two streams or more each, one after the other, so
     requests arrive while a replica is dead too. With one replica per pool, a death leaves its pool empty until
     the relaunch: what it held, what arrives for it meanwhile and (a decode replica) the hand-offs wait for the
     relaunched actor, then finish with the undisturbed text; all of them decode on replica 1."""
     before = {p.pid for p in ray_processes()}
-    seen, run_dir = run_chaos(tmp_path, ["cluster.prefill_replicas=1", "cluster.decode_replicas=1"],
-                              streams=4, rounds=2)
+    seen, run_dir = run_chaos(tmp_path, ["cluster.prefill_replicas=1", "cluster.decode_replicas=1",
+                                         f"model.path={tiny_model}"], streams=4, rounds=2)
     records = check_chaos(seen, run_dir, expected, before)
     assert seen.num_finished >= seen.num_requests // 2, seen.outcomes
     assert {r["replica"] for r in records if r["error"] is None} == {1}
