@@ -176,7 +176,7 @@ def test_a_killed_replica_fails_its_requests_with_the_reason_and_the_router_avoi
         workload = generate_workload(SyntheticWorkloadConfig(
             num_requests=8, request_rate=float("inf"), seed=seed,
             input_len=LengthDist(kind="uniform", mean=24, range_ratio=0.5),
-            output_len=LengthDist(kind="fixed", mean=12)), cluster.tokenizer)
+            output_len=LengthDist(kind="fixed", mean=64)), cluster.tokenizer)   # the tiny model steps fast
         return [dataclasses.replace(w, ignore_eos=True) for w in workload]
 
     first = served.serve(burst(2), loggers=[KillReplicaOne()], progress=False)

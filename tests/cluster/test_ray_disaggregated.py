@@ -123,7 +123,7 @@ def test_a_dead_decode_replica_fails_what_it_held_with_the_reason_and_nothing_is
     from nanovllm import SamplingParams
 
     cluster = pd_llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)   # the tiny model steps fast
     requests = [cluster.make_request(p, params) for p in PROMPTS]
     for request in requests:
         cluster.add_request(request)

@@ -19,14 +19,18 @@ from test_ray_cluster import PROMPTS, tiny_engine, tiny_model  # noqa: F401 -- f
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
+# The module cluster runs the default model: its kills are timed by the driver while the replicas step ahead of
+# it, and the default model's steps keep those races far apart (the HTTP test below runs the tiny model).
+ENGINE = dict(num_kv_blocks=256, max_model_len=512, warmup=False)
+
 
 @pytest.fixture(scope="module")
-def faulty_llm(tiny_engine):
+def faulty_llm():
     from nanovllm import LLM
 
     before = {p.pid for p in ray_processes()}
     llm = LLM(cluster=dict(replicas=2, max_retries=2, max_restarts=1), router="round_robin", dtype="float32",
-              **tiny_engine)
+              **ENGINE)
     yield llm
     llm.close()
     assert not ray.is_initialized()
@@ -58,14 +62,13 @@ def drive(cluster, requests, kill=None, timeout=300.0):
     return ended
 
 
-def test_a_killed_replicas_requests_resume_elsewhere_with_the_undisturbed_output_and_it_restarts(faulty_llm,
-                                                                                                     tiny_engine):
+def test_a_killed_replicas_requests_resume_elsewhere_with_the_undisturbed_output_and_it_restarts(faulty_llm):
     from nanovllm import LLM, SamplingParams
     from nanovllm.serving.records import request_record
 
     cluster = faulty_llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(dtype="float32", **tiny_engine).generate(PROMPTS, params, use_tqdm=False)]
+    expected = [o.token_ids for o in LLM(dtype="float32", **ENGINE).generate(PROMPTS, params, use_tqdm=False)]
     requests = [cluster.make_request(p, params) for p in PROMPTS]
     killed: list[dict] = []
 
@@ -103,8 +106,7 @@ def test_a_killed_replicas_requests_resume_elsewhere_with_the_undisturbed_output
     assert [r.output_token_ids for r in later] == [e[:8] for e in expected[:2]]
 
 
-def test_with_no_replica_alive_requests_wait_for_a_relaunch_and_fail_with_the_reason_once_none_is_left(
-        faulty_llm, tiny_engine):
+def test_with_no_replica_alive_requests_wait_for_a_relaunch_and_fail_with_the_reason_once_none_is_left(faulty_llm):
     """Both replicas die at once (replica 1 has used its one restart, replica 0 has one left): no replica is
     alive, so the requests they held wait for replica 0's relaunch and finish there with the undisturbed output.
     Once replica 0 dies for good, what it held fails saying no replica is left, and an arrival fails with the
@@ -114,7 +116,7 @@ def test_with_no_replica_alive_requests_wait_for_a_relaunch_and_fail_with_the_re
 
     cluster = faulty_llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(dtype="float32", **tiny_engine).generate(PROMPTS, params, use_tqdm=False)]
+    expected = [o.token_ids for o in LLM(dtype="float32", **ENGINE).generate(PROMPTS, params, use_tqdm=False)]
     requests = [cluster.make_request(p, params) for p in PROMPTS]
     killed = []
 
