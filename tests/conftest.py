@@ -17,7 +17,7 @@ from nanovllm import machine
 os.environ["NANOVLLM_SIM_PROFILES"] = tempfile.mkdtemp(prefix="nanovllm-sim-profiles-")
 
 
-def _remove_sim_profiles(path: str = os.environ["NANOVLLM_SIM_PROFILES"], owner: int = os.getpid()) -> None:
+def _remove_own_dir(path: str = os.environ["NANOVLLM_SIM_PROFILES"], owner: int = os.getpid()) -> None:
     """Remove this process's empty profile cache (or its Ray temp dir) at exit (each xdist worker makes its own),
     so runs leave no directory in the temp dir. A forked child that runs atexit handlers leaves it to the process
     that made it."""
@@ -25,13 +25,13 @@ def _remove_sim_profiles(path: str = os.environ["NANOVLLM_SIM_PROFILES"], owner:
         shutil.rmtree(path, ignore_errors=True)
 
 
-atexit.register(_remove_sim_profiles)
+atexit.register(_remove_own_dir)
 
 # Each process of the suite (each xdist worker) gives Ray a temp dir of its own, inherited by the subprocesses it
 # starts: two workers' Ray instances never share a session, and a test's "no Ray process is left" check counts
 # its own worker's daemons only (``helpers.ray_processes``), not those of a Ray test running beside it.
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-")
-atexit.register(_remove_sim_profiles, os.environ["RAY_TMPDIR"])
+atexit.register(_remove_own_dir, os.environ["RAY_TMPDIR"])
 
 from nanovllm.kernels import kernel_build
 

@@ -191,9 +191,8 @@ def prefill_features(prompt_len: int) -> dict[str, float]:
 
 def batched_prefill_features(length: int, count: int, blocker_len: int) -> dict[str, float]:
     """The step of a batched prefill: ``count`` whole prompts of ``length`` tokens and the first decode of the
-    ``blocker_len``-token request they queued behind."""
-    prefill, decode = prefill_features(length), decode_features(1, blocker_len + 1)
-    return {name: count * prefill[name] + decode[name] for name in prefill}
+    ``blocker_len``-token request they queued behind (a mixed step with one decode)."""
+    return mixed_features(length, count, 1, blocker_len + 1)
 
 
 def mixed_features(length: int, count: int, decodes: int, context: float) -> dict[str, float]:
