@@ -3,6 +3,13 @@ everything before them, so requests sharing a prompt prefix share its KV blocks.
 content and are evicted only when a fresh block is needed, in the order ``eviction`` says (``lru``, the
 default, ``lfu`` or ``fifo``; see ``nanovllm.eviction``).
 
+When a block becomes a hit (``publish``): ``computed`` (the default) publishes it after the step that computed
+it; ``scheduled`` publishes it when that step is planned, as vLLM V1 does (``KVCacheManager.allocate_slots``
+caches the blocks of the tokens it schedules), so a request admitted later in the same step shares the blocks
+an earlier one is computing. That is exact: every attention backend writes all of a step's new K/V into the
+cache before any attention of that layer reads it. Proposals to verify are never published (only the tokens a
+request already has).
+
 A hash hit is not trusted on the hash alone: the cached block's own tokens are compared with the request's
 (Python's tuple hash can collide), and a mismatch is a miss."""
 
@@ -11,13 +18,21 @@ from __future__ import annotations
 from nanovllm import BlockAllocator, EvictionTracker, Request, prefix_block_key, register_allocator
 
 
+# When a full block becomes a prefix hit: after the step that computes it, or when that step is planned (vLLM V1).
+PUBLISH_WHEN = ("computed", "scheduled")
+
+
 @register_allocator("prefix")
 class PrefixCachingAllocator(BlockAllocator):
     # append takes a block only when one is needed; on_tokens_computed publishes only blocks that just filled.
     decode_stretches = True
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: str = "lru") -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: str = "lru", publish: str = "computed") -> None:
         super().__init__(num_blocks, block_size)
+        if publish not in PUBLISH_WHEN:
+            raise ValueError(f"allocator.publish must be one of {', '.join(PUBLISH_WHEN)} (when a full block "
+                             f"becomes a prefix hit), got {publish!r}")
+        self.publish_when_scheduled = publish == "scheduled"
         self.eviction = EvictionTracker(eviction)
         self._ref_count = [0] * num_blocks
         self._never_used = list(range(num_blocks - 1, -1, -1))   # stack: pop() gives block 0 first
@@ -101,9 +116,17 @@ class PrefixCachingAllocator(BlockAllocator):
         self._published[request.request_id] = (len(blocks), parent)
         return len(blocks) * self.block_size
 
+    def on_tokens_scheduled(self, request: Request, num_new_tokens: int) -> None:
+        if self.publish_when_scheduled:
+            self._publish(request, min(request.num_computed_tokens + num_new_tokens, request.num_tokens))
+
     def on_tokens_computed(self, request: Request) -> None:
+        self._publish(request, request.num_computed_tokens)
+
+    def _publish(self, request: Request, num_tokens: int) -> None:
+        """Make the full blocks holding ``request``'s first ``num_tokens`` tokens prefix hits (those not yet)."""
         done, parent = self._published.get(request.request_id, (0, None))
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        full = min(num_tokens // self.block_size, len(request.block_table))
         for i in range(done, full):
             key = self._block_hash(parent, request.token_ids, i)
             block = request.block_table[i]

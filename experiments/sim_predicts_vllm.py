@@ -24,7 +24,8 @@ prefix cache emptied before each (``POST /reset_prefix_cache``, dev mode):
   cached by vLLM's prefix caching) plus 16-48 tokens of its own, 16-48 output tokens.
 
 vLLM is stopped (its process group, then any EngineCore left over, by id) and each workload is simulated with
-``scheduler=vllm_v1``, the same engine caps and block size, ``allocator=prefix``, the KV blocks vLLM's 1 GiB
+``scheduler=vllm_v1``, the same engine caps and block size, ``allocator=prefix`` publishing a block as a hit when
+its step is scheduled (vLLM's rule; ``--publish computed``: after its step), the KV blocks vLLM's 1 GiB
 holds, and each request's output length as vLLM produced it in the first round (chat requests end at EOS, which
 only the model knows). The profile's client overhead is added to the simulated records (``with_client_overhead``:
 TTFT and E2E). The table gives p50/p90 TTFT, p50 TPOT, p50 E2E latency and output throughput: vLLM's rounds,
@@ -177,16 +178,17 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, workloads: dict[str,
 
 
 def simulate(workload: list[WorkloadRequest], real: list[Any], profile_path: Path, dtype: str,
-             num_kv_blocks: int, overhead: float) -> list[Any]:
+             num_kv_blocks: int, overhead: float, publish: str = "scheduled") -> list[Any]:
     """The workload on ``runner=sim`` with vLLM's scheduler and settings; each request stops at vLLM's output
-    length; the client overhead added."""
+    length; the client overhead added. ``publish``: when a full block becomes a prefix hit (``scheduled`` is
+    vLLM's rule)."""
     from nanovllm.config import EngineConfig
     from nanovllm.harness.sim import Simulation
 
     config = EngineConfig(dtype=dtype, block_size=VLLM_CPU_BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
                           max_num_seqs=VLLM_CPU_MAX_NUM_SEQS, max_num_batched_tokens=VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
                           max_model_len=MAX_MODEL_LEN)
-    sim = Simulation.build(config, "calibrated", profile=str(profile_path), allocator="prefix",
+    sim = Simulation.build(config, "calibrated", profile=str(profile_path), allocator={"name": "prefix", "publish": publish},
                            scheduler={"name": "vllm_v1", "max_num_batched_tokens": VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
                                       "max_num_seqs": VLLM_CPU_MAX_NUM_SEQS},
                            output_lengths={r["request_id"]: r["num_output_tokens"] for r in real})
@@ -211,6 +213,9 @@ def main() -> None:
                              "vLLM's records the last run left in --out")
     parser.add_argument("--knee-rows", type=int, default=None,
                         help="the row count where vLLM's step cost bends (default: fitted; 0: no bend)")
+    parser.add_argument("--publish", default="scheduled", choices=("scheduled", "computed"),
+                        help="when the simulated prefix cache makes a block a hit (allocator.publish; vLLM: "
+                             "when the step computing it is scheduled)")
     args = parser.parse_args()
     if not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python: {args.vllm_python} does not exist")
@@ -242,7 +247,8 @@ def main() -> None:
     for name, workload in workloads.items():
         # Output lengths from the first round (greedy: every round produces the same tokens).
         profile_path = out / ("vllm_profile_refit.yaml" if args.simulate_only else "vllm_profile.yaml")
-        simulated = simulate(workload, real[name][0], profile_path, args.dtype, blocks, profile["client_overhead"])
+        simulated = simulate(workload, real[name][0], profile_path, args.dtype, blocks, profile["client_overhead"],
+                             args.publish)
         rounds, ours = [summarize(records, ()) for records in real[name]], summarize(simulated, ())
         hits.append(f"{name} {rounds[0]['prefix_cache_hit_rate']:.0%} / {ours['prefix_cache_hit_rate']:.0%}")
         for label, key in METRICS:
@@ -254,7 +260,7 @@ def main() -> None:
     api = "" if args.api_core is None else f", its API process on core {args.api_core}"
     knee = f"bend at {profile['knee_rows']} rows" if profile.get("knee_rows") else "no bend"
     print(f"\nheld-out workloads, vLLM {args.dtype} on core {args.vllm_core}{api} vs runner=sim scheduler=vllm_v1 "
-          f"allocator=prefix ({blocks} blocks of {VLLM_CPU_BLOCK_SIZE}), profile fitted from vLLM's client-side "
+          f"allocator=prefix publish={args.publish} ({blocks} blocks of {VLLM_CPU_BLOCK_SIZE}), profile fitted from vLLM's client-side "
           f"calibration (client overhead {profile['client_overhead'] * 1e3:.1f} ms, {knee}, median |fit error| "
           f"{profile['fit']['median_abs_rel_error']:.1%})")
     print("| workload | metric | vLLM rounds | vLLM mean | vLLM spread | simulated | error vs mean | within 15% | "

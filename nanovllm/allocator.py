@@ -97,6 +97,13 @@ class BlockAllocator(ABC):
         no prefix cache."""
         return 0
 
+    def on_tokens_scheduled(self, request: Request, num_new_tokens: int) -> None:
+        """The scheduler gave ``request`` ``num_new_tokens`` more tokens in the step it is planning (their blocks
+        are allocated; the step's forward writes their K/V before any attention reads the cache). A prefix cache
+        that publishes blocks when they are scheduled (vLLM's rule) may publish the full blocks these tokens
+        complete now, so a request admitted later in the same step or in the next one finds them. Default:
+        nothing (blocks are published by ``on_tokens_computed``)."""
+
     def on_tokens_computed(self, request: Request) -> None:
         """``request.num_computed_tokens`` advanced; a prefix cache may now publish its full blocks."""
 

@@ -345,6 +345,7 @@ class Scheduler:
             if not self._make_room(request, num_new, self.running[index:], out, now):
                 continue  # ``request`` itself was preempted; the list shrank under ``index``
             self.allocator.append(request, num_new)
+            self.allocator.on_tokens_scheduled(request, num_new)
             out.scheduled.append((request, num_new))
             budget -= num_new
             index += 1
@@ -417,6 +418,7 @@ class Scheduler:
                 handoff.loaded, handoff.decode_start_time = True, now
             else:
                 out.num_prefix_hit_tokens += request.num_cached_tokens
+            self.allocator.on_tokens_scheduled(request, num_new)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

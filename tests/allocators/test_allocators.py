@@ -231,6 +231,42 @@ def test_a_prompt_prefilled_in_chunks_is_cached_block_by_block(allocator):
     assert not scheduler.has_unfinished() and scheduler.allocator.cached_prefix_len(probe) == 12
 
 
+@pytest.mark.parametrize("publish", ["computed", "scheduled"])
+def test_a_block_becomes_a_hit_when_its_step_is_planned_only_under_vllms_rule(publish):
+    # Two prompts sharing two blocks arrive together. Under publish=scheduled (vLLM V1) the second, admitted in
+    # the same step, finds the blocks the first is computing in it; under publish=computed it computes them too.
+    scheduler = bare_scheduler(POLICIES.build("fcfs"), num_blocks=16,
+                               allocator={"name": "prefix", "publish": publish})
+    first = Request("first", block_tokens(1, 2), SamplingParams(max_tokens=2), 0.0)
+    twin = Request("twin", block_tokens(1, 2), SamplingParams(max_tokens=2), 0.0)
+    scheduler.add(first, 0.0)
+    scheduler.add(twin, 0.0)
+    out = scheduler.schedule(0.0)
+    shared = 8 if publish == "scheduled" else 0
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("first", 9), ("twin", 9 - shared)]
+    assert out.num_prefix_hit_tokens == shared and twin.num_cached_tokens == shared
+    assert (set(twin.block_table) & set(first.block_table)) == (set(first.block_table[:2]) if shared else set())
+
+
+def test_a_chunk_publishes_only_the_blocks_it_completes_and_never_a_proposal():
+    cache = ALLOCATORS.build({"name": "prefix", "publish": "scheduled"}, 16, 4)
+    request = Request("chunked", block_tokens(1, 2, 3), SamplingParams(max_tokens=4), 0.0)
+    probe = Request("probe", block_tokens(1, 2, 3), SamplingParams(max_tokens=1), 0.0)
+    cache.allocate(request, 6)
+    cache.on_tokens_scheduled(request, 6)                 # a 6-token chunk completes one block, not two
+    assert cache.cached_prefix_len(probe) == 4
+    request.num_computed_tokens = 6
+    cache.append(request, 7 + 3)                          # the rest of the prompt and three proposals past it
+    cache.on_tokens_scheduled(request, 7 + 3)
+    assert cache.cached_prefix_len(probe) == 12           # the prompt's three full blocks; the proposals' never
+    assert len(cache.cached_block_keys()) == 3
+
+
+def test_an_unknown_publish_rule_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"allocator.publish must be one of computed, scheduled.*'eventually'"):
+        ALLOCATORS.build({"name": "prefix", "publish": "eventually"}, 16, 4)
+
+
 def test_radix_a_request_that_lost_the_race_to_cache_a_block_keeps_its_copy_private_for_life():
     """Two requests with one prompt computed side by side: the second finds the first's block already cached and
     (module docstring) keeps its own copy private, publishing nothing further even once the first's copy has
