@@ -45,6 +45,9 @@ class StepRecord(TypedDict):
     # [i]: proposals at position i (0 = first after the newest token) accepted this step, as long as the longest
     # proposal verified ([] without any); absent from the placeholder records of a Ray replica's failed step.
     spec_decode_num_accepted_tokens_per_pos: NotRequired[list[int]]
+    # Tokens the proposer's own model was fed this step (present only for a proposer that runs one: ``draft``,
+    # ``layer_skip``): its catch-up on each request's context plus its proposals fed back.
+    spec_proposer_fed_tokens: NotRequired[int]
     # KV tiers (present only with kv_offload): tokens of swapped-out requests loaded back this step, and per
     # tier (by name) hit_tokens, blocks_written, blocks_loaded, bytes_written, bytes_loaded, failures,
     # load_seconds, write_seconds this step, and blocks / bytes held after it.

@@ -60,9 +60,21 @@ class Proposer:
     """
 
     registered_name: str = "custom"
+    # Whether proposing runs a model of the proposer's own that is fed each request's tokens (``draft``,
+    # ``layer_skip``): a simulated run then counts the tokens it would feed (``num_fed_tokens``) as the real
+    # one does, so the proposer's catch-up on a new request's prompt is priced.
+    feeds_a_model: bool = False
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
+
+    @property
+    def num_fed_tokens(self) -> int:
+        """Tokens this proposer's own model has run forward so far (a counter): each request's tokens it had not
+        seen (a new request's whole context, then the target's newest token and accepted proposals it had not
+        fed), plus its own proposals fed back to propose the next. The engine records each step's increase
+        (``spec_proposer_fed_tokens``). Default: 0 (no model)."""
+        return 0
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         """Per request, up to ``num_tokens[i]`` (>= 1) token ids guessed to follow ``requests[i].token_ids``

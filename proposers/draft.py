@@ -22,6 +22,8 @@ class DraftProposer(Proposer):
     device); ``'auto'`` (the default) is ``'gguf'`` for a ``.gguf`` file or no model, None for a directory.
     ``attention``: the draft's attention backend (``auto``: the device's default)."""
 
+    feeds_a_model = True
+
     def __init__(self, context: ProposerContext, model: str | None = None, quantization: str | None = "auto",
                  attention: Any = "auto") -> None:
         super().__init__(context)
@@ -48,6 +50,10 @@ class DraftProposer(Proposer):
         # A draft vocabulary padded past the target's could name ids the target does not have: cut there.
         vocab = self.context.vocab_size
         return [next((tokens[:j] for j, t in enumerate(tokens) if t >= vocab), tokens) for tokens in proposals]
+
+    @property
+    def num_fed_tokens(self) -> int:
+        return self.draft.num_fed_tokens if self.draft is not None else 0
 
     def on_finish(self, request: Request) -> None:
         if self.draft is not None:

@@ -18,6 +18,8 @@ class LayerSkipProposer(Proposer):
     draft's attention backend (``auto``: the device's default). Needs the real runner (the model in this
     process)."""
 
+    feeds_a_model = True
+
     def __init__(self, context: ProposerContext, num_layers: int | None = None, attention: Any = "auto") -> None:
         super().__init__(context)
         if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool)
@@ -38,6 +40,10 @@ class LayerSkipProposer(Proposer):
         if self.draft is None:   # the config check's instance has no model: it proposes nothing
             return [[] for _ in requests]
         return self.draft.propose(requests, num_tokens)
+
+    @property
+    def num_fed_tokens(self) -> int:
+        return self.draft.num_fed_tokens if self.draft is not None else 0
 
     def on_finish(self, request: Request) -> None:
         if self.draft is not None:

@@ -335,3 +335,21 @@ def ray_processes() -> list[Any]:
         if ("raylet" in text or "gcs_server" in text) and own in text:
             found.append(proc)
     return found
+
+
+def expected_fed_tokens(prompt_len: int, steps: list[dict]) -> list[int]:
+    """Per step of a one-request run, what a draft model feeds (``DraftModel.propose``): the request's tokens its
+    cache lacks (its whole context the first time; the newest token always), then its own proposals but the last;
+    after a verification its cache keeps what it fed up to the first rejected proposal. The rule the simulator's
+    stand-in counts by (``SimulatedProposer._feed``)."""
+    tokens, drafted_through, fed = prompt_len, 0, []
+    for step in steps:
+        k = step["spec_decode_num_draft_tokens"]
+        if step["num_prefill_tokens"]:
+            fed.append(0)
+            tokens += step["num_sampled"]
+            continue
+        fed.append(tokens - min(tokens - 1, drafted_through) + k - 1 if k else 0)
+        drafted_through = tokens + k - 1 if k else drafted_through
+        tokens += step["spec_decode_num_accepted_tokens"] + 1
+    return fed

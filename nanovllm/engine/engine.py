@@ -521,6 +521,8 @@ class LLMEngine(EngineClient):
         )
         if self.offload is not None:
             record["swapped_tokens"], record["kv_tiers"] = self.offload.take_step_stats()
+        if self.speculator is not None and self.speculator.counts_fed_tokens:
+            record["spec_proposer_fed_tokens"] = self.speculator.step_fed_tokens
         return record
 
 

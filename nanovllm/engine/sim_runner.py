@@ -41,7 +41,7 @@ from nanovllm.engine.engine import LLMEngine, PluginSpec, batch_features
 from nanovllm.engine.runner import Runner, RunnerContext, register_runner
 from nanovllm.engine.speculative import num_proposed
 from nanovllm.models.loader import resolve_model
-from nanovllm.proposer import Proposer, ProposerContext
+from nanovllm.proposer import PROPOSERS, Proposer, ProposerContext
 from nanovllm.request import Request
 
 if TYPE_CHECKING:
@@ -52,9 +52,10 @@ StepTimeFn = Callable[[Mapping[str, int], float], float]   # (batch features, st
 
 # What a simulated step's features add with speculation, under the names of the step record's counters (so a
 # profile fitted on real steps.jsonl reads them alike): rows that verified proposals, proposed tokens verified,
-# and the most proposed for one row (a draft model's forwards that step; a real record's length of
-# ``spec_decode_num_accepted_tokens_per_pos``).
-SPEC_FEATURES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_max_proposed")
+# the most proposed for one row (a draft model's forwards that step; a real record's length of
+# ``spec_decode_num_accepted_tokens_per_pos``), and the tokens the proposer's own model was fed (draft models).
+SPEC_FEATURES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_max_proposed",
+                 "spec_proposer_fed_tokens")
 
 
 class AcceptanceModel(abc.ABC):
@@ -91,15 +92,36 @@ class SimulatedProposer(Proposer):
         assert context.config.speculative is not None
         self.registered_name = str(context.config.speculative["method"])
         self.runner, self.acceptance = runner, acceptance
+        # The configured proposer's model, if it runs one, is fed as the real one is (``num_fed_tokens``).
+        self.feeds_a_model = PROPOSERS.get(self.registered_name).feeds_a_model
+        self._fed = 0
+        self._drafted_through: dict[str, int] = {}   # request -> tokens its draft cache holds after proposing
+
+    @property
+    def num_fed_tokens(self) -> int:
+        return self._fed
 
     def propose_one(self, request: Request, num_tokens: int) -> list[int]:
         count = self.acceptance.num_proposed(request, num_tokens)
         if not isinstance(count, int) or not 0 <= count <= num_tokens:
             raise ValueError(f"acceptance model {self.acceptance.describe()}: num_proposed must be in "
                              f"[0, {num_tokens}], got {count!r}")
+        if count and self.feeds_a_model:
+            self._feed(request, count)
         return self.runner.stand_in_tokens(request, count)
 
+    def _feed(self, request: Request, count: int) -> None:
+        """Count what the real draft model feeds to propose ``count`` tokens (``DraftModel.propose``): the
+        request's tokens its cache lacks (all of them the first time; the newest token always), then its own
+        first ``count - 1`` proposals. After the verification its cache holds the tokens it had fed up to the
+        first rejected proposal: ``min(tokens now - 1, what it held after proposing)``."""
+        n = request.num_tokens
+        synced = min(n - 1, self._drafted_through.get(request.request_id, 0))
+        self._fed += (n - synced) + (count - 1)
+        self._drafted_through[request.request_id] = n + count - 1
+
     def on_finish(self, request: Request) -> None:
+        self._drafted_through.pop(request.request_id, None)
         self.acceptance.on_finish(request)
 
 
@@ -168,11 +190,14 @@ class SimulatedRunner(Runner):
                              "with the same proposer), or a per-token acceptance rate in [0, 1]")
         self.acceptance = acceptance
         self._moved_seen: dict[str, tuple[float, float]] = {}   # tier -> (bytes loaded, bytes written) charged
+        self._stand_in: SimulatedProposer | None = None
+        self._fed_priced = 0   # the stand-in's fed tokens already priced
 
     def stand_in_proposer(self, context: ProposerContext) -> Proposer | None:
         """The ``SimulatedProposer`` of the acceptance model: no draft model loads."""
         assert self.acceptance is not None   # checked in __init__ when speculation is on
-        return SimulatedProposer(context, self, self.acceptance)
+        self._stand_in = SimulatedProposer(context, self, self.acceptance)
+        return self._stand_in
 
     def init_kv_cache(self, num_blocks: int, block_size: int, backend: Any, graphs: Any = None) -> None:
         """Only the geometry: the allocator manages block ids; there is no tensor to fill."""
@@ -230,6 +255,9 @@ class SimulatedRunner(Runner):
             features["spec_decode_num_drafts"] = sum(k > 0 for k in drafted)
             features["spec_decode_num_draft_tokens"] = sum(drafted)
             features["spec_decode_max_proposed"] = max(drafted, default=0)
+            if self._stand_in is not None and self._stand_in.feeds_a_model:
+                fed = self._stand_in.num_fed_tokens
+                features["spec_proposer_fed_tokens"], self._fed_priced = fed - self._fed_priced, fed
         compute = float(self.step_time(features, self.clock.time))
         self.clock.advance(compute + self.tier_seconds())
         tokens: list = []

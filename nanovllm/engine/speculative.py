@@ -75,10 +75,17 @@ class Speculator:
         self.policy: SpeculationPolicy = SPEC_POLICIES.build(spec_policy_spec(config.speculative))
         self.vocab_size = context.vocab_size
         self.step_cost = StepCostFit()
+        self.step_fed_tokens = 0   # what the proposer's model was fed in this step's ``propose``
+
+    @property
+    def counts_fed_tokens(self) -> bool:
+        """Whether the proposer runs a model whose fed tokens the step records carry."""
+        return self.proposer.feeds_a_model
 
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Before the scheduler plans a step: set ``spec_token_ids`` of every running request (empty for those
         that do not decode this step, may not get more tokens, or that the policy gives none)."""
+        self.step_fed_tokens = 0
         candidates: list[tuple[Request, int]] = []
         num_decoding = 0
         for request in running:
@@ -102,10 +109,12 @@ class Speculator:
         if not requests:
             return
         name = self.proposer.registered_name
+        fed_before = self.proposer.num_fed_tokens
         try:
             proposals = self.proposer.propose(requests, limits)
         except Exception as exc:
             raise ProposerError(f"proposer {name!r} raised in propose(): {type(exc).__name__}: {exc}") from exc
+        self.step_fed_tokens = self.proposer.num_fed_tokens - fed_before
         if len(proposals) != len(requests):
             raise ProposerError(f"proposer {name!r}: propose() returned {len(proposals)} proposals for "
                                 f"{len(requests)} requests")

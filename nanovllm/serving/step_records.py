@@ -39,7 +39,7 @@ _SUMMED = ("duration", "num_prefill_tokens", "num_decode_tokens", "num_prefill_s
            "num_preempted", "context_tokens", "attn_pairs", "num_sampled", "prefix_hit_tokens", "recomputed_tokens",
            "swapped_tokens",
            "num_evictions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-           "spec_decode_num_accepted_tokens", "flops", "bytes")
+           "spec_decode_num_accepted_tokens", "spec_proposer_fed_tokens", "flops", "bytes")
 _MAXED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached", "kv_slots_unused")
 _MINNED = ("kv_blocks_free",)
 _FIRST = ("step", "start_time")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
+from helpers import expected_fed_tokens
 from nanovllm.config import EngineConfig
 from nanovllm.harness.sim import Hardware, Simulation
 from nanovllm.harness.sim.calibrate import fit_profile
@@ -148,6 +149,24 @@ def test_adaptive_turns_speculation_down_when_nothing_is_accepted():
     assert adaptive.summary["spec_decode_num_draft_tokens"] < fixed.summary["spec_decode_num_draft_tokens"] / 2
 
 
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_the_simulated_draft_is_fed_as_the_real_one_is(acceptance):
+    # One request at a time: each step's fed tokens follow the real draft's rule (tested against the real draft
+    # model in tests/spec/test_draft_proposer.py), whatever was accepted; ngram runs no model and counts none.
+    sim = Simulation.build(EngineConfig(speculative=_spec("draft"), num_kv_blocks=64, block_size=16, max_num_seqs=1,
+                                        max_model_len=256), TOKEN_COST, acceptance=acceptance)
+    result = sim.serve(_workload(n=1))
+    fed = [s["spec_proposer_fed_tokens"] for s in result.steps]
+    assert fed == expected_fed_tokens(40, result.steps)
+    assert fed[1] == 40 + 1 + 2 and sum(fed) > 40
+    if acceptance == 1.0:   # every proposal accepted: the target's token and the unfed last proposal, + 2 proposals
+        assert set(fed[2:-3]) == {2 + 2}
+    if acceptance == 0.0:
+        assert set(fed[2:-3]) == {1 + 2}
+    _, ngram = _serve(_spec("ngram"), n=1)
+    assert all("spec_proposer_fed_tokens" not in s for s in ngram.steps)
+
+
 def test_a_verify_step_is_priced_as_its_tokens_plus_the_proposers_cost():
     features = {"num_prefill_tokens": 0, "num_decode_tokens": 8, "num_prefill_seqs": 0, "num_decode_seqs": 2,
                 "num_sampled": 2, "context_tokens": 100, "attn_pairs": 120, "spec_decode_num_draft_tokens": 6,
@@ -167,6 +186,13 @@ def test_a_verify_step_is_priced_as_its_tokens_plus_the_proposers_cost():
         base = sim.model.base.predict(features, 0.0)
     assert costs["ngram"] == 0.0 and costs["draft"] > 0 and costs["layer_skip"] > 0
     assert costs["layer_skip"] < 3 * base * 10 / 30
+    # A step whose first draft forward also catches up on a new request's 2,000-token prompt costs more than one
+    # that feeds one token a request; a count of one token a request changes nothing.
+    draft = Simulation.build(EngineConfig(dtype="bfloat16", num_kv_blocks=64, speculative=_spec("draft")),
+                             "analytical", hardware=h100, acceptance=0.5).model.proposer
+    steady = {**features, "spec_proposer_fed_tokens": 2 + 2 * 2}
+    assert draft.seconds(steady) == costs["draft"]
+    assert draft.seconds({**features, "spec_proposer_fed_tokens": 2000 + 2 * 2}) > costs["draft"]
 
 
 def test_calibration_on_speculative_steps_recovers_the_proposers_cost():
@@ -182,15 +208,20 @@ def test_calibration_on_speculative_steps_recovers_the_proposers_cost():
                 "context_tokens": context, "attn_pairs": context + prefill * prefill // 2,
                 "spec_decode_num_drafts": seqs if k else 0, "spec_decode_num_draft_tokens": seqs * k,
                 "spec_decode_num_accepted_tokens_per_pos": [0] * k}
+        # The draft model's catch-up on a new request's prompt, in a third of the proposing steps.
+        catch_up = int(rng.integers(20, 300)) if k and rng.random() < 0.3 else 0
+        step["spec_proposer_fed_tokens"] = seqs * k + catch_up if k else 0
         priced = verify_features(step)
         step["duration"] = (0.01 + 2e-4 * priced["num_prefill_tokens"] + 1e-3 * seqs + 1e-6 * context
-                            + (0.004 * k + 0.0005 * seqs * k if k else 0.0))
+                            + (0.004 * k + 0.0005 * seqs * k + 1e-4 * step["spec_proposer_fed_tokens"] if k
+                               else 0.0))
         steps.append(step)
     profile = fit_profile(steps, speculation="draft")
     spec = profile["speculation"]
     assert spec["method"] == "draft" and set(spec["coefficients"]) == set(SPEC_COST_FEATURES)
     assert spec["coefficients"]["spec_decode_max_proposed"] == pytest.approx(0.004, rel=0.05)
     assert spec["coefficients"]["spec_decode_num_draft_tokens"] == pytest.approx(0.0005, rel=0.05)
+    assert spec["coefficients"]["spec_proposer_fed_tokens"] == pytest.approx(1e-4, rel=0.05)
     assert profile["coefficients"]["num_prefill_tokens"] == pytest.approx(2e-4, rel=0.05)
     assert not set(SPEC_COST_FEATURES) & set(profile["coefficients"])
 

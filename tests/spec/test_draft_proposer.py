@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from helpers import expected_fed_tokens
 from nanovllm import LLM, DraftModel, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.proposer import check_speculative
@@ -75,6 +76,24 @@ def test_a_draft_with_the_targets_own_weights_is_accepted_and_never_recomputes_t
     tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
     assert draft.num_fed_tokens <= tokens + (drafted - accepted)
     assert draft.num_forwards < sum(len(o.token_ids) for o in outputs) * 3
+
+
+def test_the_step_records_count_what_the_draft_model_was_fed():
+    # The target's own weights draft (accepted almost always), so most steps feed the target's token and the
+    # last proposal; the first proposing step feeds the whole prompt.
+    llm = LLM(**BASE, speculative=dict(method="draft", num_speculative_tokens=3, quantization=None))
+    prompt = "In 1905, Albert Einstein published four papers that"
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                          use_tqdm=False)[0]
+    steps = llm.last_steps
+    fed = [s["spec_proposer_fed_tokens"] for s in steps]
+    assert fed == expected_fed_tokens(len(output.prompt_token_ids), steps)
+    assert fed[1] == len(output.prompt_token_ids) + 1 + 2   # the prompt and the first token, then 2 proposals
+    assert sum(fed) == llm.engine.speculator.proposer.draft.num_fed_tokens
+    # ngram runs no model: its records carry no such count.
+    ngram = LLM(**BASE, speculative=dict(method="ngram", num_speculative_tokens=3))
+    ngram.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert all("spec_proposer_fed_tokens" not in s for s in ngram.last_steps)
 
 
 def test_layer_skip_runs_the_targets_first_layers_and_leaves_the_target_whole():

@@ -11,7 +11,9 @@ step-time model prices as tokens. The proposer's own work is added (``ProposerCo
 
 * ``calibrated``: the profile's ``speculation`` section, fitted by ``calibrate`` on real runs with that proposer
   (non-negative coefficients on ``SPEC_COST_FEATURES``: per draft forward, per proposed token, per verified
-  request; an ``ngram`` lookup is a small CPU cost, a ``draft`` model K forwards over the batch);
+  request, per token fed to the draft model; an ``ngram`` lookup is a small CPU cost, a ``draft`` model K
+  forwards over the batch, the first of which also catches up on each request's tokens it has not seen: a new
+  request's whole prompt);
 * ``analytical`` / ``profiled``: ``draft`` = K forwards of the draft model (its own cost model, the default
   model's GGUF blocks when no ``model`` is given) over the requests that propose, ``layer_skip`` = K forwards of
   ``num_layers / L`` of the target, both from the analytical roofline on ``hardware``; ``ngram`` costs nothing;
@@ -44,8 +46,10 @@ from nanovllm.serving.monitor import ModelCost
 from nanovllm.serving.records import read_config, read_run
 
 # What the proposer's own cost is fitted on (a calibrated profile's ``speculation.coefficients``): the draft
-# model's forwards (the most proposed for one request in the step), the tokens proposed, the requests verified.
-SPEC_COST_FEATURES = ("spec_decode_max_proposed", "spec_decode_num_draft_tokens", "spec_decode_num_drafts")
+# model's forwards (the most proposed for one request in the step), the tokens proposed, the requests verified,
+# and the tokens the draft model was fed (a new request's whole context the first time it proposes).
+SPEC_COST_FEATURES = ("spec_decode_max_proposed", "spec_decode_num_draft_tokens", "spec_decode_num_drafts",
+                      "spec_proposer_fed_tokens")
 ACCEPTANCE_MODELS = ("fitted", "replay")
 
 
@@ -56,6 +60,7 @@ def spec_features(step: Mapping[str, Any]) -> dict[str, Any]:
     out.setdefault("spec_decode_num_drafts", 0)
     out.setdefault("spec_decode_num_draft_tokens", 0)
     out.setdefault("spec_decode_max_proposed", len(step.get("spec_decode_num_accepted_tokens_per_pos") or ()))
+    out.setdefault("spec_proposer_fed_tokens", 0)   # runs recorded before the field, or without a draft model
     return out
 
 
@@ -105,7 +110,9 @@ class CalibratedProposerCost(ProposerCost):
 @dataclasses.dataclass
 class ForwardsProposerCost(ProposerCost):
     """A model's K forwards over the requests that propose: ``max_proposed`` forwards of ``rows`` requests each
-    (the draft model's own step-time model, ``draft``), at ``fraction`` of its layers' cost (``layer_skip``)."""
+    (the draft model's own step-time model, ``draft``), at ``fraction`` of its layers' cost (``layer_skip``).
+    The first forward feeds what the step's ``spec_proposer_fed_tokens`` holds beyond the later forwards' one
+    token a request each (a new request's prompt, priced as a prefill chunk)."""
 
     method: str
     model: StepTimeModel
@@ -120,7 +127,14 @@ class ForwardsProposerCost(ProposerCost):
         context = int(features.get("context_tokens") or 0) * rows // seqs   # the proposing requests' share
         one = {"num_prefill_tokens": 0, "num_decode_tokens": rows, "num_prefill_seqs": 0, "num_decode_seqs": rows,
                "num_sampled": rows, "context_tokens": context, "attn_pairs": context + rows}
-        return forwards * self.fraction * self.model.predict(one, 0.0)
+        decode = self.model.predict(one, 0.0)
+        first_fed = int(features.get("spec_proposer_fed_tokens") or 0) - (forwards - 1) * rows
+        if first_fed <= rows:   # no catch-up beyond one token a request (or a record without the count)
+            return forwards * self.fraction * decode
+        # The catch-up: the first forward computes ``first_fed`` tokens of the requests' contexts, as a prefill.
+        catch_up = {**one, "num_prefill_tokens": first_fed, "num_decode_tokens": 0, "num_prefill_seqs": rows,
+                    "num_decode_seqs": 0, "attn_pairs": context + first_fed * (first_fed + 1) // (2 * rows)}
+        return self.fraction * (self.model.predict(catch_up, 0.0) + (forwards - 1) * decode)
 
     def describe(self) -> str:
         return f"{self.method}:{self.fraction:g}x{self.model.describe()}"
