@@ -266,6 +266,28 @@ def test_calibration_finds_a_kernel_switch_from_the_steps_where_the_engine_decla
     assert "gemv_max_rows" not in profile and profile["kernel_switch"] == "none (BIC)"
 
 
+def test_calibration_fits_a_bend_where_the_steps_have_one_and_none_where_they_do_not(tmp_path) -> None:
+    # Steps bound by reading the weights up to 48 rows (one cost whatever their rows), compute past it.
+    steps = _synthetic_steps(300, np.random.default_rng(5))
+    for step in steps:
+        rows = step["num_prefill_tokens"] + step["num_decode_seqs"]
+        step["duration"] = 0.02 + 1e-6 * step["context_tokens"] + 4e-4 * max(0, rows - 48)
+    steps = _noisy(steps, 13)
+    profile = calibrate([_run_dir(tmp_path / "bent", "float32", steps)], tmp_path / "bent.yaml", knee_rows="fit",
+                        gemv_max_rows=0)
+    assert (profile["knee_rows"], profile["knee"]) == (48, "fitted from the steps")
+    assert profile["coefficients"]["rows_above_knee"] == pytest.approx(4e-4, rel=0.05)
+    model = CalibratedStepTime(profile=str(tmp_path / "bent.yaml"), dtype="float32")
+    few = {"num_prefill_tokens": 30, "num_decode_seqs": 2, "num_sampled": 3, "context_tokens": 100, "attn_pairs": 500}
+    assert model.predict(few, 0.0) == pytest.approx(0.02 + 1e-4, rel=0.05)
+    # Without the bend the same steps are priced with a rows-linear slope from the first row on.
+    assert fit_profile(steps)["fit"]["p90_abs_rel_error"] > 2 * profile["fit"]["p90_abs_rel_error"]
+    linear = _noisy(_timed_steps(300, 9, 5e-4), 12)
+    profile = calibrate([_run_dir(tmp_path / "linear", "float32", linear)], tmp_path / "linear.yaml",
+                        knee_rows="fit", gemv_max_rows=0)
+    assert "knee_rows" not in profile and profile["knee"] == "none (BIC)"
+
+
 def test_calibrate_cli_refuses_a_negative_kernel_switch(tmp_path, capsys) -> None:
     # The CLI's main in this process: its argument checks are the same, without a second Python importing torch
     # (test_sim_speculation runs the module as ``python -m``).
@@ -273,6 +295,9 @@ def test_calibrate_cli_refuses_a_negative_kernel_switch(tmp_path, capsys) -> Non
         calibrate_main([str(tmp_path), "--out", str(tmp_path / "p.yaml"), "--gemv-max-rows", "-1"])
     assert exited.value.code == 1
     assert capsys.readouterr().err.strip().splitlines() == ["error: --gemv-max-rows must be >= 0, got -1"]
+    with pytest.raises(SystemExit):
+        calibrate_main([str(tmp_path), "--out", str(tmp_path / "p.yaml"), "--knee-rows", "bent"])
+    assert capsys.readouterr().err.strip() == "error: --knee-rows must be a row count >= 0 or 'fit', got 'bent'"
 
 
 def _h100() -> Hardware:

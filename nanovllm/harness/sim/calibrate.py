@@ -70,6 +70,8 @@ from nanovllm.harness.sim.speculation import SPEC_COST_FEATURES, run_method, spe
 from nanovllm.harness.sim.step_time import (
     CALIBRATION_FEATURES,
     KERNEL_FEATURES,
+    KNEE_FEATURE,
+    rows_above_knee,
     with_kernel_features,
     working_steps,
 )
@@ -79,17 +81,20 @@ MIN_STEPS = 30
 MIN_LINK_STEPS = 8   # steps that moved blocks through a tier, for its link's latency to be fitted apart
 # Row counts tried for a switch found from the steps (a decode batch of up to this many sequences).
 KERNEL_SWITCH_CANDIDATES = range(1, 9)
+# Row counts tried for a bend (``--knee-rows fit``): where a step's rows stop riding free on the weights' read.
+KNEE_CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: dict | None = None,
                 gemv_max_rows: int | None = None, gaps: Sequence[float] = (),
-                speculation: str | None = None) -> dict:
+                speculation: str | None = None, knee_rows: int | None = None) -> dict:
     """The profile (a plain dict, as written to YAML) fitted on ``steps``; ``ValueError`` naming the problem.
     ``gemv_max_rows``: also fit ``KERNEL_FEATURES`` with that switch (None: not); ``gaps``: the seconds between
     back-to-back steps (``step_gaps``), whose mean becomes ``step_gap``. ``speculation``: the proposer of runs
     with speculative decoding: each step is fitted on ``speculation.verify_features`` (proposals as prompt-like
     rows) plus ``SPEC_COST_FEATURES`` (the proposer's own work), whose coefficients go to the profile's
-    ``speculation`` section."""
+    ``speculation`` section. ``knee_rows``: also fit ``rows_above_knee`` bent at that many rows (the step's
+    rows, proposals to verify included, past it), recorded as the profile's ``knee_rows``."""
     if len(steps) < MIN_STEPS:
         raise ValueError(f"calibration needs at least {MIN_STEPS} steps, got {len(steps)} {source}".rstrip())
     # Each step's own work, without the KV tiers' moves inside it: the simulator adds those on its links.
@@ -99,8 +104,10 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
         steps = [{**verify_features(spec_features(s)), **{f: spec_features(s)[f] for f in SPEC_COST_FEATURES}}
                  for s in steps]
     names = (CALIBRATION_FEATURES + (KERNEL_FEATURES if gemv_max_rows is not None else ())
-             + (SPEC_COST_FEATURES if speculation is not None else ()))
+             + ((KNEE_FEATURE,) if knee_rows else ()) + (SPEC_COST_FEATURES if speculation is not None else ()))
     rows = [with_kernel_features(s, gemv_max_rows) for s in steps]
+    if knee_rows:
+        rows = [{**s, KNEE_FEATURE: rows_above_knee(s, knee_rows)} for s in rows]
     features = np.array([[float(s[f]) for f in names] for s in rows])
     for j, name in enumerate(CALIBRATION_FEATURES):
         if np.ptp(features[:, j]) == 0:
@@ -128,6 +135,7 @@ def fit_profile(steps: Sequence[dict[str, Any]], *, source: str = "", metadata: 
         **(metadata or {}),
         "num_steps": len(steps),
         **kernel_split,
+        **({"knee_rows": int(knee_rows)} if knee_rows else {}),
         "step_gap": float(np.mean(gaps)) if len(gaps) else 0.0,
         "intercept": float(coefficients[0]),
         "coefficients": fitted,
@@ -258,14 +266,40 @@ def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] 
     return best if n * np.log(with_switch / without) + 3 * np.log(n) < 0 else None
 
 
+def fitted_knee(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = (), speculation: str | None = None,
+                gemv_max_rows: int | None = None) -> int | None:
+    """The bend (``KNEE_CANDIDATES`` within the steps' row counts) whose fit leaves the least squared error, or
+    None when it does not beat the fit without one by the Bayesian information criterion (two parameters: the
+    row count and its coefficient)."""
+    n = len(steps)
+    durations = np.array([compute_seconds(s) for s in steps])
+    total = float(np.sum((durations - durations.mean()) ** 2))
+    spec = [verify_features(spec_features(s)) for s in steps] if speculation is not None else steps
+    most = max(s["num_prefill_tokens"] + s["num_decode_seqs"] for s in spec)
+    candidates = [k for k in KNEE_CANDIDATES if k < most]
+
+    def squared_error(knee: int | None) -> float:
+        fit = fit_profile(steps, gemv_max_rows=gemv_max_rows, gaps=gaps, speculation=speculation,
+                          knee_rows=knee)["fit"]
+        return max((1.0 - fit["r2"]) * total, 1e-300)
+
+    without = squared_error(None)
+    if not candidates or without <= 1e-12 * total:
+        return None
+    best = min(candidates, key=squared_error)
+    return best if n * np.log(squared_error(best) / without) + 2 * np.log(n) < 0 else None
+
+
 def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None,
-              gemv_max_rows: int | None | str = "auto", runs_archive: dict[str, str] | None = None) -> dict:
+              gemv_max_rows: int | None | str = "auto", runs_archive: dict[str, str] | None = None,
+              knee_rows: int | None | str = None) -> dict:
     """Fit on every step of ``run_dirs`` and write the profile to ``out``; returns it. The profile records
     the runs' model, dtype and attention backend (``run_setup``) and machine (``this_machine.profile_machine``);
     runs in different dtypes or on different machines are an error (one profile describes one dtype's step
     times on one machine). ``gemv_max_rows``: the kernel split to fit ("auto":
     ``default_gemv_max_rows``; "fit": ``fitted_kernel_switch``; None or 0: none). ``runs_archive``: the
-    ``{"file", "sha256"}`` of the archive the runs came from, recorded after ``command``."""
+    ``{"file", "sha256"}`` of the archive the runs came from, recorded after ``command``. ``knee_rows``: a bend
+    in the step cost (``rows_above_knee``): a row count, "fit" (``fitted_knee``) or None/0 for none."""
     steps: list[dict] = []
     gaps: list[float] = []
     configs = []
@@ -313,9 +347,13 @@ def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | No
     if gemv_max_rows == "fit":
         gemv_max_rows = fitted_kernel_switch(steps, gaps, speculation)
         metadata["kernel_switch"] = "fitted from the steps" if gemv_max_rows else "none (BIC)"
+    switch = int(gemv_max_rows) if gemv_max_rows else None
+    if knee_rows == "fit":
+        knee_rows = fitted_knee(steps, gaps, speculation, switch)
+        metadata["knee"] = "fitted from the steps" if knee_rows else "none (BIC)"
     profile = fit_profile(steps, source=f"in {len(run_dirs)} run(s)", metadata=metadata,
-                          gemv_max_rows=int(gemv_max_rows) if gemv_max_rows else None, gaps=gaps,
-                          speculation=speculation)
+                          gemv_max_rows=switch, gaps=gaps, speculation=speculation,
+                          knee_rows=int(knee_rows) if knee_rows else None)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")
     return profile
@@ -393,6 +431,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--gemv-max-rows", type=int, default=None,
                         help="fit the matmul kernel split at this many rows (0: none; default: the engine's GEMV "
                              "switch when the runs are bfloat16 on CPU, found from the steps for other CPU runs)")
+    parser.add_argument("--knee-rows", default=None,
+                        help="fit a bend in the step cost at this many rows (prefill tokens + decodes + proposals; "
+                             "'fit': the row count the steps favour by BIC, if any; default: none)")
     parser.add_argument("--runs-archive", default=None,
                         help="a .tar.xz the runs are kept in: RUN_DIRs missing on disk are unpacked from it, and the "
                              "profile records its name and SHA-256 (default: the archive the --out profile records)")
@@ -415,6 +456,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = "python -m nanovllm.harness.sim.calibrate " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.gemv_max_rows is not None and args.gemv_max_rows < 0:
         _fail(f"--gemv-max-rows must be >= 0, got {args.gemv_max_rows}")
+    knee: int | str | None = args.knee_rows
+    if knee is not None and knee != "fit":
+        if not str(knee).isdigit():
+            _fail(f"--knee-rows must be a row count >= 0 or 'fit', got {knee!r}")
+        knee = int(knee)
     try:
         if args.this_machine:
             if args.run_dirs:
@@ -431,7 +477,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             out = args.out
             archive = _runs_archive(args.run_dirs, out, args.runs_archive)
             profile = calibrate(args.run_dirs, out, command,
-                                "auto" if args.gemv_max_rows is None else args.gemv_max_rows, runs_archive=archive)
+                                "auto" if args.gemv_max_rows is None else args.gemv_max_rows, runs_archive=archive,
+                                knee_rows=knee)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         _fail(str(exc))
     except subprocess.CalledProcessError as exc:
