@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--methods", default="ngram,draft")
     parser.add_argument("--rounds", type=int, default=1, help="real runs of each held-out case (their mean)")
+    parser.add_argument("--knee-rows", default="fit",
+                        help="the calibration's bend in the step cost (calibrate --knee-rows: fit, a row count, 0)")
     args = parser.parse_args()
     base = runs_dir(args.dtype)
     rows = []
@@ -100,7 +102,7 @@ def main() -> None:
                  for name, load in LOADS.items()]
         profile = base / f"{method}_profile.yaml"
         subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *map(str, calib), "--out",
-                        str(profile)], check=True, cwd=ROOT)
+                        str(profile), "--knee-rows", str(args.knee_rows)], check=True, cwd=ROOT)
         accept_run = merged_calibration_run(calib, base / f"{method}_calib_requests")
         for name, load in LOADS.items():
             overrides = [*CHAT, *spec, *load, "workload.seed=0"]
@@ -113,7 +115,8 @@ def main() -> None:
                                 reals[0], reals[0])
             rows.append((method, name, [metrics(r) for r in reals], metrics(sim), metrics(replayed)))
     lines = [f"dtype={args.dtype}, chat workload (max_tokens 48), max_num_seqs=8, K=3, policy fixed; held-out "
-             f"real runs: workload seed 0, {args.rounds} round(s); calibration and acceptance: seed 1", "",
+             f"real runs: workload seed 0, {args.rounds} round(s); calibration and acceptance: seed 1; "
+             f"calibrate --knee-rows {args.knee_rows}", "",
              "| proposer | load | metric | real | simulated (fitted acceptance) | error | simulated (replayed "
              "acceptance) | error | acceptance real / fitted / replayed |",
              "|---|---|---|---|---|---|---|---|---|"]

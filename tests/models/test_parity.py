@@ -68,19 +68,15 @@ def test_parity_with_chunked_prefill(llm, parity_prompts, hf_greedy):
 
 
 def test_parity_with_prefix_cache_and_contiguous_allocators(llm, parity_prompts, hf_greedy):
-    for allocator in ("prefix", "contiguous"):
-        engine = LLM(allocator=allocator, num_kv_blocks=1024, max_model_len=1024)
-        ours, _ = _run(engine, parity_prompts + parity_prompts[:4])
-        _assert_same(ours, hf_greedy + hf_greedy[:4])
-
-
-def test_parity_when_a_request_shares_blocks_another_computes_in_the_same_step(llm, parity_prompts, hf_greedy):
-    # vLLM's rule (publish=scheduled): the four longest prompts come twice in one batch; each twin admitted in
-    # the first step hits the blocks its original is computing in that very step, so its attention reads K/V
-    # written earlier in the same layer. The tokens must not change.
+    # The prefix cache under vLLM's rule (publish=scheduled): the four longest prompts come twice in one batch,
+    # and each twin admitted in the first step hits the blocks its original is computing in that very step, so
+    # its attention reads K/V written earlier in the same layer. The tokens must not change.
     longest = sorted(range(len(parity_prompts)), key=lambda i: -len(parity_prompts[i]))[:4]
-    engine = LLM(allocator={"name": "prefix", "publish": "scheduled"}, num_kv_blocks=1024, max_model_len=1024)
-    ours, steps = _run(engine, parity_prompts + [parity_prompts[i] for i in longest])
+    prefix = LLM(allocator={"name": "prefix", "publish": "scheduled"}, num_kv_blocks=1024, max_model_len=1024)
+    ours, steps = _run(prefix, parity_prompts + [parity_prompts[i] for i in longest])
     _assert_same(ours, hf_greedy + [hf_greedy[i] for i in longest])
-    block = engine.engine.allocator.block_size
+    block = prefix.engine.allocator.block_size
     assert steps[0]["prefix_hit_tokens"] >= sum((len(parity_prompts[i]) - 1) // block * block for i in longest)
+    contiguous = LLM(allocator="contiguous", num_kv_blocks=1024, max_model_len=1024)
+    ours, _ = _run(contiguous, parity_prompts + parity_prompts[:4])
+    _assert_same(ours, hf_greedy + hf_greedy[:4])
