@@ -14,7 +14,9 @@ Its rules, and where each lives here:
   budget left; a preempted request goes back to the front of the waiting queue (its arrival is the earliest);
 - when a running request cannot get blocks, the last running request is preempted by recompute (the latest
   arrival among those not yet scheduled: ``Policy.select_victim``), and nothing is admitted in that step;
-- prefix caching: with ``allocator=prefix`` the admitted request's cached blocks count as computed.
+- prefix caching: with ``allocator=prefix`` the admitted request's cached blocks count as computed; with
+  ``allocator.publish=scheduled`` a block is a hit as soon as the step computing it is planned, as vLLM's
+  ``allocate_slots`` caches it, so a request admitted later in the same step shares it.
 
 Where the simulated scheduler still differs from vLLM's: vLLM's default KV watermark is 0 and ours keeps 1% of
 the blocks free at admission; vLLM's ``long_prefill_token_threshold`` (0, off, unless
