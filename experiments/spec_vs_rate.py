@@ -231,8 +231,8 @@ def calibrated_overrides(args: argparse.Namespace, tokenizer: Any, out: Path) ->
                        run_dir, args.dtype, threads=1)
         runs.append(run_dir)
     profile = out / "profile.yaml"
-    subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *map(str, runs), "--out", str(profile)],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "nanovllm.harness.sim.calibrate", *map(str, runs), "--out", str(profile),
+                    "--knee-rows", str(args.knee_rows)], check=True)
     accepted = merged_calibration_run(runs, out / "requests")
     return [f"runner.profile={profile}", "runner.acceptance=fitted", f"runner.acceptance_run={accepted}"]
 
@@ -318,6 +318,8 @@ def main() -> None:
                         help="seconds a vLLM server may take to start (its CPU build compiles on a cold cache)")
     parser.add_argument("--vllm-configs", default="none,ngram", help="which vLLM servers to run")
     parser.add_argument("--sim-override", action="append", default=[], help="a further override for runner=sim")
+    parser.add_argument("--knee-rows", default="0",
+                        help="--part sim: the calibration's bend in the step cost (calibrate --knee-rows: 0, N, fit)")
     parser.add_argument("--out", default="outputs/spec_vs_rate")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
