@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -244,26 +244,35 @@ def default_gemv_max_rows(setups: Sequence[dict[str, Any]],
     return "fit"
 
 
-def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = (),
-                         speculation: str | None = None) -> int | None:
-    """The row count up to which the steps' matmuls look like one kernel and above it another: the candidate
-    (``KERNEL_SWITCH_CANDIDATES``) whose fit leaves the least squared error, or None when even that one does not
-    beat the fit without a switch by the Bayesian information criterion (``n ln(RSS) + k ln(n)``: the switch
-    costs three parameters, its row count and the two kernel terms), so steps without a switch get none."""
+def _bic_choice(steps: Sequence[dict[str, Any]], candidates: Sequence[int], parameters: int,
+                term: Callable[[int | None], dict[str, Any]]) -> int | None:
+    """The candidate whose fit (``fit_profile`` of ``steps`` with ``term(candidate)`` as its extra arguments)
+    leaves the least squared error, or None when even that one does not beat the fit without it
+    (``term(None)``) by the Bayesian information criterion, ``n ln(RSS) + k ln(n)``, the term costing
+    ``parameters``; None too when there is no candidate or the fit without it is already exact."""
     n = len(steps)
     durations = np.array([compute_seconds(s) for s in steps])
     total = float(np.sum((durations - durations.mean()) ** 2))
 
-    def squared_error(gemv_max_rows: int | None) -> float:
-        fit = fit_profile(steps, gemv_max_rows=gemv_max_rows, gaps=gaps, speculation=speculation)["fit"]
-        return (1.0 - fit["r2"]) * total
+    def squared_error(candidate: int | None) -> float:
+        return max((1.0 - fit_profile(steps, **term(candidate))["fit"]["r2"]) * total, 1e-300)
 
     without = squared_error(None)
-    if without <= 1e-12 * total:  # already exact: nothing left for a switch to explain
+    if not candidates or without <= 1e-12 * total:  # already exact: nothing left for the term to explain
         return None
-    best = min(KERNEL_SWITCH_CANDIDATES, key=squared_error)
-    with_switch = max(squared_error(best), 1e-300)
-    return best if n * np.log(with_switch / without) + 3 * np.log(n) < 0 else None
+    errors = {candidate: squared_error(candidate) for candidate in candidates}
+    best = min(errors, key=errors.__getitem__)
+    return best if n * np.log(errors[best] / without) + parameters * np.log(n) < 0 else None
+
+
+def fitted_kernel_switch(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = (),
+                         speculation: str | None = None) -> int | None:
+    """The row count up to which the steps' matmuls look like one kernel and above it another: the candidate
+    (``KERNEL_SWITCH_CANDIDATES``) whose fit leaves the least squared error, or None when even that one does not
+    beat the fit without a switch by the Bayesian information criterion (the switch costs three parameters, its
+    row count and the two kernel terms), so steps without a switch get none."""
+    return _bic_choice(steps, KERNEL_SWITCH_CANDIDATES, 3,
+                       lambda rows: dict(gemv_max_rows=rows, gaps=gaps, speculation=speculation))
 
 
 def fitted_knee(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = (), speculation: str | None = None,
@@ -271,23 +280,11 @@ def fitted_knee(steps: Sequence[dict[str, Any]], gaps: Sequence[float] = (), spe
     """The bend (``KNEE_CANDIDATES`` within the steps' row counts) whose fit leaves the least squared error, or
     None when it does not beat the fit without one by the Bayesian information criterion (two parameters: the
     row count and its coefficient)."""
-    n = len(steps)
-    durations = np.array([compute_seconds(s) for s in steps])
-    total = float(np.sum((durations - durations.mean()) ** 2))
     spec = [verify_features(spec_features(s)) for s in steps] if speculation is not None else steps
     most = max(s["num_prefill_tokens"] + s["num_decode_seqs"] for s in spec)
-    candidates = [k for k in KNEE_CANDIDATES if k < most]
-
-    def squared_error(knee: int | None) -> float:
-        fit = fit_profile(steps, gemv_max_rows=gemv_max_rows, gaps=gaps, speculation=speculation,
-                          knee_rows=knee)["fit"]
-        return max((1.0 - fit["r2"]) * total, 1e-300)
-
-    without = squared_error(None)
-    if not candidates or without <= 1e-12 * total:
-        return None
-    best = min(candidates, key=squared_error)
-    return best if n * np.log(squared_error(best) / without) + 2 * np.log(n) < 0 else None
+    return _bic_choice(steps, [k for k in KNEE_CANDIDATES if k < most], 2,
+                       lambda knee: dict(gemv_max_rows=gemv_max_rows, gaps=gaps, speculation=speculation,
+                                         knee_rows=knee))
 
 
 def calibrate(run_dirs: Sequence[str | Path], out: str | Path, command: str | None = None,
