@@ -29,7 +29,7 @@
 
 namespace {
 
-constexpr int64_t kFeatures = 16;  // output features per block
+constexpr int64_t kFmaFeatures = 16;  // output features per block
 #if defined(__AVX2__)
 constexpr int kMaxRows = 6;        // rows per group: 12 accumulators, 2 weight vectors and a broadcast
 constexpr int64_t kRowTile = 64;   // rows per pass over a thread's feature blocks (x's float32 tile stays in L2)
@@ -43,7 +43,7 @@ inline void dot_block(const uint16_t* w, const float* x, int64_t k, __m256 (*acc
   __m256 sums[R][2];
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
-    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kFeatures));
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * kFmaFeatures));
     const __m256 low = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));           // features 0-7
     const __m256 high = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));    // features 8-15
     for (int r = 0; r < R; ++r) {
@@ -70,7 +70,7 @@ inline __m128i to_bf16(__m256 v) {
 
 void bf16_fma_rows(const float* x, const uint16_t* packed, const float* bias, uint16_t* y, int64_t m, int64_t n,
                    int64_t k) {
-  const int64_t blocks = (n + kFeatures - 1) / kFeatures;
+  const int64_t blocks = (n + kFmaFeatures - 1) / kFmaFeatures;
 #pragma omp parallel
   {
     // An even, contiguous range of feature blocks per thread: at batch 1 the slower thread sets the layer's time.
@@ -82,11 +82,11 @@ void bf16_fma_rows(const float* x, const uint16_t* packed, const float* bias, ui
       // of a 6-row group's arithmetic).
       const int64_t groups = (tile + kMaxRows - 1) / kMaxRows;
       for (int64_t fb = begin; fb < end; ++fb) {
-        const uint16_t* w = packed + fb * k * kFeatures;
-        const int64_t col = fb * kFeatures, count = std::min(kFeatures, n - col);
+        const uint16_t* w = packed + fb * k * kFmaFeatures;
+        const int64_t col = fb * kFmaFeatures, count = std::min(kFmaFeatures, n - col);
         __m256 bias_lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         if (bias != nullptr) {
-          alignas(32) float b16[kFeatures] = {};
+          alignas(32) float b16[kFmaFeatures] = {};
           std::memcpy(b16, bias + col, count * sizeof(float));
           bias_lanes[0] = _mm256_load_ps(b16);
           bias_lanes[1] = _mm256_load_ps(b16 + 8);
@@ -107,11 +107,11 @@ void bf16_fma_rows(const float* x, const uint16_t* packed, const float* bias, ui
             const __m128i low = to_bf16(_mm256_add_ps(acc[r][0], bias_lanes[0]));
             const __m128i high = to_bf16(_mm256_add_ps(acc[r][1], bias_lanes[1]));
             uint16_t* dst = y + (r0 + r) * n + col;
-            if (count == kFeatures) {
+            if (count == kFmaFeatures) {
               _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), low);
               _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8), high);
             } else {
-              alignas(16) uint16_t out[kFeatures];
+              alignas(16) uint16_t out[kFmaFeatures];
               _mm_store_si128(reinterpret_cast<__m128i*>(out), low);
               _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), high);
               std::memcpy(dst, out, count * sizeof(uint16_t));
@@ -141,11 +141,11 @@ bool bf16_fma_available() {
 at::Tensor pack_bf16_fma_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16,
               "pack_bf16_fma_weight: weight must be a 2-D bfloat16 CPU tensor");
-  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kFeatures - 1) / kFeatures;
-  auto padded = at::zeros({blocks * kFeatures, k}, weight.options());
+  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kFmaFeatures - 1) / kFmaFeatures;
+  auto padded = at::zeros({blocks * kFmaFeatures, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   // [block][half h][j][k] -> [block][k][j][h]: feature 8h + j lands at 2j + h within each k.
-  return padded.view({blocks, 2, kFeatures / 2, k}).permute({0, 3, 2, 1}).contiguous().view({blocks, k * kFeatures});
+  return padded.view({blocks, 2, kFmaFeatures / 2, k}).permute({0, 3, 2, 1}).contiguous().view({blocks, k * kFmaFeatures});
 }
 
 // x [M, K] bfloat16 times the packed weight of ``out_features`` outputs (+ bias, float32), in bfloat16.
@@ -155,7 +155,7 @@ at::Tensor bf16_fma_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Te
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 2, "bf16_fma_linear: packed must be "
               "pack_bf16_fma_weight's bfloat16 [blocks, K * 16]");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.size(1) == k * kFeatures && packed.size(0) * kFeatures >= out_features,
+  TORCH_CHECK(packed.size(1) == k * kFmaFeatures && packed.size(0) * kFmaFeatures >= out_features,
               "bf16_fma_linear: the packed weight does not match x's in_features (", k, ") or out_features (",
               out_features, ")");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == out_features &&

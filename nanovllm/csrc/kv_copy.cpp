@@ -53,7 +53,7 @@ inline void stream_vec(char* dst, const char* src) {
 constexpr int64_t kLine = 64;
 constexpr int64_t kStreams = 8;          // pieces copied side by side, a chunk of each in turn
 constexpr int64_t kChunk = 256;          // bytes of one piece per turn
-constexpr int64_t kPrefetchAhead = 1024; // bytes of each piece's source prefetched ahead of its copy
+constexpr int64_t kPrefetchBytes = 1024; // bytes of each piece's source prefetched ahead of its copy
 
 // Copies ``pieces[0:count]`` (at most kStreams) interleaved, kChunk bytes of each in turn: the hardware
 // prefetchers follow several streams at once, so more of the memory's latency overlaps than piece by piece.
@@ -76,12 +76,12 @@ void copy_interleaved(const Piece* pieces, int64_t count) {
     longest = std::max(longest, body[s]);
   }
   for (int64_t s = 0; s < count; ++s)
-    for (int64_t b = 0; b < std::min(kPrefetchAhead, body[s]); b += kLine) _mm_prefetch(src[s] + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < std::min(kPrefetchBytes, body[s]); b += kLine) _mm_prefetch(src[s] + b, _MM_HINT_T0);
   for (int64_t off = 0; off < longest; off += kChunk) {
     for (int64_t s = 0; s < count; ++s) {
       const int64_t end = std::min(off + kChunk, body[s]);
       for (int64_t i = off; i < end; i += kLine) {
-        if (i + kPrefetchAhead < body[s]) _mm_prefetch(src[s] + i + kPrefetchAhead, _MM_HINT_T0);
+        if (i + kPrefetchBytes < body[s]) _mm_prefetch(src[s] + i + kPrefetchBytes, _MM_HINT_T0);
         for (int64_t v = 0; v < kLine; v += kVec) stream_vec(dst[s] + i + v, src[s] + i + v);
       }
     }

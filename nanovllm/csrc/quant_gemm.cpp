@@ -57,13 +57,7 @@ inline float half_to_float(at::Half h) {
 #endif
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using nanovllm::to_float;  // cpu_vec.h's: a bf16's bits shifted into a float32's
 
 // ---- activations -> int8 -----------------------------------------------------------------------------------
 
