@@ -39,6 +39,9 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "sam
                                        "int8_amx.cpp", "brgemm_linear.cpp", "bf16_fma_linear.cpp",
                                        "decoder_stack.cpp", "kv_copy.cpp",
                                        "bindings.cpp")]
+# The one unit the compiler is given: it includes every source above (a unity build), so the torch headers
+# are parsed once a build rather than once a source.
+UNITY_SOURCE = CSRC / "all_kernels.cpp"
 HEADERS = [CSRC / "cpu_vec.h", CSRC / "kernels.h", CSRC / "scratch.h"]
 CFLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
@@ -192,8 +195,9 @@ def _compiler_version() -> str:
 
 def build_name(build: str) -> str:
     """The cache entry of one kernel build: its level and a hash of everything that makes its bytes."""
-    key = "\n".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(CFLAGS + ISA_CFLAGS[build]),
-                     _compiler_version(), torch.__version__, sys.version.split()[0]])
+    texts = [p.read_text() for p in [UNITY_SOURCE, *SOURCES, *HEADERS]]
+    key = "\n".join([*texts, " ".join(CFLAGS + ISA_CFLAGS[build]), _compiler_version(), torch.__version__,
+                     sys.version.split()[0]])
     return f"nanovllm_kernels_{build}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -212,7 +216,7 @@ def _build(name: str, build: str, build_dir: Path) -> None:
     # torch's own lock file ("lock") outlives a killed build and makes torch wait for it forever; whoever holds
     # our OS lock is the only builder, so one found now is stale.
     (build_dir / "lock").unlink(missing_ok=True)
-    cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+    cpp_extension.load(name=name, sources=[str(UNITY_SOURCE)],
                        extra_cflags=CFLAGS + ISA_CFLAGS[build] + [f"-DNANOVLLM_OPS=nanovllm_{build}"],
                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 

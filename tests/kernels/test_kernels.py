@@ -373,6 +373,16 @@ def test_a_library_another_process_is_still_linking_is_never_loaded(tmp_path):
     assert not any("file too short" in line or "could not build" in line for line in lines), lines
 
 
+def test_the_unity_source_includes_every_kernel_source_once():
+    """The extension compiles ``all_kernels.cpp`` alone: a source it does not include is never built, and a
+    source listed in ``SOURCES`` but not included would change the cache key without changing the module."""
+    import re
+
+    included = re.findall(r'^#include "([^"]+\.cpp)"', kernels.UNITY_SOURCE.read_text(), flags=re.MULTILINE)
+    on_disk = {p.name for p in kernels.CSRC.glob("*.cpp")} - {kernels.UNITY_SOURCE.name}
+    assert sorted(included) == sorted(on_disk) == sorted(p.name for p in kernels.SOURCES)
+
+
 def test_bad_isa_levels_are_clear_errors():
     with pytest.raises(ValueError, match="isa='avx9' is not an ISA level; choose one of amx, avx512_bf16"):
         kernels.load("avx9")
