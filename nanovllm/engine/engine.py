@@ -122,9 +122,11 @@ class LLMEngine(EngineClient):
                                       runner.dtype, config.kv_cache_dtype)
         self.num_kv_blocks = decide_num_blocks(config, block_bytes, self.max_model_len, device)
         self.kv_block_bytes = block_bytes
-        backend: AttentionBackend = ATTENTION_BACKENDS.build(
-            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.head_dim ** -0.5)
-        graphs = (loads_model and device.type == "cuda" and not config.enforce_eager
+        # A runner without a model (the simulator) attends nothing: no backend, so no kernel build on its way.
+        backend: AttentionBackend | None = ATTENTION_BACKENDS.build(
+            attention, runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.head_dim ** -0.5
+        ) if loads_model else None
+        graphs = (backend is not None and device.type == "cuda" and not config.enforce_eager
                   and backend.supports_cuda_graphs)
         runner.init_kv_cache(self.num_kv_blocks, config.block_size, backend,
                              GraphSettings(config.max_num_seqs, self.max_model_len) if graphs else None)
@@ -423,8 +425,10 @@ class LLMEngine(EngineClient):
 
     def _culprit(self, exc: BaseException) -> str:
         """' in allocator 'paged' (PagedAllocator.allocate)' for the innermost plugin frame of the traceback."""
-        plugins = {id(self.allocator): "allocator", id(self.runner.backend): "attention backend",
-                   id(self.policy): "policy"}
+        # (A runner without a model has no backend: a frame without ``self`` must not read as that None.)
+        plugins = {id(owner): role for owner, role in ((self.allocator, "allocator"),
+                                                       (self.runner.backend, "attention backend"),
+                                                       (self.policy, "policy")) if owner is not None}
         found = ""
         tb = exc.__traceback__
         while tb is not None:

@@ -125,10 +125,11 @@ class ModelRunner(Runner):
         self.backend: AttentionBackend | None = None
         self.decode_graphs: DecodeGraphs | None = None
 
-    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend,
+    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend | None,
                       graphs: GraphSettings | None = None) -> None:
         """Allocate the KV cache (in ``config.kv_cache_dtype``), bind it to ``backend`` and, given ``graphs``,
         capture decode CUDA graphs (their padding rows get one scratch block past the allocator's ``num_blocks``)."""
+        assert backend is not None, "the engine builds a backend for every runner that loads a model"
         self.block_size = block_size
         self.kv_cache, views = allocate_kv_cache(
             self.num_layers, num_blocks + (1 if graphs else 0), block_size, self.num_kv_heads, self.head_dim,

@@ -18,7 +18,8 @@ A new runner (an HTTP client of an OpenAI-compatible server, say) subclasses ``R
    exposes the geometry the engine sizes the KV cache and the attention backend from: ``device``, ``dtype``,
    ``num_layers``, ``num_heads``, ``num_kv_heads`` (this process's, under tensor parallelism) and ``head_dim``.
 2. ``init_kv_cache(num_blocks, block_size, backend, graphs)``: once, after the engine decided how many KV blocks
-   there are and built the attention backend. ``graphs`` (CUDA-graph settings) is None unless the runner
+   there are and built the attention backend (``backend`` is None for a runner that does not ``loads_model``:
+   it attends nothing, and the CPU backend would compile kernels it never calls). ``graphs`` (CUDA-graph settings) is None unless the runner
    ``loads_model`` on CUDA and the backend supports graphs.
 3. ``execute(scheduled)``: once per engine step that scheduled work (never with an empty batch), between
    ``Scheduler.schedule`` and ``Scheduler.update_from_output``; also during the warm-up, before the first
@@ -90,9 +91,10 @@ class Runner(abc.ABC):
     model: torch.nn.Module | None = None        # the loaded model, when there is one in this process
 
     @abc.abstractmethod
-    def init_kv_cache(self, num_blocks: int, block_size: int, backend: "AttentionBackend",
+    def init_kv_cache(self, num_blocks: int, block_size: int, backend: "AttentionBackend | None",
                       graphs: Any = None) -> None:
-        """Allocate (or only note) ``num_blocks`` KV blocks of ``block_size`` tokens, bound to ``backend``."""
+        """Allocate (or only note) ``num_blocks`` KV blocks of ``block_size`` tokens, bound to ``backend`` (None
+        when the runner does not load a model)."""
 
     @abc.abstractmethod
     def execute(self, scheduled: list[tuple["Request", int]]) -> tuple[list[int | None],

@@ -155,6 +155,25 @@ def _wandb_run_record(run_file: Path) -> dict:
     return run
 
 
+def test_a_simulated_run_on_a_fresh_cache_builds_no_kernels(tmp_path: Path, llm) -> None:
+    """A simulated run attends nothing, so on a machine whose kernel cache is empty it compiles none (the CPU
+    attention backend's build took minutes before anything was simulated). The cache here holds only the
+    converted model, linked from the session's (``llm`` made it)."""
+    from nanovllm.paths import CACHE_ENV, cache_root
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for entry in cache_root().iterdir():
+        if entry.name not in ("extensions", "sim-profiles"):
+            (cache / entry.name).symlink_to(entry)
+    proc = run_cli(tmp_path, *TINY, "runner=sim", "runner.step_time=token_cost", "attention=cpu",
+                   f"hydra.run.dir={tmp_path / 'run'}", env=cli_env(tmp_path, **{CACHE_ENV: str(cache)}))
+    _ok(proc)
+    summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert summary["completed"] == 3
+    assert not (cache / "extensions").exists() or not any((cache / "extensions").iterdir())
+
+
 def test_multirun_summary_table_and_shared_wandb_group(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     proc = run_cli(tmp_path, "-m", "scheduler=fcfs,priority", "logger=wandb", *TINY,

@@ -122,7 +122,8 @@ class TensorParallelRunner(ModelRunner):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers]
 
-    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend, graphs: Any = None) -> None:
+    def init_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend | None,
+                      graphs: Any = None) -> None:
         """Every rank allocates its KV-cache shard (its own KV heads); tensor-parallel steps run eagerly (no
         CUDA graphs)."""
         self._send(("kv_cache", num_blocks, block_size, self.attention_spec))
