@@ -17,8 +17,11 @@ from nanovllm.harness.objective import ObjectiveConfig, check_sweeper_direction,
 from nanovllm.harness.parallel_jobs import threads_for_job
 from helpers import TINY, ray_processes, run_cli
 
+# What is tested is the launchers and sweepers, not the model: the jobs run the simulator (the same harness, no
+# model load and no kernel build in each job's process).
+SIMULATED = [*TINY, "runner=sim", "runner.step_time=token_cost"]
 # Two jobs: the first is a bad combination (no chunked prefill, yet a token budget below max_model_len).
-SWEEP = [*TINY, "engine.enable_chunked_prefill=false", "engine.max_num_batched_tokens=16,512"]
+SWEEP = [*SIMULATED, "engine.enable_chunked_prefill=false", "engine.max_num_batched_tokens=16,512"]
 BAD_COMBINATION = "engine.max_num_batched_tokens (16) must be >= max_model_len (512)"
 
 
@@ -129,7 +132,7 @@ def test_optuna_tunes_toward_the_objective_and_survives_failed_trials(tmp_path) 
     # Optuna's seeded TPE sampler, not its GridSampler: optuna 2.10's GridSampler calls study.stop() once the
     # grid is exhausted, which hydra-optuna-sweeper's ask/tell loop (outside optimize()) turns into a crash.
     proc = run_cli(tmp_path, "-m", "hydra/sweeper=tune", "hydra.sweeper.n_trials=6", "hydra.sweeper.sampler.seed=0",
-                   *TINY, "engine.enable_chunked_prefill=false",
+                   *SIMULATED, "engine.enable_chunked_prefill=false",
                    "engine.max_num_batched_tokens=choice(16,512)", "engine.max_num_seqs=choice(1,3)",
                    "objective.metric=completed", timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # the 16-token budget is a bad combination
