@@ -145,7 +145,8 @@ at::Tensor pack_bf16_fma_weight(at::Tensor weight) {
   auto padded = at::zeros({blocks * kFmaFeatures, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   // [block][half h][j][k] -> [block][k][j][h]: feature 8h + j lands at 2j + h within each k.
-  return padded.view({blocks, 2, kFmaFeatures / 2, k}).permute({0, 3, 2, 1}).contiguous().view({blocks, k * kFmaFeatures});
+  return padded.view({blocks, 2, kFmaFeatures / 2, k}).permute({0, 3, 2, 1}).contiguous()
+      .view({blocks, k * kFmaFeatures});
 }
 
 // x [M, K] bfloat16 times the packed weight of ``out_features`` outputs (+ bias, float32), in bfloat16.

@@ -19,8 +19,8 @@ A new runner (an HTTP client of an OpenAI-compatible server, say) subclasses ``R
    ``num_layers``, ``num_heads``, ``num_kv_heads`` (this process's, under tensor parallelism) and ``head_dim``.
 2. ``init_kv_cache(num_blocks, block_size, backend, graphs)``: once, after the engine decided how many KV blocks
    there are and built the attention backend (``backend`` is None for a runner that does not ``loads_model``:
-   it attends nothing, and the CPU backend would compile kernels it never calls). ``graphs`` (CUDA-graph settings) is None unless the runner
-   ``loads_model`` on CUDA and the backend supports graphs.
+   it attends nothing, and the CPU backend would compile kernels it never calls). ``graphs`` (CUDA-graph
+   settings) is None unless the runner ``loads_model`` on CUDA and the backend supports graphs.
 3. ``execute(scheduled)``: once per engine step that scheduled work (never with an empty batch), between
    ``Scheduler.schedule`` and ``Scheduler.update_from_output``; also during the warm-up, before the first
    request, when ``loads_model``. ``scheduled`` is ``[(request, num_new_tokens)]``; it returns, per row, the
