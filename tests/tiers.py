@@ -67,6 +67,8 @@ SLOW = {
     "test_kernels.py::test_a_build_killed_mid_way_does_not_block_the_next_start": "kernel builds in processes",
     "test_kernels.py::test_a_start_that_waits_for_another_build_says_so_once": "kernel builds in processes",
     "test_kernels.py::test_a_library_another_process_is_still_linking_is_never_loaded": "kernel builds in processes",
+    "test_kernels.py::test_bf16_brgemm_under_a_forced_lower_level_is_refused_not_an_abort":
+        "a process started under a forced ISA level (oneDNN reads the cap once)",
     "test_sweep_launchers.py::test_joblib_runs_jobs_in_parallel_with_a_fair_share_of_threads": "a sweep",
     "test_sweep_launchers.py::test_submitit_local_runs_the_sweep": "a sweep",
     "test_sweep_launchers.py::test_ray_launcher_on_a_local_instance": "a sweep on Ray",

@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -81,10 +83,23 @@ void brgemm_rows(const T* x, const T* packed, const float* bias, T* y, int64_t m
 
 }  // namespace
 
-// Whether oneDNN's brgemm runs bfloat16 on this CPU: it needs AMX or AVX-512 BF16. Elsewhere (AVX2, AVX-512
-// without BF16) torch's brgemm aborts the process instead of raising, so the bf16 calls below refuse first; the
-// fast path takes oneDNN's prepacked linear there (fast_path.linear_kernel).
+// Whether a ONEDNN_MAX_CPU_ISA cap (NANOVLLM_CPU_ISA sets one: nanovllm.machine.apply_isa_cap) keeps oneDNN
+// below AVX-512 BF16. A CPU that has it, capped lower, gets no bf16 brgemm from oneDNN either.
+static bool onednn_capped_below_bf16() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap == nullptr || *cap == '\0') return false;
+  static const char* const kBelow[] = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                       "AVX512_CORE_VNNI"};
+  for (const char* below : kBelow)
+    if (std::strcmp(cap, below) == 0) return true;
+  return false;
+}
+
+// Whether oneDNN's brgemm runs bfloat16 here: it needs AMX or AVX-512 BF16, not capped away. Elsewhere (AVX2,
+// AVX-512 without BF16, or a cap below it) torch's brgemm aborts the process instead of raising, so the bf16
+// calls below refuse first; the fast path takes another kernel there (fast_path.linear_kernel).
 bool brgemm_bf16_available() {
+  if (onednn_capped_below_bf16()) return false;
 #if defined(__x86_64__) || defined(__i386__)
   return at::native::cpublas::could_pack(at::kBFloat16) || __builtin_cpu_supports("avx512bf16");
 #else
@@ -101,7 +116,8 @@ at::Tensor pack_brgemm_weight(at::Tensor weight) {
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(dtype != at::kBFloat16 || k % 2 == 0, "pack_brgemm_weight: bfloat16 needs an even in_features, got ", k);
   TORCH_CHECK(dtype != at::kBFloat16 || brgemm_bf16_available(),
-              "pack_brgemm_weight: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks");
+              "pack_brgemm_weight: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks "
+              "or NANOVLLM_CPU_ISA caps below");
   const int64_t n_blocks = (n + BLOCK_N - 1) / BLOCK_N;
   auto padded = at::zeros({n_blocks * BLOCK_N, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -124,7 +140,8 @@ at::Tensor brgemm_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tens
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "brgemm_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "brgemm_linear: x and the packed weight differ in dtype");
   TORCH_CHECK(x.scalar_type() != at::kBFloat16 || brgemm_bf16_available(),
-              "brgemm_linear: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks");
+              "brgemm_linear: bfloat16 brgemm needs AMX or AVX-512 BF16, which this CPU lacks or "
+              "NANOVLLM_CPU_ISA caps below");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.size(1) == k * BLOCK_N && packed.size(0) * BLOCK_N >= out_features,
               "brgemm_linear: the packed weight does not match x's in_features or out_features");

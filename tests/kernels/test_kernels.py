@@ -373,6 +373,21 @@ def test_a_library_another_process_is_still_linking_is_never_loaded(tmp_path):
     assert not any("file too short" in line or "could not build" in line for line in lines), lines
 
 
+def test_bf16_brgemm_under_a_forced_lower_level_is_refused_not_an_abort():
+    """``NANOVLLM_CPU_ISA=avx2`` caps oneDNN at AVX2 (``machine.apply_isa_cap``, at ``import nanovllm``), so
+    oneDNN has no bf16 brgemm even on a CPU with AVX-512 BF16: the bf16 calls refuse with the reason, where they
+    once let torch's brgemm abort the process. In a subprocess: the cap is read once, when oneDNN starts."""
+    code = ("import torch\nfrom nanovllm import kernels\ncompiled = kernels.load()\n"
+            "assert not compiled.brgemm_bf16_available()\n"
+            "try:\n    compiled.pack_brgemm_weight(torch.zeros(64, 64, dtype=torch.bfloat16))\n"
+            "except RuntimeError as exc:\n    print('refused:', exc)\n")
+    env = {**os.environ, machine.ISA_ENV: "avx2", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused:" in proc.stdout and "needs AMX or AVX-512 BF16" in proc.stdout
+
+
 def test_the_unity_source_includes_every_kernel_source_once():
     """The extension compiles ``all_kernels.cpp`` alone: a source it does not include is never built, and a
     source listed in ``SOURCES`` but not included would change the cache key without changing the module."""
