@@ -21,13 +21,13 @@ import heapq
 import math
 import threading
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica, ReplicaViews
 from nanovllm.engine.engine import LLMEngine
-from nanovllm.engine.protocol import EngineClient, StepOutput
-from nanovllm.outputs import StepColumns
+from nanovllm.engine.protocol import EngineClient, StepOutput, StepsAhead
+from nanovllm.outputs import StepColumns, StepRecord
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import Router, RouterError, StepTimeEstimate, check_route
 from nanovllm.sampling import SamplingParams
@@ -458,36 +458,62 @@ class Cluster(ClusterBase):
         self._in_ready[index] = False
         replica = self.replicas[index]
         replica.engine.set_horizon(self._replica_horizon(index))
+        replica.engine.stretch_through_finishes = self._stretches_through_finishes()
         output = replica.step()
         output.record["replica"] = index
         self._stepped(replica, output, replica.engine.clock())
         self._mark_ready(index)
         return output
 
-    def take_steps_ahead(self) -> StepColumns | None:
+    def take_steps_ahead(self) -> StepsAhead | None:
         """Each replica's decode stretch whole, while the replica whose step comes next (earliest start, ties
-        by replica) has one to run: no request starts or ends in it, and none reaches the replica before its
-        last step starts (its engine's horizon, ``_replica_horizon``), so it is run ahead of the other
-        replicas' steps; its records (each with its ``replica``) settle as ``steps_settled_before`` says. None
-        when the next step is not one. Without faults only: a fault may move requests between replicas at any
-        step."""
+        by replica) has one to run: no request starts in it, and none reaches the replica before its last step
+        starts (its engine's horizon, ``_replica_horizon``), so it is run ahead of the other replicas' steps;
+        its records (each with its ``replica``) and the requests that ended in it settle as
+        ``steps_settled_before`` says, and the router hears of those at once (``_stepped``). None when the next
+        step is not one. Without faults only: a fault may move requests between replicas at any step."""
         if self._reports or self._injector is not None or self._detections or any(self._parked.values()):
             return None
         runs: list[StepColumns] = []
+        ended: list[tuple[int, Request]] = []
+        taken = 0
+        through = self._stretches_through_finishes()
         while self._ready:
             index = self._ready[0][1]
             replica = self.replicas[index]
             replica.engine.set_horizon(self._replica_horizon(index))
+            replica.engine.stretch_through_finishes = through
             ahead = replica.steps_ahead_starts()
             if ahead is None:
                 break
             run = replica.take_steps_ahead(len(ahead))
-            run.keys.append("replica")
-            run.constants["replica"] = index
-            runs.append(run)
-            # Its next step goes back on the heap as ``step()`` would have left it after the stretch.
-            heapq.heapreplace(self._ready, (replica.engine.next_step_time(), index))
-        return StepColumns.concatenate(runs) if runs else None
+            steps = run.parts[0]   # (one engine's stretch: one part)
+            steps.keys.append("replica")
+            steps.constants["replica"] = index
+            runs.append(steps)
+            if run.ended:
+                ends = steps.value("start_time") + steps.value("duration")
+                by_step: dict[int, list[Request]] = {}
+                for position, request in run.ended:
+                    ended.append((taken + position, request))
+                    by_step.setdefault(position, []).append(request)
+                for position, requests in by_step.items():   # (the record is not read: the step's ends are)
+                    self._stepped(replica, StepOutput(requests, cast(StepRecord, {}), None), float(ends[position]))
+            taken += len(steps)
+            # Its next step goes back on the heap as ``step()`` would have left it after the stretch (an idle
+            # replica, all of whose requests ended in it, leaves the heap until a request comes).
+            if replica.has_unfinished():
+                heapq.heapreplace(self._ready, (replica.engine.next_step_time(), index))
+            else:
+                heapq.heappop(self._ready)
+                self._in_ready[index] = False
+        return StepsAhead(runs, ended) if runs else None
+
+    def _stretches_through_finishes(self) -> bool:
+        """Whether replicas' decode stretches may run through the steps where requests finish: a router that
+        hears each finish (its own ``on_finish``) would hear them out of order across replicas then."""
+        return all(router is None or type(router).on_finish is Router.on_finish
+                   for router in (self.router, self.decode_router))
 
     def steps_settled_before(self) -> float | None:
         """``EngineClient.steps_settled_before``: a replica's next step starts at its place on the heap, an idle

@@ -4,6 +4,7 @@ queued)."""
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from collections import deque
@@ -12,8 +13,7 @@ from typing import Any, Sequence, overload
 import numpy as np
 
 from nanovllm.engine.engine import LLMEngine
-from nanovllm.engine.protocol import StepOutput
-from nanovllm.outputs import StepColumns
+from nanovllm.engine.protocol import StepOutput, StepsAhead
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import ReplicaView
 
@@ -44,6 +44,9 @@ class LocalReplica:
         # (the view at this step's start) and the requests routed to it since (``view``).
         self._reported: ReplicaView | None = None
         self._since: list[Request] = []
+        # While a decode stretch runs ahead: the end times of its steps where requests ended before its last
+        # step (one entry a request, sorted), which the reported view (as of the last step) no longer counts.
+        self._ended_ahead: list[float] = []
         self._recent: deque[tuple[float, float | None]] = deque(maxlen=RECENT_REQUESTS)  # (TTFT, ITL) seconds
         self.num_incoming = 0   # handed-off requests routed here whose K/V are still on the way (disaggregation)
         # Faults (a simulated cluster's ``cluster.faults``): a hung replica holds its requests and never steps;
@@ -89,20 +92,40 @@ class LocalReplica:
         """When the engine's steps computed ahead start (``LLMEngine.steps_ahead_starts``). A stretch starting
         now is reported as ``step`` reports its last step (the view as of that step's start, for a router that
         asks while it runs): a request can reach this replica only during that step (the stretch ends at its
-        horizon), and while the earlier ones run a router reads no more than its counts, which no step of a
-        stretch changes; its free blocks are those the stretch's records show before its last step."""
+        horizon). The requests that end in the stretch leave the figures now (``_ended``), those of its last
+        step after the view is taken; its free blocks are those the stretch's records show before its last
+        step. While the earlier steps run a router reads no more than the count of requests outstanding
+        (``num_outstanding``), which counts those ending later in the stretch."""
         if self.engine.has_stretch():
             return self.engine.steps_ahead_starts()
         view = self._build_view()   # as of now, before the stretch; reported only if there is one
         starts = self.engine.steps_ahead_starts()
         if starts is not None:
+            last = len(starts) - 1
+            self._ended_ahead = []
+            ended = self.engine.steps_ahead_ended()
+            if ended:
+                ends = starts[1:].tolist() + [self.engine.clock()]
+                before = [(ends[j], request) for j, requests in sorted(ended.items()) if j < last
+                          for request in requests]
+                for _, request in before:
+                    self._ended(request)
+                at_last = len(ended.get(last, ()))
+                if before:   # the view as of the last step's start: after the earlier steps' ends
+                    view = self._build_view()
+                    view.num_running += at_last
+                    view.num_decoding = view.num_running
+                    self._ended_ahead = [t for t, _ in before]
+                for request in ended.get(last, ()):
+                    self._ended(request)
+                self.num_decoding = sum(1 for r in self.engine.scheduler.running if r.num_output_tokens > 0)
             self._reported, self._since = view, []
             self._view = None   # as after any step: the next view is built anew
-            assert len(starts) >= 2   # (a stretch has MIN_STRETCH steps)
-            view.num_free_blocks = int(self.engine.steps_ahead_column("kv_blocks_free")[-2])
+            if len(starts) >= 2:
+                view.num_free_blocks = int(self.engine.steps_ahead_column("kv_blocks_free")[-2])
         return starts
 
-    def take_steps_ahead(self, count: int) -> StepColumns:
+    def take_steps_ahead(self, count: int) -> StepsAhead:
         """The next ``count`` steps computed ahead (``steps_ahead_starts`` said there are), handed out."""
         ahead = self.engine.take_steps_ahead(count)
         assert ahead is not None   # the caller saw their start times
@@ -111,8 +134,9 @@ class LocalReplica:
     def step(self) -> StepOutput:
         """One engine step; the figures the views read follow what it did."""
         if self.engine.has_stretch():
-            # A step of a decode stretch, computed ahead: no request starts, ends or changes its queued tokens,
-            # and no request is routed here before the stretch is over, so the views need nothing new.
+            # A step of a decode stretch, computed ahead: no request starts or changes its queued tokens, the
+            # figures already count those that end in it (``steps_ahead_starts``), and no request is routed here
+            # before the stretch is over, so the views need nothing new.
             return self.engine.step()
         self._report_view()
         output = self.engine.step()
@@ -128,10 +152,7 @@ class LocalReplica:
             self._recent.append((request.first_token_time - request.arrival_time, None))
             self._update_recent()
         for request in output.finished:
-            self._forget(request)
-            if request.first_token_time is not None:
-                self._recent.append((request.first_token_time - request.arrival_time, _mean_itl(request)))
-                self._update_recent()
+            self._ended(request)
         self.num_decoding = sum(1 for r in self.engine.scheduler.running if r.num_output_tokens > 0)
         return output
 
@@ -179,13 +200,16 @@ class LocalReplica:
         """``view(request, now).num_outstanding`` without building the view (the cluster's load-imbalance figure
         reads it of every replica at every arrival)."""
         if now is not None and self._reported is not None and now < self.engine.clock():
-            return self._reported.num_outstanding + len(self._since) + self.num_incoming
+            # Requests that ended later in a stretch running ahead were still outstanding at ``now``.
+            ended = self._ended_ahead
+            later = len(ended) - bisect.bisect_right(ended, now) if ended else 0
+            return self._reported.num_outstanding + len(self._since) + self.num_incoming + later
         scheduler = self.engine.scheduler
         return len(scheduler.running) + len(scheduler.waiting) + self.num_incoming
 
     def _report_view(self) -> None:
         """A step starts: the view as of now is what routers see until it ends (``view``)."""
-        self._reported, self._since = self._build_view(), []
+        self._reported, self._since, self._ended_ahead = self._build_view(), [], []
 
     def _in_step_view(self) -> ReplicaView:
         assert self._reported is not None  # view() asks for it only while a step's view is reported
@@ -228,6 +252,13 @@ class LocalReplica:
         self.recent_ttft = math.fsum(ttft for ttft, _ in self._recent) / len(self._recent)
         itls = [itl for _, itl in self._recent if itl is not None]
         self.recent_itl = math.fsum(itls) / len(itls) if itls else None
+
+    def _ended(self, request: Request) -> None:
+        """``request`` ended here: it leaves the queued tokens, and its latencies join the recent ones."""
+        self._forget(request)
+        if request.first_token_time is not None:
+            self._recent.append((request.first_token_time - request.arrival_time, _mean_itl(request)))
+            self._update_recent()
 
     def _forget(self, request: Request) -> None:
         self.num_queued_tokens -= self._queued.pop(request, 0)

@@ -1,17 +1,18 @@
 """Decode stretches: a simulated engine runs many pure-decode steps in one call, with the outcome of stepping.
 
 A simulated run of a GPU-scale trace spends most of its engine steps decoding the same running batch: nothing
-arrives, nothing finishes, nothing waits, every request computes one token. Each such step costs the Python of
+arrives, nothing waits, every request computes one token, and now and then one of them finishes. Each such step costs the Python of
 a whole step (schedule, execute, update, the step record) for what is a few additions. ``decode_stretch``
 computes the next run of those steps at once, in the order stepping would: per step the step-time model's
 duration (the same call with the same features: context lengths grow by one a request a step), the block
 allocations and prefix-cache publications at the steps where a request crosses a block boundary (in batch
 order), and the step's record from the allocator's state after them; per request its stand-in tokens and
-their times. The records come as columns (``StepColumns``: the step-time model is asked for a chunk of steps at
+their times; at a step where requests finish, their last token and their end as stepping gives them (blocks
+freed, the policy told), after which the stretch goes on with the smaller batch. The records come as columns (``StepColumns``: the step-time model is asked for a chunk of steps at
 once where it can, ``StepTimeModel.predict_decodes``). The engine hands those steps out one ``step()`` at a time
 (``LLMEngine.step``), or all at once to a driver that keeps its books in bulk (``EngineClient.take_steps_ahead``:
-a cluster interleaves its replicas' stretches in the order it would step them), so drivers, clusters and records
-see exactly the steps stepping would have given.
+a cluster interleaves its replicas' stretches in the order it would step them), each with the requests that
+ended in it, so drivers, clusters and records see exactly the steps and the ends stepping would have given.
 
 A stretch is taken only where it is provably what stepping would do (``stretch_blocker`` says why not):
 
@@ -22,10 +23,11 @@ A stretch is taken only where it is provably what stepping would do (``stretch_b
 * the policy's decisions cannot change during it (``Policy.decode_stretches``: no ``on_step`` or
   ``step_budget`` of its own and a running order that never changes), the allocator's work happens only at
   block boundaries (``BlockAllocator.decode_stretches``), the batch fits the step's token budget;
-* it ends before any request's finishing step (that step runs as usual), before the step that would need more
-  blocks than are free (no preemption inside), and before the driver's ``horizon``: every step of it starts
-  before the time the driver says the next request may come (``LLMEngine.set_horizon``; a request that comes
-  during a step waits for the next, which is not in the stretch).
+* it ends before the step that would need more blocks than are free (no preemption inside), when the last
+  request has finished, and before the driver's ``horizon``: every step of it starts before the time the
+  driver says the next request may come (``LLMEngine.set_horizon``; a request that comes during a step waits
+  for the next, which is not in the stretch); and before any request's finishing step where the driver says
+  so (``LLMEngine.stretch_through_finishes`` false: a cluster whose router hears each finish).
 """
 
 from __future__ import annotations
@@ -77,26 +79,61 @@ def _steps_to_finish(engine: Engine, request: Request) -> int:
     return max(1, steps)
 
 
-def decode_stretch(engine: Engine, horizon: float) -> StepColumns | None:
-    """Run the engine's next pure-decode steps that start before ``horizon`` (and before any request's finishing
-    step, and within the free blocks) and return their records in order; None when fewer than ``MIN_STRETCH``
-    qualify (nothing was changed then). The caller has checked ``stretch_blocker``."""
-    runner, scheduler, allocator = engine.runner, engine.scheduler, engine.allocator
-    clock = runner.clock
-    now = clock.time
-    running = scheduler.running
-    max_steps = min(_steps_to_finish(engine, request) for request in running) - 1
-    if max_steps < MIN_STRETCH:
+#: The requests that end in a stretch: step (0-based, within the stretch) -> those ending there, in batch order.
+Ended = dict[int, list[Request]]
+
+
+def decode_stretch(engine: Engine, horizon: float) -> tuple[StepColumns, Ended] | None:
+    """Run the engine's next pure-decode steps that start before ``horizon`` (and within the free blocks) and
+    return their records in order, with the requests that end in them; None when none qualify (nothing was
+    changed then).
+
+    With ``engine.stretch_through_finishes`` (the default), a step in which requests finish is taken too: it
+    ends a segment of the stretch, those requests end there as stepping ends them (their last token, their
+    blocks freed, the policy told), and the next segment decodes the smaller batch. Without it, the stretch
+    ends before the first finishing step. A stretch whose first segment neither finishes a request nor has
+    ``MIN_STRETCH`` steps is not taken. The caller has checked ``stretch_blocker``."""
+    through = getattr(engine, "stretch_through_finishes", True)
+    parts: list[StepColumns] = []
+    ended: Ended = {}
+    taken = 0
+    while engine.scheduler.running:
+        segment = _segment(engine, horizon, through, first=not parts)
+        if segment is None:
+            break
+        columns, finished = segment
+        parts.append(columns)
+        if finished:
+            ended[taken + len(columns) - 1] = finished
+        taken += len(columns)
+        if not through or not finished:   # it ended at the horizon or the free blocks (or before a finish)
+            break
+    if not parts:
         return None
-    scheduler._sort(running, now)   # what the first step's schedule does; the order then holds (a fixed key)
+    return StepColumns.concatenate(parts), ended
+
+
+def _segment(engine: Engine, horizon: float, through: bool, first: bool) -> tuple[StepColumns, list[Request]] | None:
+    """One segment of a stretch: the steps of the running batch as it is now, up to and including its first
+    finishing step (``through``; else up to the one before it), those before ``horizon`` and within the free
+    blocks; None when it has no step, or (``first``) fewer than ``MIN_STRETCH`` and no finishing one."""
+    runner, scheduler, allocator = engine.runner, engine.scheduler, engine.allocator
+    now = runner.clock.time
+    running = scheduler.running
+    # What the step's schedule does first (a fixed key: the order holds through the segment; after a request
+    # ends, the policy heard of it, so the next segment sorts again, as the next step's schedule would).
+    scheduler._sort(running, now)
     batch = list(running)
+    to_finish = [_steps_to_finish(engine, request) for request in batch]
+    finish_at = min(to_finish)
+    max_steps = finish_at if through else finish_at - 1
+    if max_steps < 1 or (first and max_steps < MIN_STRETCH and not through):
+        return None
     size = len(batch)
     block_size = allocator.block_size
     computed = [request.num_computed_tokens for request in batch]
     # The steps before the horizon first (a prefix of a longer run's), then those the free blocks allow.
     durations = _durations(runner, size, sum(computed) + size, now, horizon, max_steps)
-    if len(durations) < MIN_STRETCH:
-        return None
     # Step j (0-based) computes each request's token at position computed + j: it takes a block first when that
     # position is past its table (allocator.append, in batch order), and after the step publishes the block
     # that token filled (allocator.on_tokens_computed, unless the allocator publishes nothing). Free blocks
@@ -112,9 +149,11 @@ def decode_stretch(engine: Engine, horizon: float) -> StepColumns | None:
         taken[j] = len(positions)
     # Free blocks must cover every allocation up to the step (no preemption inside).
     within = int(np.searchsorted(np.cumsum(taken) > allocator.num_free_blocks(), True))
-    if within < MIN_STRETCH:
+    finishes = through and within == finish_at   # (num_steps <= max_steps = finish_at, so within <= finish_at)
+    if within < 1 or (first and within < MIN_STRETCH and not finishes):
         return None
-    return _apply(engine, batch, computed, durations[:within], takes, fills)
+    finishing = [i for i in range(size) if to_finish[i] == within] if finishes else []
+    return _apply(engine, batch, computed, durations[:within], takes, fills, finishing)
 
 
 #: Steps whose durations a model with ``predict_decodes`` is asked for at once, at first (then twice as many).
@@ -181,20 +220,32 @@ def _steps_where(batch: list[Request], first: list[int], period: int, limit: int
 
 
 def _apply(engine: Engine, batch: list[Request], computed: list[int], durations: np.ndarray,
-           takes: dict[int, list[int]], fills: dict[int, list[int]]) -> StepColumns:
+           takes: dict[int, list[int]], fills: dict[int, list[int]],
+           finishing: list[int]) -> tuple[StepColumns, list[Request]]:
     """Make the steps of ``durations`` happen: the allocator's events in step and batch order, the clock, the
-    steps' records (as columns), then every request's tokens and token times."""
-    runner, allocator = engine.runner, engine.allocator
+    steps' records (as columns), every request's tokens and token times; then, at the last step, the requests
+    at ``finishing`` (batch positions) take their last token and end as ``Scheduler.update_from_output`` ends
+    them. Returns the records and the requests that ended."""
+    runner, allocator, scheduler = engine.runner, engine.allocator, engine.scheduler
     clock = runner.clock
     block_size = allocator.block_size
     size, num_steps = len(batch), len(durations)
-    # The tokens first: a block published mid-stretch is keyed by its tokens, which must be there (tokens past
-    # a step are never read before it: appends and publications go by num_computed_tokens, set per event).
-    for request in batch:
-        request.token_ids.extend(runner.stand_in_tokens(request, num_steps))
+    last = num_steps - 1
+    ending = set(finishing)
     # The clock as stepping moves it, one addition a step: starts[j] is step j's start, starts[j + 1] its end.
     starts = np.add.accumulate(np.concatenate(([clock.time], durations)))
     ends = starts[1:]
+    start_at, end_at = starts.tolist(), ends.tolist()
+    # The tokens first: a block published mid-stretch is keyed by its tokens, which must be there (tokens past
+    # a step are never read before it: appends and publications go by num_computed_tokens, set per event). A
+    # request that ends takes its last token at its last step, where the runner says which (EOS at its target).
+    for i, request in enumerate(batch):
+        if i in ending:
+            request.token_ids.extend(runner.stand_in_tokens(request, num_steps - 1))
+            request.token_times.extend(end_at[:-1])
+        else:
+            request.token_ids.extend(runner.stand_in_tokens(request, num_steps))
+            request.token_times.extend(end_at)
     steps = np.arange(engine._num_steps, engine._num_steps + num_steps)
     context = (sum(computed) + size) + size * np.arange(num_steps)
     # Slots allocated to the batch minus tokens it computed, after each step (blocks taken before it).
@@ -207,10 +258,10 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     unused = slots - (sum(computed) + size * np.arange(1, num_steps + 1))
     # The allocator's counts move only at steps with events: read them there (and at the first step), in step
     # order, and hold them in between, as stepping's records would show.
-    events = sorted({0, *takes, *fills})
+    events = sorted({0, *takes, *fills, *([last] if ending else [])})
     rows: list[list[int]] = []   # per event, what its record reads from the allocator (_ALLOCATOR_FIELDS)
-    start_at, end_at = starts.tolist(), ends.tolist()
     first: StepRecord | None = None
+    finished: list[Request] = []
     for j in events:
         clock.time = start_at[j]
         for i in takes.get(j, ()):
@@ -222,6 +273,12 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
             request = batch[i]
             request.num_computed_tokens = computed[i] + j + 1
             allocator.on_tokens_computed(request)
+        if j == last and ending:
+            finished = _finish(engine, batch, computed, finishing, num_steps, end_at[j])
+            # The record reads the batch that is left (its slots as the step left them).
+            gone = {id(request) for request in finished}
+            unused[j] = sum(len(batch[i].block_table) * block_size - computed[i] - num_steps
+                            for i in range(size) if id(batch[i]) not in gone)
         if first is None:   # the first step's whole record: what every step of the stretch shares
             engine._num_steps = int(steps[0])
             first = engine._step_record(start_at[0], SchedulerOutput(), _DecodeLayout(size, int(context[0])),
@@ -240,16 +297,38 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     counts["num_evictions"][events] = values[:, _ALLOCATOR_FIELDS.index("num_evictions")]
     engine._num_steps = int(steps[-1]) + 1
     clock.time = end_at[-1]
-    times = end_at
     for i, request in enumerate(batch):
         request.num_computed_tokens = computed[i] + num_steps
         request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
-        request.token_times.extend(times)
     assert first is not None   # step 0 is always an event
     columns = {"step": steps, "start_time": starts[:-1], "duration": ends - starts[:-1],
                "context_tokens": context, "attn_pairs": context, "kv_slots_unused": unused, **counts}
+    if finished and num_steps > 1:   # the batch left after the last step (one step: its record says so)
+        running = np.full(num_steps, size, dtype=np.int64)
+        running[last] = len(scheduler.running)
+        columns["num_running"] = running
     constants = {key: value for key, value in first.items() if key not in columns}
-    return StepColumns(list(first), columns, constants)
+    return StepColumns(list(first), columns, constants), finished
+
+
+def _finish(engine: Engine, batch: list[Request], computed: list[int], finishing: list[int], num_steps: int,
+            now: float) -> list[Request]:
+    """The last step of a segment has run: every request of the batch has computed its tokens (as
+    ``update_from_output`` counts them before it appends any), then each request at ``finishing`` appends the
+    token the runner gives it and ends where ``check_stop`` says (``Scheduler._finish``: its blocks freed, the
+    policy told), in batch order. Returns those that ended."""
+    for i, request in enumerate(batch):
+        request.num_computed_tokens = computed[i] + num_steps
+        request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+    finished = []
+    for i in finishing:
+        request = batch[i]
+        request.append_token(engine.runner._token(request), now)
+        reason = request.check_stop(engine.max_model_len)
+        if reason is not None:
+            engine.scheduler._finish(request, reason, now)
+            finished.append(request)
+    return finished
 
 
 # What a stretch's record reads from the allocator: constant between its events.

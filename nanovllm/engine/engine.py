@@ -23,7 +23,7 @@ from nanovllm.engine.cuda_graphs import GraphSettings
 from nanovllm.engine.decode_stretch import decode_stretch, stretch_blocker
 from nanovllm.engine.kv_cache import bytes_per_block, decide_num_blocks
 from nanovllm.engine.kv_offload import KVOffload, check_kv_offload, kv_namespace
-from nanovllm.engine.protocol import EngineClient, StepError, StepOutput
+from nanovllm.engine.protocol import EngineClient, StepError, StepOutput, StepsAhead
 from nanovllm.engine.runner import RUNNERS, Runner, RunnerContext, resolve_runner, runner_class
 from nanovllm.engine.scheduler import PolicyError, Scheduler, SchedulerOutput
 from nanovllm.engine.speculative import Speculator
@@ -109,6 +109,10 @@ class LLMEngine(EngineClient):
         self._horizon: float | None = None
         self._stretch: StepColumns | None = None   # the stretch's records; steps before _stretch_next handed out
         self._stretch_next = 0
+        self._stretch_ended: dict[int, list[Request]] = {}   # step of the stretch -> the requests that end in it
+        # A stretch runs through the steps where requests finish (they end inside it), unless the driver says
+        # it must not: a cluster whose router hears each finish in order (``Router.on_finish`` of its own).
+        self.stretch_through_finishes = True
         # (step count, horizon) at which no stretch could be taken: not tried again until a step runs, the
         # horizon moves or a request is added or aborted (a cluster asks before its step, and the step asks).
         self._no_stretch_at: tuple[int, float] | None = None
@@ -347,8 +351,16 @@ class LLMEngine(EngineClient):
         return self.clock()
 
     def has_stretch(self) -> bool:
-        """Whether the next ``step()`` hands out a step computed ahead (no request starts or ends in it)."""
+        """Whether the next ``step()`` hands out a step computed ahead (no request starts in it; requests may
+        end in it, as ``steps_ahead_ended`` says)."""
         return self._stretch is not None
+
+    def steps_ahead_ended(self) -> dict[int, list[Request]]:
+        """The requests that end in the steps computed ahead not handed out yet: position among those steps
+        (0: the next) -> the requests ending in it, in the order ``step()`` reports them. Their state is already
+        that after the stretch (finished, blocks freed)."""
+        first = self._stretch_next
+        return {j - first: requests for j, requests in self._stretch_ended.items() if j >= first}
 
     def steps_ahead_starts(self) -> np.ndarray | None:
         """When each step computed ahead that ``step()`` would hand out next starts (a decode stretch's steps not
@@ -367,10 +379,11 @@ class LLMEngine(EngineClient):
         assert self._stretch is not None
         return self._stretch.value(key)[self._stretch_next:]
 
-    def take_steps_ahead(self, count: int | None = None) -> StepColumns | None:
+    def take_steps_ahead(self, count: int | None = None) -> StepsAhead | None:
         """``EngineClient.take_steps_ahead``: the next ``count`` steps computed ahead (default: the rest of the
         decode stretch the next ``step()`` would start or continue), handed out at once as columns, each record
-        what ``step()`` would have given; None when the next step is not one."""
+        what ``step()`` would have given, with the requests that ended in them; None when the next step is not
+        one."""
         starts = self.steps_ahead_starts()
         if starts is None:
             return None
@@ -378,15 +391,17 @@ class LLMEngine(EngineClient):
         first = self._stretch_next
         stop = len(self._stretch) if count is None else first + count
         ahead = self._stretch if first == 0 and stop == len(self._stretch) else self._stretch.take(first, stop)
+        ended = [(j - first, request) for j, requests in sorted(self._stretch_ended.items()) if first <= j < stop
+                 for request in requests]
         self._hand_out(stop - first)
-        return ahead
+        return StepsAhead([ahead], ended)
 
     def _hand_out(self, count: int) -> None:
         """The next ``count`` steps computed ahead are handed out."""
         assert self._stretch is not None and self._stretch_next + count <= len(self._stretch)
         self._stretch_next += count
         if self._stretch_next == len(self._stretch):
-            self._stretch, self._stretch_next = None, 0
+            self._stretch, self._stretch_next, self._stretch_ended = None, 0, {}
 
     def _start_stretch(self) -> None:
         assert self._horizon is not None
@@ -394,8 +409,9 @@ class LLMEngine(EngineClient):
         if at == self._no_stretch_at:
             return
         if stretch_blocker(self) is None:
-            self._stretch = decode_stretch(self, self._horizon)
-            if self._stretch is not None:
+            stretch = decode_stretch(self, self._horizon)
+            if stretch is not None:
+                self._stretch, self._stretch_ended = stretch
                 self.num_steps_ahead += len(self._stretch)
                 return
         self._no_stretch_at = at
@@ -445,8 +461,9 @@ class LLMEngine(EngineClient):
             self._start_stretch()
         if self._stretch is not None:
             record = self._stretch.record(self._stretch_next)
+            ended = self._stretch_ended.get(self._stretch_next, [])
             self._hand_out(1)
-            return StepOutput([], record, None)
+            return StepOutput(list(ended), record, None)
         start = self.clock()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)

@@ -51,6 +51,25 @@ class StepOutput:
     handed_off: list[Request] = dataclasses.field(default_factory=list)
 
 
+@dataclass
+class StepsAhead:
+    """Steps computed ahead, handed out at once (``EngineClient.take_steps_ahead``): their records as columns,
+    in runs (``parts``: a cluster's, one a replica's stretch, each in its own order), and the requests that
+    ended in them, each with the position of its step among all of them (the parts one after the other), in
+    the order ``step()`` would have reported them."""
+
+    parts: list[StepColumns]
+    ended: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
+
+    @property
+    def steps(self) -> StepColumns:
+        """The parts' steps one after the other, as one set of columns."""
+        return StepColumns.concatenate(self.parts)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+
 class EngineClient(Protocol):
     """Anything that serves requests, as a driver sees it. Implementations subclass it explicitly.
 
@@ -123,12 +142,13 @@ class EngineClient(Protocol):
         simulated cluster per replica (``Cluster.set_horizon``). Default: ignored."""
         return None
 
-    def take_steps_ahead(self) -> StepColumns | None:
+    def take_steps_ahead(self) -> StepsAhead | None:
         """Called by a driver that keeps its books in bulk, after ``set_horizon`` and instead of ``step()``: the
         records of the next steps, as columns, while they are steps computed ahead (decode stretches of a
-        simulated engine: no request starts, ends or arrives in them), in the order ``step()`` would report
-        them, or in any order where ``steps_settled_before`` says when they settle; they count as run. None
-        when the next step is not one (then ``step()`` runs it). Default: None."""
+        simulated engine: no request starts or arrives in them; requests may end in them), in the order
+        ``step()`` would report them, or in any order where ``steps_settled_before`` says when they settle; they
+        count as run, and the requests that ended in them come with them. None when the next step is not one
+        (then ``step()`` runs it). Default: None."""
         return None
 
     def steps_settled_before(self) -> float | None:
@@ -136,7 +156,8 @@ class EngineClient(Protocol):
         now on (by ``step()`` or ``take_steps_ahead``) starts before the returned time on ``clock``, so the
         records of those reported that start before it are final, and the driver keeps them in order of start
         time, then replica, then the replica's own step number (the order a cluster runs its replicas' steps
-        in). None (the default): steps are reported in the order they run, and each is kept as it comes. A
+        in), and the requests that ended in them in the same order (within a step, as it reported them). None
+        (the default): steps are reported in the order they run, and each is kept as it comes. A
         simulated cluster hands out each replica's decode stretch whole, ahead of the other replicas' steps
         (``Cluster.take_steps_ahead``), and says here how far its steps are settled."""
         return None

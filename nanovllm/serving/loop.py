@@ -11,6 +11,7 @@ requests give the same records whichever drives them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import time
@@ -78,6 +79,9 @@ class StepLoop:
         self._unsettled: list[StepColumns] = []
         self._unsettled_records: list[StepRecord] = []
         self._num_unsettled = 0
+        # The requests that ended in held steps, each under its step's (start, replica, own step number) and its
+        # place among the step's ended ones: kept in that order as their steps settle.
+        self._unsettled_ended: list[tuple[float, int, int, int, Request]] = []
         self._settle_at = SETTLE_EVERY
         self._settle_by = time.monotonic() + SETTLE_WALL_S
 
@@ -93,12 +97,22 @@ class StepLoop:
             return None
         output = self.client.step()
         self.keep_step(output)
-        for request in output.finished:
+        if self._deferring:
+            record = output.record
+            for place, request in enumerate(output.finished):
+                self._unsettled_ended.append((record["start_time"], record.get("replica", 0), record["step"], place,
+                                              request))
+        else:
+            self._end(output.finished)
+        return output
+
+    def _end(self, requests: Sequence[Request]) -> None:
+        """Keep and log the records of ``requests``, which ended in this order."""
+        for request in requests:
             self.output_tokens += request.num_output_tokens
             self.ended(request, request_record(request, self.t0))
-        if self.progress is not None and output.finished:   # (it shows requests ended and their tokens)
+        if self.progress is not None and requests:   # (it shows requests ended and their tokens)
             self.progress.update(self.num_ended, self.output_tokens)
-        return output
 
     @property
     def num_steps(self) -> int:
@@ -133,10 +147,19 @@ class StepLoop:
         if ahead is None:
             return False
         if self._defers():
-            self._unsettled.append(ahead)
+            if ahead.ended:   # each under its step's keys, found in the part that holds it
+                offsets = np.cumsum([0] + [len(part) for part in ahead.parts]).tolist()
+                for place, (position, request) in enumerate(ahead.ended):
+                    part_index = bisect.bisect_right(offsets, position) - 1
+                    part, row = ahead.parts[part_index], position - offsets[part_index]
+                    replica = int(part.value("replica")[row]) if "replica" in part.keys else 0
+                    self._unsettled_ended.append((float(part.value("start_time")[row]), replica,
+                                                  int(part.value("step")[row]), place, request))
+            self._unsettled.extend(ahead.parts)
             self._hold(len(ahead))
         else:
-            self._keep_columns(ahead)
+            self._keep_columns(ahead.steps)
+            self._end([request for _, request in ahead.ended])
         return True
 
     def flush_steps(self) -> None:
@@ -183,7 +206,8 @@ class StepLoop:
 
     def _settle(self, before: float) -> None:
         """Keep, in order (start time, replica, the replica's own step number), the held steps that start
-        before ``before``; hold the rest."""
+        before ``before``, and the requests that ended in them; hold the rest."""
+        self._settle_ended(before)
         fields = self._unsettled[0].keys if self._unsettled else \
             list(self._unsettled_records[0]) if self._unsettled_records else []
         if any(part.keys != fields for part in self._unsettled) or \
@@ -204,6 +228,16 @@ class StepLoop:
         if settled < len(order):
             self._unsettled = [steps.select(order[settled:])]
             self._num_unsettled = len(order) - settled
+
+    def _settle_ended(self, before: float) -> None:
+        """Keep the records of the held requests whose steps start before ``before``, in their steps' order."""
+        if not self._unsettled_ended:
+            return
+        self._unsettled_ended.sort(key=lambda entry: entry[:4])
+        settled = next((k for k, entry in enumerate(self._unsettled_ended) if entry[0] >= before),
+                       len(self._unsettled_ended))
+        done, self._unsettled_ended = self._unsettled_ended[:settled], self._unsettled_ended[settled:]
+        self._end([entry[4] for entry in done])
 
     def _settle_one_by_one(self, before: float) -> None:
         """``_settle`` for held steps whose records have different fields (a replica with KV tiers beside one
@@ -249,6 +283,7 @@ class StepLoop:
         """After a fault (the client may be broken): abort what it still holds, best effort, and record each of
         ``requests`` not yet recorded as aborted with ``reason``, so the run's files account for every request.
         Returns what it recorded."""
+        self._settle_ended(math.inf)   # requests that ended in held steps are recorded, not failed again
         with contextlib.suppress(Exception):
             self.client.abort_all(reason)
         with contextlib.suppress(Exception):

@@ -123,7 +123,7 @@ def test_routes_and_steps_happen_in_time_order_across_idle_gaps():
     def taken_ahead():
         ahead = take_steps_ahead()
         if ahead is not None:
-            events.extend(("step", float(start)) for start in ahead.value("start_time"))
+            events.extend(("step", float(start)) for start in ahead.steps.value("start_time"))
         return ahead
 
     cluster.step, cluster.take_steps_ahead = stepped, taken_ahead

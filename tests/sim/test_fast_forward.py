@@ -190,3 +190,60 @@ def test_replay_step_times_are_never_fast_forwarded():
     from nanovllm.harness.sim.step_time import ReplayStepTime, StepTimeModel
 
     assert StepTimeModel.pure and not ReplayStepTime.pure
+
+
+def _ordinary_steps(served) -> int:
+    """Steps the run took one at a time (not as parts of decode stretches)."""
+    engines = [replica.engine for replica in served.engine.replicas] if hasattr(served.engine, "replicas") \
+        else [served.engine]
+    return sum(engine.num_steps - engine.num_steps_ahead for engine in engines)
+
+
+@pytest.mark.parametrize("allocator", ["paged", "prefix"])
+def test_stretches_run_through_the_steps_where_requests_finish(tokenizer, allocator):
+    """By default a stretch takes the steps in which requests finish (they end inside it, with their last token,
+    their blocks freed and the policy told) and decodes on with the rest: the records are stepping's, and
+    fewer steps are run one at a time than by stretches that stop before each finish."""
+    workload = _workload(tokenizer, 4, 24, 2.0, 40, 120)
+    runs = {}
+    for through in (True, False):
+        served = _engine(True, ANALYTICAL, "priority", allocator, num_kv_blocks=400, max_num_seqs=8)
+        served.engine.stretch_through_finishes = through
+        runs[through] = (served.serve(workload), _ordinary_steps(served))
+    stepped = _engine(False, ANALYTICAL, "priority", allocator, num_kv_blocks=400, max_num_seqs=8).serve(workload)
+    for result, _ in runs.values():
+        _assert_identical(stepped, result)
+    finished_in_stretches = runs[False][1] - runs[True][1]
+    assert finished_in_stretches > len(workload) // 2, runs
+
+
+def test_a_router_that_hears_each_finish_hears_them_as_stepping_tells_them(tokenizer):
+    """A router with its own ``on_finish`` hears every finish in stepping's order and at its time: stretches
+    then stop before finishing steps, and the run (records and what the router heard) is stepping's."""
+    from nanovllm.router import Router
+
+    class Listening(Router):
+        def __init__(self):
+            self.heard: list[tuple[str, int, float]] = []
+            self.next = 0
+
+        def route(self, request, replicas, now):
+            self.next += 1
+            return self.next % len(replicas)
+
+        def on_finish(self, request, replica, now):
+            self.heard.append((request.request_id, replica, now))
+
+    workload = _workload(tokenizer, 8, 30, 20.0, 48, 90)
+    results, routers, ahead = [], [], 0
+    for fast in (False, True):
+        router = Listening()
+        served = _cluster(fast, ANALYTICAL, "fcfs", "prefix", ClusterConfig(replicas=3), router,
+                          num_kv_blocks=300, max_num_seqs=8)
+        results.append(served.serve(workload))
+        routers.append(router.heard)
+        if fast:
+            ahead = sum(replica.engine.num_steps_ahead for replica in served.engine.replicas)
+    _assert_identical(*results)
+    assert routers[0] == routers[1] and len(routers[0]) == len(workload)
+    assert ahead > 0
