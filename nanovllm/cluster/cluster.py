@@ -23,6 +23,8 @@ import threading
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence, cast
 
+import numpy as np
+
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica, ReplicaViews
 from nanovllm.engine.engine import LLMEngine
@@ -487,19 +489,19 @@ class Cluster(ClusterBase):
             if ahead is None:
                 break
             run = replica.take_steps_ahead(len(ahead))
-            steps = run.parts[0]   # (one engine's stretch: one part)
-            steps.keys.append("replica")
-            steps.constants["replica"] = index
-            runs.append(steps)
+            for steps in run.parts:
+                steps.keys.append("replica")
+                steps.constants["replica"] = index
+                runs.append(steps)
             if run.ended:
-                ends = steps.value("start_time") + steps.value("duration")
+                ends = np.concatenate([steps.value("start_time") + steps.value("duration") for steps in run.parts])
                 by_step: dict[int, list[Request]] = {}
                 for position, request in run.ended:
                     ended.append((taken + position, request))
                     by_step.setdefault(position, []).append(request)
                 for position, requests in by_step.items():   # (the record is not read: the step's ends are)
                     self._stepped(replica, StepOutput(requests, cast(StepRecord, {}), None), float(ends[position]))
-            taken += len(steps)
+            taken += len(run)
             # Its next step goes back on the heap as ``step()`` would have left it after the stretch (an idle
             # replica, all of whose requests ended in it, leaves the heap until a request comes).
             if replica.has_unfinished():

@@ -83,10 +83,10 @@ def _steps_to_finish(engine: Engine, request: Request) -> int:
 Ended = dict[int, list[Request]]
 
 
-def decode_stretch(engine: Engine, horizon: float) -> tuple[StepColumns, Ended] | None:
+def decode_stretch(engine: Engine, horizon: float) -> tuple[list[StepColumns], Ended] | None:
     """Run the engine's next pure-decode steps that start before ``horizon`` (and within the free blocks) and
-    return their records in order, with the requests that end in them; None when none qualify (nothing was
-    changed then).
+    return their records in order (in runs: one a segment, below), with the requests that end in them; None
+    when none qualify (nothing was changed then).
 
     With ``engine.stretch_through_finishes`` (the default), a step in which requests finish is taken too: it
     ends a segment of the stretch, those requests end there as stepping ends them (their last token, their
@@ -110,7 +110,7 @@ def decode_stretch(engine: Engine, horizon: float) -> tuple[StepColumns, Ended] 
             break
     if not parts:
         return None
-    return StepColumns.concatenate(parts), ended
+    return parts, ended
 
 
 def _segment(engine: Engine, horizon: float, through: bool, first: bool) -> tuple[StepColumns, list[Request]] | None:

@@ -107,7 +107,11 @@ class LLMEngine(EngineClient):
         self._evictions_seen = 0
         # Decode stretches (a simulated engine with fast_forward): steps computed ahead, handed out by step().
         self._horizon: float | None = None
-        self._stretch: StepColumns | None = None   # the stretch's records; steps before _stretch_next handed out
+        # The stretch's records in runs (its segments), their start times, and the runs as one (made when a step
+        # is handed out alone); steps before _stretch_next are handed out.
+        self._stretch_parts: list[StepColumns] | None = None
+        self._stretch_starts = np.empty(0)
+        self._stretch: StepColumns | None = None
         self._stretch_next = 0
         self._stretch_ended: dict[int, list[Request]] = {}   # step of the stretch -> the requests that end in it
         # A stretch runs through the steps where requests finish (they end inside it), unless the driver says
@@ -346,14 +350,14 @@ class LLMEngine(EngineClient):
     def next_step_time(self) -> float:
         """When the next ``step()`` starts on ``clock``: a step computed ahead (a decode stretch) started at its
         recorded time, which the clock has already passed; otherwise now."""
-        if self._stretch is not None:
-            return float(self._stretch.columns["start_time"][self._stretch_next])
+        if self._stretch_parts is not None:
+            return float(self._stretch_starts[self._stretch_next])
         return self.clock()
 
     def has_stretch(self) -> bool:
         """Whether the next ``step()`` hands out a step computed ahead (no request starts in it; requests may
         end in it, as ``steps_ahead_ended`` says)."""
-        return self._stretch is not None
+        return self._stretch_parts is not None
 
     def steps_ahead_ended(self) -> dict[int, list[Request]]:
         """The requests that end in the steps computed ahead not handed out yet: position among those steps
@@ -367,17 +371,19 @@ class LLMEngine(EngineClient):
         handed out yet, in order); None when the next step is not one. With a horizon set (``set_horizon``), a
         decode stretch is computed now if one can be taken. A driver that keeps its books in bulk reads how many
         it wants here, then takes them (``take_steps_ahead``)."""
-        if self._stretch is None and self._horizon is not None:
+        if self._stretch_parts is None and self._horizon is not None:
             self._start_stretch()
-        if self._stretch is None:
+        if self._stretch_parts is None:
             return None
-        return self._stretch.columns["start_time"][self._stretch_next:]
+        return self._stretch_starts[self._stretch_next:]
 
     def steps_ahead_column(self, key: str) -> np.ndarray:
         """``key``'s values over the steps computed ahead not handed out yet (``steps_ahead_starts`` said there
         are such steps)."""
-        assert self._stretch is not None
-        return self._stretch.value(key)[self._stretch_next:]
+        assert self._stretch_parts is not None
+        parts = self._stretch_parts
+        values = parts[0].value(key) if len(parts) == 1 else np.concatenate([part.value(key) for part in parts])
+        return values[self._stretch_next:]
 
     def take_steps_ahead(self, count: int | None = None) -> StepsAhead | None:
         """``EngineClient.take_steps_ahead``: the next ``count`` steps computed ahead (default: the rest of the
@@ -387,21 +393,31 @@ class LLMEngine(EngineClient):
         starts = self.steps_ahead_starts()
         if starts is None:
             return None
-        assert self._stretch is not None   # (it has the starts)
+        assert self._stretch_parts is not None   # (it has the starts)
         first = self._stretch_next
-        stop = len(self._stretch) if count is None else first + count
-        ahead = self._stretch if first == 0 and stop == len(self._stretch) else self._stretch.take(first, stop)
+        stop = len(self._stretch_starts) if count is None else first + count
+        # The whole stretch as its runs; part of it cut from the runs as one.
+        parts = self._stretch_parts if first == 0 and stop == len(self._stretch_starts) else \
+            [self._stretch_columns().take(first, stop)]
         ended = [(j - first, request) for j, requests in sorted(self._stretch_ended.items()) if first <= j < stop
                  for request in requests]
         self._hand_out(stop - first)
-        return StepsAhead([ahead], ended)
+        return StepsAhead(parts, ended)
+
+    def _stretch_columns(self) -> StepColumns:
+        """The stretch's runs as one set of columns (made once, when needed)."""
+        assert self._stretch_parts is not None
+        if self._stretch is None:
+            self._stretch = StepColumns.concatenate(self._stretch_parts)
+        return self._stretch
 
     def _hand_out(self, count: int) -> None:
         """The next ``count`` steps computed ahead are handed out."""
-        assert self._stretch is not None and self._stretch_next + count <= len(self._stretch)
+        assert self._stretch_parts is not None and self._stretch_next + count <= len(self._stretch_starts)
         self._stretch_next += count
-        if self._stretch_next == len(self._stretch):
-            self._stretch, self._stretch_next, self._stretch_ended = None, 0, {}
+        if self._stretch_next == len(self._stretch_starts):
+            self._stretch_parts, self._stretch, self._stretch_next, self._stretch_ended = None, None, 0, {}
+            self._stretch_starts = np.empty(0)
 
     def _start_stretch(self) -> None:
         assert self._horizon is not None
@@ -411,8 +427,11 @@ class LLMEngine(EngineClient):
         if stretch_blocker(self) is None:
             stretch = decode_stretch(self, self._horizon)
             if stretch is not None:
-                self._stretch, self._stretch_ended = stretch
-                self.num_steps_ahead += len(self._stretch)
+                parts, self._stretch_ended = stretch
+                self._stretch_parts, self._stretch = parts, None
+                self._stretch_starts = parts[0].columns["start_time"] if len(parts) == 1 else \
+                    np.concatenate([part.columns["start_time"] for part in parts])
+                self.num_steps_ahead += len(self._stretch_starts)
                 return
         self._no_stretch_at = at
 
@@ -457,10 +476,10 @@ class LLMEngine(EngineClient):
         return found
 
     def _step(self) -> StepOutput:
-        if self._stretch is None and self._horizon is not None:
+        if self._stretch_parts is None and self._horizon is not None:
             self._start_stretch()
-        if self._stretch is not None:
-            record = self._stretch.record(self._stretch_next)
+        if self._stretch_parts is not None:
+            record = self._stretch_columns().record(self._stretch_next)
             ended = self._stretch_ended.get(self._stretch_next, [])
             self._hand_out(1)
             return StepOutput(list(ended), record, None)

@@ -233,9 +233,9 @@ class StepLoop:
         """Keep the records of the held requests whose steps start before ``before``, in their steps' order."""
         if not self._unsettled_ended:
             return
-        self._unsettled_ended.sort(key=lambda entry: entry[:4])
-        settled = next((k for k, entry in enumerate(self._unsettled_ended) if entry[0] >= before),
-                       len(self._unsettled_ended))
+        # (Entries differ in their first four fields, so the request itself is never compared.)
+        self._unsettled_ended.sort()
+        settled = bisect.bisect_left(self._unsettled_ended, (before,))
         done, self._unsettled_ended = self._unsettled_ended[:settled], self._unsettled_ended[settled:]
         self._end([entry[4] for entry in done])
 
