@@ -1,18 +1,19 @@
 """Decode stretches: a simulated engine runs many pure-decode steps in one call, with the outcome of stepping.
 
 A simulated run of a GPU-scale trace spends most of its engine steps decoding the same running batch: nothing
-arrives, nothing waits, every request computes one token, and now and then one of them finishes. Each such step costs the Python of
-a whole step (schedule, execute, update, the step record) for what is a few additions. ``decode_stretch``
-computes the next run of those steps at once, in the order stepping would: per step the step-time model's
-duration (the same call with the same features: context lengths grow by one a request a step), the block
-allocations and prefix-cache publications at the steps where a request crosses a block boundary (in batch
-order), and the step's record from the allocator's state after them; per request its stand-in tokens and
-their times; at a step where requests finish, their last token and their end as stepping gives them (blocks
-freed, the policy told), after which the stretch goes on with the smaller batch. The records come as columns (``StepColumns``: the step-time model is asked for a chunk of steps at
-once where it can, ``StepTimeModel.predict_decodes``). The engine hands those steps out one ``step()`` at a time
-(``LLMEngine.step``), or all at once to a driver that keeps its books in bulk (``EngineClient.take_steps_ahead``:
-a cluster interleaves its replicas' stretches in the order it would step them), each with the requests that
-ended in it, so drivers, clusters and records see exactly the steps and the ends stepping would have given.
+arrives, nothing waits, every request computes one token, and now and then one of them finishes. Each such step
+costs the Python of a whole step (schedule, execute, update, the step record) for what is a few additions.
+``decode_stretch`` computes the next run of those steps at once, in the order stepping would: per step the step-time
+model's duration (the same call with the same features: context lengths grow by one a request a step), the block
+allocations and prefix-cache publications at the steps where a request crosses a block boundary (in batch order),
+and the step's record from the allocator's state after them; per request its stand-in tokens and their times; at a
+step where requests finish, their last token and their end as stepping gives them (blocks freed, the policy told),
+after which the stretch goes on with the smaller batch. The records come as columns (``StepColumns``: the step-time
+model is asked for a chunk of steps at once where it can, ``StepTimeModel.predict_decodes``). The engine hands those
+steps out one ``step()`` at a time (``LLMEngine.step``), or all at once to a driver that keeps its books in bulk
+(``EngineClient.take_steps_ahead``: a cluster interleaves its replicas' stretches in the order it would step them),
+each with the requests that ended in it, so drivers, clusters and records see exactly the steps and the ends
+stepping would have given.
 
 A stretch is taken only where it is provably what stepping would do (``stretch_blocker`` says why not):
 
@@ -113,7 +114,8 @@ def decode_stretch(engine: Engine, horizon: float) -> tuple[list[StepColumns], E
     return parts, ended
 
 
-def _segment(engine: Engine, horizon: float, through: bool, first: bool) -> tuple[StepColumns, list[Request]] | None:
+def _segment(engine: Engine, horizon: float, through: bool,
+             first: bool) -> tuple[StepColumns, list[Request]] | None:
     """One segment of a stretch: the steps of the running batch as it is now, up to and including its first
     finishing step (``through``; else up to the one before it), those before ``horizon`` and within the free
     blocks; None when it has no step, or (``first``) fewer than ``MIN_STRETCH`` and no finishing one."""

@@ -140,9 +140,9 @@ class StepLoop:
 
     def step_ahead(self) -> bool:
         """Keep the books of the steps the client computed ahead, all at once, if the next steps are such
-        (``EngineClient.take_steps_ahead``: decode stretches, where no request starts or ends); False when the
-        next step is not one (``step`` runs it). For a driver that set a horizon; the books are those ``step``
-        would keep one step at a time."""
+        (``EngineClient.take_steps_ahead``: decode stretches, where no request starts, and the requests that
+        ended in them); False when the next step is not one (``step`` runs it). For a driver that set a horizon;
+        the books are those ``step`` would keep one step at a time."""
         ahead = self.client.take_steps_ahead()
         if ahead is None:
             return False
