@@ -82,6 +82,11 @@ class StepColumns:
         out[:] = [constant] * len(self)
         return out
 
+    def at(self, key: str, index: int) -> Any:
+        """Step ``index``'s value of ``key`` (one value, without broadcasting a constant)."""
+        column = self.columns.get(key)
+        return self.constants[key] if column is None else column[index]
+
     def record(self, index: int) -> StepRecord:
         """Step ``index``'s record, with Python numbers (and a fresh copy of a list constant) as ``step()`` gives."""
         return self.records(index, index + 1)[0]

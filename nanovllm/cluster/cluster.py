@@ -21,15 +21,14 @@ import heapq
 import math
 import threading
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 
 from nanovllm.cluster.faults import DEATH, HANG, RESTART, FaultInjector, FaultsConfig, death_record
 from nanovllm.cluster.replica import LocalReplica, ReplicaViews
 from nanovllm.engine.engine import LLMEngine
 from nanovllm.engine.protocol import EngineClient, StepOutput, StepsAhead
-from nanovllm.outputs import StepColumns, StepRecord
+from nanovllm.outputs import StepColumns
 from nanovllm.request import Request, RequestStatus
 from nanovllm.router import Router, RouterError, StepTimeEstimate, check_route
 from nanovllm.sampling import SamplingParams
@@ -472,7 +471,7 @@ class Cluster(ClusterBase):
         by replica) has one to run: no request starts in it, and none reaches the replica before its last step
         starts (its engine's horizon, ``_replica_horizon``), so it is run ahead of the other replicas' steps;
         its records (each with its ``replica``) and the requests that ended in it settle as
-        ``steps_settled_before`` says, and the router hears of those at once (``_stepped``). None when the next
+        ``steps_settled_before`` says, and the router hears of those at once (``_hear_ended``). None when the next
         step is not one. Without faults only: a fault may move requests between replicas at any step."""
         if self._reports or self._injector is not None or self._detections or any(self._parked.values()):
             return None
@@ -493,14 +492,11 @@ class Cluster(ClusterBase):
                 steps.keys.append("replica")
                 steps.constants["replica"] = index
                 runs.append(steps)
-            if run.ended:
-                ends = np.concatenate([steps.value("start_time") + steps.value("duration") for steps in run.parts])
-                by_step: dict[int, list[Request]] = {}
-                for position, request in run.ended:
-                    ended.append((taken + position, request))
-                    by_step.setdefault(position, []).append(request)
-                for position, requests in by_step.items():   # (the record is not read: the step's ends are)
-                    self._stepped(replica, StepOutput(requests, cast(StepRecord, {}), None), float(ends[position]))
+            # The router hears of the requests that ended, as after each of their steps (at its end).
+            for position, request in run.ended:
+                ended.append((taken + position, request))
+                assert request.finish_time is not None   # it ended in the stretch, at its step's end
+                self._hear_ended(replica, [request], request.finish_time)
             taken += len(run)
             # Its next step goes back on the heap as ``step()`` would have left it after the stretch (an idle
             # replica, all of whose requests ended in it, leaves the heap until a request comes).
@@ -531,7 +527,11 @@ class Cluster(ClusterBase):
 
     def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
         """After ``replica``'s step: the router hears of the requests that ended there."""
-        for request in output.finished:
+        self._hear_ended(replica, output.finished, now)
+
+    def _hear_ended(self, replica: LocalReplica, requests: Sequence[Request], now: float) -> None:
+        """The router of ``replica``'s pool hears that ``requests`` ended there at ``now``."""
+        for request in requests:
             self._ask("on_finish", request, replica.view_index, now)
 
     # -- helpers ---------------------------------------------------------------------------------------------

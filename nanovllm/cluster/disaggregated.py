@@ -162,13 +162,17 @@ class DisaggregatedCluster(Cluster):
     def _stepped(self, replica: LocalReplica, output: StepOutput, now: float) -> None:
         """Each pool's router hears of the requests that ended on its replicas; a prefill replica's handed-off
         requests end there (its router's ``on_finish``) and go on to a decode replica."""
-        router = self.router if replica.index < self.num_prefill else self.decode_router
-        for request in output.finished:
-            self._ask("on_finish", request, replica.view_index, now, router=router)
+        self._hear_ended(replica, output.finished, now)
         for request in output.handed_off:
             self._ask("on_finish", request, replica.view_index, now)
             if not self._hand_off(request, replica.index, now):
                 output.finished.append(request)
+
+    def _hear_ended(self, replica: LocalReplica, requests: Sequence[Request], now: float) -> None:
+        """The router of ``replica``'s pool (prefill or decode) hears that ``requests`` ended there."""
+        router = self.router if replica.index < self.num_prefill else self.decode_router
+        for request in requests:
+            self._ask("on_finish", request, replica.view_index, now, router=router)
 
     def _hand_off(self, request: Request, prefill_index: int, now: float) -> bool:
         """Route a prefilled request to a decode replica and start moving its K/V there (with

@@ -276,7 +276,8 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
             request.num_computed_tokens = computed[i] + j + 1
             allocator.on_tokens_computed(request)
         if j == last and ending:
-            finished = _finish(engine, batch, computed, finishing, num_steps, end_at[j])
+            _computed_all(batch, computed, num_steps)   # every token counted before any request ends
+            finished = _finish(engine, batch, finishing, end_at[j])
             # The record reads the batch that is left (its slots as the step left them).
             gone = {id(request) for request in finished}
             unused[j] = sum(len(batch[i].block_table) * block_size - computed[i] - num_steps
@@ -299,9 +300,8 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     counts["num_evictions"][events] = values[:, _ALLOCATOR_FIELDS.index("num_evictions")]
     engine._num_steps = int(steps[-1]) + 1
     clock.time = end_at[-1]
-    for i, request in enumerate(batch):
-        request.num_computed_tokens = computed[i] + num_steps
-        request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+    if not ending:
+        _computed_all(batch, computed, num_steps)
     assert first is not None   # step 0 is always an event
     columns = {"step": steps, "start_time": starts[:-1], "duration": ends - starts[:-1],
                "context_tokens": context, "attn_pairs": context, "kv_slots_unused": unused, **counts}
@@ -313,15 +313,18 @@ def _apply(engine: Engine, batch: list[Request], computed: list[int], durations:
     return StepColumns(list(first), columns, constants), finished
 
 
-def _finish(engine: Engine, batch: list[Request], computed: list[int], finishing: list[int], num_steps: int,
-            now: float) -> list[Request]:
-    """The last step of a segment has run: every request of the batch has computed its tokens (as
-    ``update_from_output`` counts them before it appends any), then each request at ``finishing`` appends the
-    token the runner gives it and ends where ``check_stop`` says (``Scheduler._finish``: its blocks freed, the
-    policy told), in batch order. Returns those that ended."""
+def _computed_all(batch: list[Request], computed: list[int], num_steps: int) -> None:
+    """Every request of the batch has computed its tokens of the ``num_steps`` steps."""
     for i, request in enumerate(batch):
         request.num_computed_tokens = computed[i] + num_steps
         request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+
+
+def _finish(engine: Engine, batch: list[Request], finishing: list[int], now: float) -> list[Request]:
+    """The last step of a segment has run and its tokens are counted (as ``update_from_output`` counts them
+    before it appends any): each request at ``finishing`` appends the token the runner gives it and ends where
+    ``check_stop`` says (``Scheduler._finish``: its blocks freed, the policy told), in batch order. Returns
+    those that ended."""
     finished = []
     for i in finishing:
         request = batch[i]

@@ -152,9 +152,9 @@ class StepLoop:
                 for place, (position, request) in enumerate(ahead.ended):
                     part_index = bisect.bisect_right(offsets, position) - 1
                     part, row = ahead.parts[part_index], position - offsets[part_index]
-                    replica = int(part.value("replica")[row]) if "replica" in part.keys else 0
-                    self._unsettled_ended.append((float(part.value("start_time")[row]), replica,
-                                                  int(part.value("step")[row]), place, request))
+                    replica = int(part.at("replica", row)) if "replica" in part.keys else 0
+                    self._unsettled_ended.append((float(part.at("start_time", row)), replica,
+                                                  int(part.at("step", row)), place, request))
             self._unsettled.extend(ahead.parts)
             self._hold(len(ahead))
         else:
